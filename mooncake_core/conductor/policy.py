@@ -1,0 +1,142 @@
+"""Prefill-instance selection policies.
+
+Contract: a :class:`Policy` gets a :class:`PrefillView` (per-instance queue wait, locally
+cached prefix, the best prefix anywhere and the TTFT estimates the conductor already
+computed) and returns a :class:`PrefillChoice`: which instance runs the prefill and whether
+it first fetches the missing prefix from the best remote holder. Policies are pure apart
+from the seeded RNG of ``random``; the conductor owns all state.
+
+Policies (command-line names):
+
+- ``random``: a uniformly random instance (seeded).
+- ``least-load``: the instance with the least queued prefill work (load balancing).
+- ``local-cache``: minimum of queue + prefill time given the instance's *own* cached
+  prefix (each instance's prefix cache, no pooling).
+- ``global-cache``: Mooncake's Algorithm 1; for each instance the better of recomputing
+  beyond its own prefix and fetching the longer prefix held by another instance or the
+  store (only if it is longer by more than the balancing threshold), minimum TTFT wins.
+
+All policies still use whatever prefix the chosen instance holds locally.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+
+from mooncake_core.errors import ConfigError
+
+__all__ = ["POLICIES", "Policy", "PrefillChoice", "PrefillView", "make_policy"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillView:
+    """What a policy sees for one request (arrays have one entry per prefill instance).
+
+    Attributes:
+        wait_s: Predicted time until each instance can start this prefill.
+        local_blocks: Prefix length (blocks) each instance holds.
+        ttft_local_s: Predicted TTFT when computing everything beyond the local prefix.
+        ttft_fetch_s: Predicted TTFT when first fetching the best remote prefix
+            (``inf`` where fetching is not allowed or not worth it).
+    """
+
+    wait_s: np.ndarray
+    local_blocks: np.ndarray
+    ttft_local_s: np.ndarray
+    ttft_fetch_s: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChoice:
+    """A policy's answer: the instance and whether it fetches the remote prefix."""
+
+    instance: int
+    fetch: bool
+
+
+class Policy(ABC):
+    """Base of the prefill selection policies.
+
+    Attributes:
+        name: Command-line name.
+        uses_remote: Whether the conductor should compute fetch options for it.
+    """
+
+    name: str = ""
+    uses_remote: bool = False
+
+    @abstractmethod
+    def choose(self, view: PrefillView) -> PrefillChoice:
+        """Pick the prefill instance for one request.
+
+        Called by: :meth:`Conductor.decide`, once per request. Blocking: no.
+        """
+
+
+class RandomPolicy(Policy):
+    """Uniformly random instance from a seeded generator."""
+
+    name = "random"
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = np.random.default_rng(seed)
+
+    def choose(self, view: PrefillView) -> PrefillChoice:
+        return PrefillChoice(int(self._rng.integers(len(view.wait_s))), False)
+
+
+class LeastLoadPolicy(Policy):
+    """Least queued work; ties go to the lowest index."""
+
+    name = "least-load"
+
+    def choose(self, view: PrefillView) -> PrefillChoice:
+        return PrefillChoice(int(np.argmin(view.wait_s)), False)
+
+
+class LocalCachePolicy(Policy):
+    """Minimum TTFT using only each instance's own cached prefix."""
+
+    name = "local-cache"
+
+    def choose(self, view: PrefillView) -> PrefillChoice:
+        return PrefillChoice(int(np.argmin(view.ttft_local_s)), False)
+
+
+class GlobalCachePolicy(Policy):
+    """Minimum TTFT over instances x {recompute, fetch the best remote prefix}."""
+
+    name = "global-cache"
+    uses_remote = True
+
+    def choose(self, view: PrefillView) -> PrefillChoice:
+        i = int(np.argmin(view.ttft_local_s))
+        j = int(np.argmin(view.ttft_fetch_s))
+        if view.ttft_fetch_s[j] < view.ttft_local_s[i]:
+            return PrefillChoice(j, True)
+        return PrefillChoice(i, False)
+
+
+POLICIES: dict[str, type[Policy]] = {
+    p.name: p for p in (RandomPolicy, LeastLoadPolicy, LocalCachePolicy, GlobalCachePolicy)
+}
+
+
+def make_policy(name: str, seed: int = 0) -> Policy:
+    """Build the policy named ``name`` (see :data:`POLICIES`).
+
+    Raises:
+        ConfigError: unknown name (the message lists the valid ones).
+    """
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise ConfigError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+    if cls is RandomPolicy:
+        return RandomPolicy(seed)
+    return cls()

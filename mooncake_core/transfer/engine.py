@@ -1,0 +1,643 @@
+"""The transfer engine: registered memory, peers, batched asynchronous transfers.
+
+Typical use::
+
+    with TransferEngine(load_config()) as eng:          # listens on 127.0.0.1:<port>
+        buf = eng.allocate(64 << 20)                     # shm-backed, registered
+        eng.write(peer, buf.view[:1 << 20], remote_addr) # synchronous
+        batch = eng.submit([TransferRequest("read", peer, local, remote_addr=a, length=n)])
+        batch.wait()
+
+A request is cut into slices; each peer's slices go to the best transport that reaches
+it (shared memory on the same host, RDMA when both ends have a device, else TCP; a
+request may name its transport). When a transport fails, the items still outstanding
+fail over to the next transport; a batch reports success only when every byte moved.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from mooncake_core.config import MooncakeConfig, load_config
+from mooncake_core.errors import (
+    InvalidRequest,
+    MetadataError,
+    PeerUnreachable,
+    SegmentError,
+    TransferTimeout,
+    TransportError,
+)
+from mooncake_core.metadata.base import MetadataBackend, open_backend
+from mooncake_core.plugins import transports as discover_transports
+from mooncake_core.transfer.memory import ManagedBuffer, Region, SegmentTable, buffer_address
+from mooncake_core.transfer.protocol import Op, Status
+from mooncake_core.transfer.tensors import TensorInbox, encode_tensor
+from mooncake_core.transfer.topology import resolve_interfaces
+from mooncake_core.transfer.transports.base import READ, WRITE, Transport, WorkItem
+from mooncake_core.transfer.transports.shm import host_identity
+from mooncake_core.transfer.transports.tcp import TCPTransport
+
+__all__ = ["TransferEngine", "TransferRequest", "Batch", "RequestStatus", "PeerInfo"]
+
+logger = logging.getLogger(__name__)
+
+_OPS = {"read": READ, "write": WRITE, READ: READ, WRITE: WRITE}
+
+
+@dataclass
+class TransferRequest:
+    """One read or write between local memory and a peer's registered memory.
+
+    Attributes:
+        op: ``"read"`` (peer -> local) or ``"write"`` (local -> peer).
+        peer: the peer's segment name (``host:port`` with the handshake metadata).
+        local: a buffer object (bytearray, memoryview, numpy array, torch tensor) or an
+            address inside this engine's registered memory.
+        length: bytes to move; defaults to the size of ``local`` (required with an address).
+        remote_addr: absolute address in the peer's registered memory; or give
+        segment: the name of a region the peer registered, plus
+        offset: an offset inside it.
+        transport: force a transport (``"tcp"``, ``"shm"``, ``"rdma"``) for this request.
+    """
+
+    op: str | int
+    peer: str
+    local: Any
+    length: int | None = None
+    remote_addr: int | None = None
+    segment: str | None = None
+    offset: int = 0
+    transport: str | None = None
+
+
+@dataclass
+class RequestStatus:
+    """Per-request status inside a batch."""
+
+    state: str = "pending"  # pending | completed | failed | timeout
+    transferred: int = 0
+    error: BaseException | None = None
+
+
+@dataclass
+class PeerInfo:
+    """What we know about a peer: where it listens and what it registered."""
+
+    name: str
+    addresses: list[tuple[str, int]]
+    desc: dict[str, Any]
+    host_id: str = ""
+    pid: int = 0
+    regions: list[dict[str, Any]] = field(default_factory=list)
+    _starts: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.regions = sorted(self.desc.get("buffers", []), key=lambda r: int(r["addr"]))
+        self._starts = [int(r["addr"]) for r in self.regions]
+        self.host_id = str(self.desc.get("host_id", ""))
+        self.pid = int(self.desc.get("pid", 0))
+
+    def find_region(self, addr: int, length: int) -> dict[str, Any] | None:
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i < 0:
+            return None
+        r = self.regions[i]
+        return r if addr + length <= int(r["addr"]) + int(r["length"]) else None
+
+    def region_named(self, name: str) -> dict[str, Any] | None:
+        return next((r for r in self.regions if r.get("name") == name), None)
+
+
+class Batch:
+    """An asynchronous batch of requests. ``wait()`` raises if any request failed."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, requests: Sequence[TransferRequest]) -> None:
+        self.id = next(Batch._ids)
+        self.requests = list(requests)
+        self.statuses = [RequestStatus() for _ in requests]
+        self.future: Future[None] = Future()
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every request finished; raise the first failure."""
+        self.future.result(timeout)
+
+    def _finish(self) -> None:
+        failed = [(i, s) for i, s in enumerate(self.statuses) if s.state != "completed"]
+        if not failed:
+            self.future.set_result(None)
+            return
+        i, st = failed[0]
+        err = st.error or TransportError("transfer failed")
+        if len(failed) > 1:
+            msg = f"{len(failed)} of {len(self.statuses)} requests failed; first (request {i}): {err}"
+            exc: BaseException = type(err)(msg) if isinstance(err, TransportError) else TransportError(msg)
+            exc.__cause__ = err
+            err = exc
+        self.future.set_exception(err)
+
+
+class TransferEngine:
+    """Moves bytes between registered memory of this process and its peers.
+
+    Args:
+        config: configuration (defaults to :func:`load_config`).
+        **overrides: config overrides, e.g. ``protocol="tcp"``, ``transfer={"secret": "s"}``.
+    """
+
+    def __init__(self, config: MooncakeConfig | None = None, **overrides: Any) -> None:
+        cfg = config if config is not None else load_config()
+        if overrides:
+            cfg = cfg.replace(**overrides)
+        self.config = cfg
+        self.segments = SegmentTable()
+        self.host_id = host_identity()
+        self.name = ""
+        self.port = 0
+        self.io_pool = ThreadPoolExecutor(max_workers=max(4, 4 * cfg.transfer.connections_per_peer), thread_name_prefix="mc-io")
+        self._batch_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="mc-batch")
+        self._peers: dict[str, PeerInfo] = {}
+        self._peers_lock = threading.Lock()
+        self._transports: dict[str, Transport] = {}
+        self._server: Any = None
+        self._metadata: MetadataBackend | None = None
+        self._managed: dict[int, ManagedBuffer] = {}
+        self._tensor_inbox = TensorInbox()
+        self._notifies: list[tuple[str, str]] = []
+        self._notify_lock = threading.Lock()
+        self._names = itertools.count()
+        self.source_addresses: list[str] = []
+        self._started = False
+        self._closed = False
+        self.stats = {"bytes_read": 0, "bytes_written": 0, "failovers": 0}
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> TransferEngine:
+        """Open the listener, load transports, publish metadata. Idempotent."""
+        if self._started:
+            return self
+        from mooncake_core.transfer.server import TransferServer
+
+        cfg = self.config
+        host_part, sep, port_part = cfg.local_hostname.rpartition(":")
+        advertised = host_part if sep and port_part.isdigit() else cfg.local_hostname
+        port = int(port_part) if sep and port_part.isdigit() else cfg.transfer.port
+        listen = [cfg.transfer.listen_host]
+        if cfg.transfer.interfaces:
+            listen = resolve_interfaces(cfg.transfer.interfaces)
+            if cfg.transfer.stripe_interfaces:
+                self.source_addresses = list(listen)
+        self._server = TransferServer(self, listen, port, cfg.transfer.secret)
+        self.port = self._server.port
+        self._advertise = listen if listen != ["0.0.0.0"] else [advertised]
+        p2p = cfg.metadata_server.strip().upper() == "P2PHANDSHAKE"
+        # P2P handshake: the name is how peers reach us; with a metadata service it is
+        # local_hostname as given (resolved through rpc_meta).
+        self.name = f"{advertised}:{self.port}" if p2p else cfg.local_hostname
+        for tname, info in sorted(discover_transports().items(), key=lambda kv: kv[1].priority):
+            try:
+                self._transports[tname] = info.factory(self)
+            except Exception as exc:  # a broken optional transport must not stop the engine
+                logger.warning("transport %s unavailable: %s", tname, exc)
+        self._metadata = open_backend(cfg.metadata_server, cfg)
+        self._publish()
+        self.segments.on_change.append(self._publish)
+        self._started = True
+        logger.info("transfer engine %s listening on %s port %d (transports: %s)", self.name,
+                    ",".join(listen), self.port, ", ".join(self._transports))
+        return self
+
+    def _publish(self) -> None:
+        if self._metadata is None:
+            return
+        try:
+            self._metadata.publish(self.name, {"ip_or_host_name": self._advertise[0], "rpc_port": self.port,
+                                               "addresses": [[a, self.port] for a in self._advertise]},
+                                   self.describe())
+        except MetadataError as exc:
+            logger.warning("publishing metadata for %s failed: %s", self.name, exc)
+
+    def close(self) -> None:
+        """Stop serving, drop connections and free engine-allocated memory."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._server is not None:
+            self._server.close()
+        for t in self._transports.values():
+            t.close()
+        if self._metadata is not None:
+            try:
+                self._metadata.unpublish(self.name)
+            except MetadataError:
+                pass
+            self._metadata.close()
+        self._batch_pool.shutdown(wait=False, cancel_futures=True)
+        self.io_pool.shutdown(wait=False, cancel_futures=True)
+        for buf in list(self._managed.values()):
+            buf.close()
+        self._managed.clear()
+
+    def __enter__(self) -> TransferEngine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def describe(self) -> dict[str, Any]:
+        """This engine's segment descriptor (what peers learn in the handshake)."""
+        d: dict[str, Any] = {
+            "name": self.name,
+            "protocol": self.config.protocol,
+            "host_id": self.host_id,
+            "pid": os.getpid(),
+            "addresses": [[a, self.port] for a in getattr(self, "_advertise", [])],
+            "buffers": self.segments.describe(),
+        }
+        rdma = self._transports.get("rdma")
+        if rdma is not None and getattr(rdma, "available", False):
+            d["rdma"] = rdma.describe()  # type: ignore[attr-defined]
+        return d
+
+    @property
+    def transports(self) -> dict[str, Transport]:
+        return dict(self._transports)
+
+    # ------------------------------------------------------------------ memory
+    def register(self, buf: Any, *, name: str | None = None, location: str = "cpu:0") -> Region:
+        """Register a buffer object (bytearray, numpy array, torch tensor, mmap) for remote access."""
+        addr, length, kind = buffer_address(buf)
+        return self.segments.add(Region(addr, length, name or f"buf{next(self._names)}", kind,
+                                        location="cuda" if kind == "cuda" else location, owner=buf))
+
+    def register_memory(self, addr: int, length: int, *, name: str | None = None, location: str = "cpu:0") -> Region:
+        """Register raw memory ``[addr, addr+length)``; the caller keeps it alive."""
+        if not isinstance(addr, int) or not isinstance(length, int):
+            raise SegmentError(f"register_memory needs integer address and length, got {addr!r}, {length!r}")
+        return self.segments.add(Region(addr, length, name or f"mem{next(self._names)}", "host", location=location))
+
+    def unregister(self, buf_or_addr: Any) -> None:
+        """Withdraw registered memory (by address, Region, or the registered object)."""
+        if isinstance(buf_or_addr, Region):
+            addr = buf_or_addr.addr
+        elif isinstance(buf_or_addr, int):
+            addr = buf_or_addr
+        else:
+            addr = buffer_address(buf_or_addr, writable=False)[0]
+        self.segments.remove(addr)
+
+    def allocate(self, length: int, *, name: str | None = None, prefault: bool = False) -> ManagedBuffer:
+        """Allocate shared, registered memory that same-host peers map directly."""
+        buf = ManagedBuffer(length, prefault=prefault)
+        try:
+            self.segments.add(Region(buf.addr, length, name or f"shm{next(self._names)}", "host",
+                                     owner=buf, memfd=buf.fd, memfd_offset=0))
+        except SegmentError:
+            buf.close()
+            raise
+        self._managed[buf.addr] = buf
+        return buf
+
+    def free(self, buf: ManagedBuffer | int) -> None:
+        addr = buf if isinstance(buf, int) else buf.addr
+        mb = self._managed.pop(addr, None)
+        if mb is None:
+            raise SegmentError(f"no engine-allocated buffer at 0x{addr:x}")
+        self.segments.remove(addr)
+        mb.close()
+
+    # ------------------------------------------------------------------ peers
+    def peer(self, name: str, *, refresh: bool = False, deadline: float | None = None) -> PeerInfo:
+        """Resolve and handshake with ``name``; cached until ``refresh``."""
+        if not self._started:
+            self.start()
+        if not refresh:
+            with self._peers_lock:
+                hit = self._peers.get(name)
+            if hit is not None:
+                return hit
+        assert self._metadata is not None
+        if not isinstance(name, str) or not name:
+            raise InvalidRequest(f"peer name must be a non-empty string, got {name!r}")
+        try:
+            rpc = self._metadata.resolve(name)
+        except MetadataError as exc:
+            raise PeerUnreachable(f"unknown peer {name!r}: {exc}") from exc
+        addrs = [(str(a), int(p)) for a, p in rpc.get("addresses", [])] or [(str(rpc["ip_or_host_name"]), int(rpc["rpc_port"]))]
+        dl = deadline if deadline is not None else time.monotonic() + self.config.transfer.connect_timeout_s
+        stub = PeerInfo(name, addrs, {})
+        tcp = self._transports["tcp"]
+        assert isinstance(tcp, TCPTransport)
+        if refresh:
+            tcp.drop_peer(name)
+        status, body = tcp.control(stub, Op.DESC, dl)
+        if status != Status.OK:
+            raise PeerUnreachable(f"peer {name!r} refused to describe its segments (status {status})")
+        import json
+
+        info = PeerInfo(name, addrs, json.loads(body))
+        with self._peers_lock:
+            self._peers[name] = info
+        return info
+
+    def forget_peer(self, name: str) -> None:
+        with self._peers_lock:
+            self._peers.pop(name, None)
+        tcp = self._transports.get("tcp")
+        if isinstance(tcp, TCPTransport):
+            tcp.drop_peer(name)
+
+    # ------------------------------------------------------------------ transfers
+    def _local(self, req: TransferRequest, i: int) -> tuple[int, memoryview, int, Any]:
+        """(addr, host view, length, staging-info) of the local side of a request."""
+        local = req.local
+        if isinstance(local, int) and not isinstance(local, bool):
+            if req.length is None:
+                raise InvalidRequest(f"request {i}: a local address needs an explicit length")
+            length = req.length
+            if length <= 0:
+                raise InvalidRequest(f"request {i}: length must be positive, got {length}")
+            try:
+                region = self.segments.find(local, length)
+            except InvalidRequest as exc:
+                raise InvalidRequest(f"request {i}: local buffer: {exc}") from None
+            if region.kind != "host":
+                return local, memoryview(bytearray(length)), length, (region, local)
+            return local, region.view(local, length), length, None
+        addr, size, kind = buffer_address(local, writable=_OPS.get(req.op) == READ)
+        length = size if req.length is None else req.length
+        if length <= 0:
+            raise InvalidRequest(f"request {i}: length must be positive, got {length}")
+        if length > size:
+            raise InvalidRequest(f"request {i}: length {length} exceeds the local buffer ({size} bytes)")
+        if kind == "cuda":
+            staging = Region(addr, size, "staging", "cuda", owner=local)
+            return addr, memoryview(bytearray(length)), length, (staging, addr)
+        from mooncake_core.transfer.memory import host_view
+
+        return addr, host_view(addr, length), length, local
+
+    def _plan(self, batch: Batch) -> list[WorkItem]:
+        items: list[WorkItem] = []
+        for i, req in enumerate(batch.requests):
+            op = _OPS.get(req.op)
+            if op is None:
+                raise InvalidRequest(f"request {i}: op must be 'read' or 'write', got {req.op!r}")
+            if req.remote_addr is None and req.segment is None:
+                raise InvalidRequest(f"request {i}: give remote_addr or segment (+offset)")
+            if req.remote_addr is not None and (not isinstance(req.remote_addr, int) or req.remote_addr < 0):
+                raise InvalidRequest(f"request {i}: remote_addr must be a non-negative int, got {req.remote_addr!r}")
+            if req.offset < 0:
+                raise InvalidRequest(f"request {i}: offset must not be negative, got {req.offset}")
+            if req.transport is not None and req.transport not in self._transports:
+                raise InvalidRequest(f"request {i}: unknown transport {req.transport!r} (have {', '.join(self._transports)})")
+            if not isinstance(req.peer, str) or not req.peer:
+                raise InvalidRequest(f"request {i}: peer must be a non-empty string, got {req.peer!r}")
+            addr, view, length, staging = self._local(req, i)
+            remote = req.remote_addr if req.remote_addr is not None else -1
+            ss = int(self.config.transfer.slice_size)
+            for off in range(0, length, ss):
+                n = min(ss, length - off)
+                # merge a small tail into the previous slice
+                if off and length - off < ss // 4 and items and items[-1].req == i:
+                    items[-1].length += n
+                    items[-1].local_view = view[items[-1].local_addr - addr : items[-1].local_addr - addr + items[-1].length]
+                    break
+                items.append(WorkItem(i, op, addr + off, view[off : off + n], remote + off if remote >= 0 else off, n,
+                                      extra={"staging": staging, "seg": req.segment is not None}))
+        return items
+
+    def submit(self, requests: Sequence[TransferRequest] | TransferRequest, *, timeout: float | None = None) -> Batch:
+        """Start a batch and return at once; bad input raises here, transfer failures in ``wait()``."""
+        reqs = [requests] if isinstance(requests, TransferRequest) else list(requests)
+        if not reqs:
+            raise InvalidRequest("empty batch: give at least one request")
+        batch = Batch(reqs)
+        items = self._plan(batch)
+        self._batch_pool.submit(self._run_batch, batch, items, timeout)
+        return batch
+
+    def transfer(self, requests: Sequence[TransferRequest] | TransferRequest, *, timeout: float | None = None) -> Batch:
+        """Run a batch to completion in the calling thread; raise on any failure."""
+        reqs = [requests] if isinstance(requests, TransferRequest) else list(requests)
+        if not reqs:
+            raise InvalidRequest("empty batch: give at least one request")
+        batch = Batch(reqs)
+        items = self._plan(batch)
+        self._run_batch(batch, items, timeout)
+        batch.wait()
+        return batch
+
+    def write(self, peer: str, local: Any, remote_addr: int | None = None, length: int | None = None, **kw: Any) -> None:
+        """Synchronous write of ``local`` to ``remote_addr`` on ``peer``."""
+        self.transfer(TransferRequest("write", peer, local, length, remote_addr, **kw))
+
+    def read(self, peer: str, local: Any, remote_addr: int | None = None, length: int | None = None, **kw: Any) -> None:
+        """Synchronous read from ``remote_addr`` on ``peer`` into ``local``."""
+        self.transfer(TransferRequest("read", peer, local, length, remote_addr, **kw))
+
+    def _choose(self, peer: PeerInfo, hint: str | None) -> list[Transport]:
+        if hint is not None:
+            chain = [self._transports[hint]]
+            if hint != "tcp":
+                chain.append(self._transports["tcp"])
+        else:
+            chain = list(self._transports.values())
+            proto = self.config.protocol.lower()
+            if proto == "tcp":
+                chain = [t for t in chain if t.name != "rdma"]
+        return [t for t in chain if t.can_reach(peer)]
+
+    def _run_batch(self, batch: Batch, items: list[WorkItem], timeout: float | None) -> None:
+        deadline = time.monotonic() + (timeout if timeout is not None else self.config.transfer.timeout_s)
+        try:
+            by_peer: dict[tuple[str, str | None], list[WorkItem]] = {}
+            for it in items:
+                req = batch.requests[it.req]
+                by_peer.setdefault((req.peer, req.transport), []).append(it)
+            groups = list(by_peer.items())
+            if len(groups) == 1:
+                self._run_peer(batch, groups[0][0], groups[0][1], deadline)
+            else:
+                futs = [self._batch_pool.submit(self._run_peer, batch, k, v, deadline) for k, v in groups[1:]]
+                self._run_peer(batch, groups[0][0], groups[0][1], deadline)
+                for f in futs:
+                    f.result()
+            for it in items:
+                st = batch.statuses[it.req]
+                if it.done:
+                    st.transferred += it.length
+                elif st.error is None:
+                    st.error = it.error or TransportError(f"request {it.req} to {batch.requests[it.req].peer!r} did not complete")
+            for i, st in enumerate(batch.statuses):
+                if st.error is None and st.transferred >= sum(x.length for x in items if x.req == i):
+                    st.state = "completed"
+                else:
+                    st.state = "timeout" if isinstance(st.error, TransferTimeout) else "failed"
+            for it in items:
+                if it.done and it.op == READ and it.extra.get("staging") is not None and isinstance(it.extra["staging"], tuple):
+                    region, base = it.extra["staging"]
+                    region.copy_in(it.local_addr, it.local_view)
+        except BaseException as exc:  # never leave a future pending
+            for st in batch.statuses:
+                if st.state == "pending":
+                    st.state, st.error = "failed", st.error or exc
+        batch._finish()
+
+    def _run_peer(self, batch: Batch, key: tuple[str, str | None], items: list[WorkItem], deadline: float) -> None:
+        name, hint = key
+        try:
+            peer = self.peer(name, deadline=deadline)
+        except TransportError as exc:
+            for it in items:
+                it.error = exc
+            return
+        # Resolve segment-relative addresses and check bounds against the descriptor
+        # (refresh the descriptor once: the peer may have registered memory since).
+        for attempt in range(2):
+            bad = []
+            for it in items:
+                req = batch.requests[it.req]
+                if it.extra.get("seg"):
+                    region = peer.region_named(str(req.segment))
+                    if region is None:
+                        bad.append(it)
+                        continue
+                    if "base" not in it.extra:
+                        it.extra["base"] = it.remote_addr
+                    it.remote_addr = int(region["addr"]) + req.offset + int(it.extra["base"])
+                if peer.find_region(it.remote_addr, it.length) is None:
+                    bad.append(it)
+            if not bad:
+                break
+            if attempt == 0:
+                peer = self.peer(name, refresh=True, deadline=deadline)
+                continue
+            for it in bad:
+                req = batch.requests[it.req]
+                where = f"segment {req.segment!r}" if req.segment is not None else f"0x{it.remote_addr:x}+{it.length}"
+                it.error = InvalidRequest(f"request {it.req}: {where} is not inside memory registered by peer {name!r}")
+        if self.config.transfer.secret and not peer.desc:
+            raise PeerUnreachable(f"peer {name!r} gave no descriptor")
+        # staging: device memory to host before writes
+        for it in items:
+            st = it.extra.get("staging")
+            if it.op == WRITE and isinstance(st, tuple) and it.error is None:
+                region, _ = st
+                it.local_view[:] = region.copy_out(it.local_addr, it.length)
+        chain = self._choose(peer, hint)
+        if not chain:
+            for it in items:
+                it.error = it.error or PeerUnreachable(f"no transport reaches peer {name!r}")
+            return
+        last: BaseException | None = None
+        for t in chain:
+            todo = [it for it in items if not it.done and it.error is None]
+            if not todo:
+                break
+            if last is not None:
+                self.stats["failovers"] += 1
+                logger.info("failing over %d slice(s) to %s via %s: %s", len(todo), name, t.name, last)
+            try:
+                t.execute(peer, todo, deadline)
+                last = None
+            except TransferTimeout as exc:
+                last = exc
+                break
+            except TransportError as exc:
+                last = exc
+                if isinstance(exc, PeerUnreachable) and t.name == "tcp":
+                    self.forget_peer(name)
+                continue
+        for it in items:
+            if not it.done and it.error is None:
+                it.error = last or TransportError(f"transfer to {name!r} failed")
+            elif it.done:
+                key2 = "bytes_read" if it.op == READ else "bytes_written"
+                self.stats[key2] += it.length
+
+    # ------------------------------------------------------------------ tensors and notifications
+    def put_tensor_async(self, tensor: Any, peer: str, key: str) -> Future[None]:
+        """Send a tensor (torch or numpy) to ``peer``'s inbox under ``key``; returns a future."""
+        if not isinstance(key, str) or not key:
+            raise InvalidRequest("tensor key must be a non-empty string")
+        meta, data = encode_tensor(tensor, key)
+        fut: Future[None] = Future()
+
+        def run() -> None:
+            try:
+                dl = time.monotonic() + self.config.transfer.timeout_s
+                p = self.peer(peer, deadline=dl)
+                tcp = self._transports["tcp"]
+                assert isinstance(tcp, TCPTransport)
+                status, body = tcp.control(p, Op.TENSOR, dl, payload=meta, aux=len(meta), extra=data)
+                if status != Status.OK:
+                    raise InvalidRequest(f"peer {peer!r} refused tensor {key!r}: {body.decode(errors='replace') or status}")
+                fut.set_result(None)
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+        self._batch_pool.submit(run)
+        return fut
+
+    def put_tensor(self, tensor: Any, peer: str, key: str) -> None:
+        self.put_tensor_async(tensor, peer, key).result()
+
+    def get_tensor(self, key: str, timeout: float | None = None) -> Any:
+        """Wait for the tensor a peer sent under ``key`` and return it (same kind as sent)."""
+        return self._tensor_inbox.take(key, self.config.transfer.timeout_s if timeout is None else timeout)
+
+    def notify(self, peer: str, name: str, msg: str) -> None:
+        """Deliver a (name, msg) notification to ``peer`` (see :meth:`get_notifies`)."""
+        import json
+
+        dl = time.monotonic() + self.config.transfer.timeout_s
+        p = self.peer(peer, deadline=dl)
+        tcp = self._transports["tcp"]
+        assert isinstance(tcp, TCPTransport)
+        status, _ = tcp.control(p, Op.NOTIFY, dl, payload=json.dumps({"name": name, "msg": msg}).encode())
+        if status != Status.OK:
+            raise InvalidRequest(f"peer {peer!r} refused the notification (status {status})")
+
+    def ping(self, peer: str, timeout: float = 2.0) -> bool:
+        """True if ``peer`` answers."""
+        try:
+            p = self.peer(peer, deadline=time.monotonic() + timeout)
+            tcp = self._transports["tcp"]
+            assert isinstance(tcp, TCPTransport)
+            return tcp.control(p, Op.PING, time.monotonic() + timeout)[0] == Status.OK
+        except (TransportError, OSError):
+            self.forget_peer(peer)
+            return False
+
+    def _deliver_notify(self, name: str, msg: str) -> None:
+        with self._notify_lock:
+            self._notifies.append((name, msg))
+
+    def get_notifies(self) -> list[tuple[str, str]]:
+        with self._notify_lock:
+            out, self._notifies = self._notifies, []
+        return out
+
+    def _rdma_connect(self, peer: PeerInfo, info: dict[str, Any], deadline: float) -> dict[str, Any]:
+        raise TransportError("RDMA queue-pair exchange needs an RDMA device on both ends")
+
+
+def wait_all(batches: Iterable[Batch], timeout: float | None = None) -> None:
+    """Wait for several batches; raise the first failure."""
+    for b in batches:
+        b.wait(timeout)
+

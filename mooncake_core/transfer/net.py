@@ -1,0 +1,53 @@
+"""Small socket helpers shared by the TCP transport and the listener (zero-copy I/O)."""
+
+from __future__ import annotations
+
+import socket
+
+__all__ = ["recv_exact", "send_parts", "tune_socket"]
+
+_SOCK_BUF = 4 << 20
+
+
+def tune_socket(sock: socket.socket) -> None:
+    """Disable Nagle and enlarge kernel buffers (best effort)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, _SOCK_BUF)
+        except OSError:
+            pass
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> bool:
+    """Fill ``view`` from ``sock`` with ``recv_into``; no intermediate bytes objects.
+
+    Returns False on a clean EOF before the first byte; raises ConnectionError on an EOF
+    in the middle.
+    """
+    n = len(view)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            if got == 0:
+                return False
+            raise ConnectionError(f"connection closed after {got} of {n} bytes")
+        got += k
+    return True
+
+
+def send_parts(sock: socket.socket, parts: list[memoryview | bytes]) -> None:
+    """Send all ``parts`` with ``sendmsg`` (scatter-gather; handles partial sends)."""
+    bufs = [p if isinstance(p, memoryview) else memoryview(p) for p in parts]
+    bufs = [b for b in bufs if len(b)]
+    while bufs:
+        sent = sock.sendmsg(bufs[:64])
+        while sent:
+            first = bufs[0]
+            if sent >= len(first):
+                sent -= len(first)
+                bufs.pop(0)
+            else:
+                bufs[0] = first[sent:]
+                sent = 0

@@ -1,0 +1,7 @@
+"""Mooncake-core adapter for LMDeploy."""
+
+from __future__ import annotations
+
+__all__ = ["ENGINE"]
+
+ENGINE = "lmdeploy"
