@@ -149,7 +149,8 @@ class MooncakeConfig:
 
     def replace(self, **changes: Any) -> MooncakeConfig:
         """Return a copy with ``changes`` applied (section values may be dicts)."""
-        return _build(MooncakeConfig, _merge(dataclasses.asdict(self), changes), "")
+        cfg: MooncakeConfig = _build(MooncakeConfig, _merge(dataclasses.asdict(self), changes), "")
+        return cfg
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -10,6 +10,7 @@ medians over rounds. With ``--json`` the last line is one JSON object.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import socket
@@ -35,7 +36,7 @@ def _label(n: int) -> str:
 
 # ---------------------------------------------------------------------- holder process
 def _raw_server(sock: socket.socket, buf: np.ndarray) -> None:
-    mv = memoryview(buf)
+    mv = buf.data
     while True:
         try:
             conn, _ = sock.accept()
@@ -87,6 +88,16 @@ def _rate(fn: Callable[[], None], nbytes: int, budget: int) -> float:
     return iters * nbytes / (time.perf_counter() - t) / 1e9
 
 
+def _batch(eng: TransferEngine, reqs: list[TransferRequest]) -> None:
+    eng.transfer(reqs)
+
+
+def _memcpy_rate() -> float:
+    src = np.ones(256 << 20, dtype=np.uint8)
+    dst = np.ones(256 << 20, dtype=np.uint8)
+    return _rate(lambda: np.copyto(dst, src), 256 << 20, 1 << 30)
+
+
 def _median(xs: list[float]) -> float:
     return float(np.median(np.array(xs))) if xs else float("nan")
 
@@ -134,14 +145,18 @@ def _measure(info: dict[str, Any], quick: bool) -> dict[str, Any]:
 
     def ours(op: str, transport: str, n: int) -> Callable[[], None]:
         req = TransferRequest(op, peer, local.addr, n, raddr, transport=transport)
-        return lambda: eng.transfer(req)
+
+        def go() -> None:
+            eng.transfer(req)
+
+        return go
 
     res: dict[str, list[float]] = {}
     sizes = SIZES
     for _ in range(rounds):
         for n in sizes:
-            res.setdefault(f"raw_write_{_label(n)}", []).append(_rate(lambda n=n: raw_write(n), n, budget))
-            res.setdefault(f"raw_read_{_label(n)}", []).append(_rate(lambda n=n: raw_read(n), n, budget))
+            res.setdefault(f"raw_write_{_label(n)}", []).append(_rate(functools.partial(raw_write, n), n, budget))
+            res.setdefault(f"raw_read_{_label(n)}", []).append(_rate(functools.partial(raw_read, n), n, budget))
             for tr in ("tcp", "shm"):
                 res.setdefault(f"{tr}_write_{_label(n)}", []).append(_rate(ours("write", tr, n), n, budget))
                 res.setdefault(f"{tr}_read_{_label(n)}", []).append(_rate(ours("read", tr, n), n, budget))
@@ -149,12 +164,9 @@ def _measure(info: dict[str, Any], quick: bool) -> dict[str, Any]:
             for op in ("write", "read"):
                 reqs = [TransferRequest(op, peer, local.addr + i * (1 << 20), 1 << 20, raddr + i * (1 << 20), transport=tr)
                         for i in range(32)]
-                res.setdefault(f"{tr}_batch_{op}_32x1m", []).append(_rate(lambda reqs=reqs: eng.transfer(reqs), 32 << 20, budget))
+                res.setdefault(f"{tr}_batch_{op}_32x1m", []).append(_rate(functools.partial(_batch, eng, reqs), 32 << 20, budget))
         # memcpy reference: numpy copy of 256 MiB (both arrays pre-faulted)
-        a = np.ones(256 << 20, dtype=np.uint8)
-        b = np.ones(256 << 20, dtype=np.uint8)
-        res.setdefault("memcpy", []).append(_rate(lambda: np.copyto(b, a), 256 << 20, 1 << 30))
-        del a, b
+        res.setdefault("memcpy", []).append(_memcpy_rate())
     lat: dict[str, list[float]] = {}
     for tr in ("tcp", "shm"):
         req = TransferRequest("read", peer, local.addr, 64 << 10, raddr, transport=tr)

@@ -62,6 +62,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if args.command is None else 2
     _setup_logging(args.log_level)
     try:
+        from mooncake_core.config import load_config
+
+        load_config()  # a bad file or MOONCAKE_* variable fails here, as one line naming the key
         return int(args._run(args) or 0)
     except MooncakeError as exc:
         print(f"mooncake-core: error: {exc}", file=sys.stderr)

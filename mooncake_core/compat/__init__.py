@@ -1,0 +1,100 @@
+"""Drop-in compatibility with the published ``mooncake`` Python package.
+
+- :mod:`mooncake_core.compat.engine` is ``mooncake.engine``: ``TransferEngine``,
+  ``TransferOpcode``, ``TransferNotify`` with the published names, signatures and
+  0/negative return codes.
+- :mod:`mooncake_core.compat.store` is ``mooncake.store``: ``MooncakeDistributedStore``
+  and ``ReplicateConfig`` on top of :class:`mooncake_core.store.StoreClient`.
+
+:func:`install` registers these modules as ``mooncake``, ``mooncake.engine`` and
+``mooncake.store`` in :data:`sys.modules` when the real package is absent (as PyMySQL's
+``install_as_MySQLdb()`` does), so code written for Mooncake runs unchanged::
+
+    import mooncake_core.compat
+    mooncake_core.compat.install()
+    from mooncake.engine import TransferEngine     # ours
+
+The upstream-only environment variables we honour are listed in
+:data:`mooncake_core.compat.engine.UPSTREAM_ENV` (one table; see docs/compat.md).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import sys
+from types import ModuleType
+from typing import Any
+
+from mooncake_core.compat import engine
+from mooncake_core.compat.engine import TransferEngine, TransferNotify, TransferOpcode
+
+__all__ = ["install", "uninstall", "installed", "engine", "TransferEngine", "TransferOpcode", "TransferNotify"]
+
+logger = logging.getLogger(__name__)
+
+#: upstream module name -> our module (the store part is imported on first use).
+_MODULES = {
+    "mooncake": "mooncake_core.compat",
+    "mooncake.engine": "mooncake_core.compat.engine",
+    "mooncake.store": "mooncake_core.compat.store",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # ``import mooncake; mooncake.store`` after install(): load the store part lazily.
+    if name == "store":
+        return importlib.import_module("mooncake_core.compat.store")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _real_package_present() -> bool:
+    mod = sys.modules.get("mooncake")
+    if mod is not None:
+        return mod is not sys.modules[__name__]
+    try:
+        return importlib.util.find_spec("mooncake") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def installed() -> bool:
+    """True if ``mooncake`` in :data:`sys.modules` is this package."""
+    return sys.modules.get("mooncake") is sys.modules[__name__]
+
+
+def install(*, force: bool = False) -> bool:
+    """Make ``import mooncake.engine`` / ``mooncake.store`` load our implementation.
+
+    Does nothing (returns False) when the published package is importable, unless
+    ``force``. Idempotent: returns True when ours is (now) installed. The store module
+    is registered only if it imports (it needs :mod:`mooncake_core.store`).
+    """
+    if installed():
+        return True
+    if not force and _real_package_present():
+        logger.info("the published mooncake package is installed; compat.install() leaves it in place")
+        return False
+    modules: dict[str, ModuleType] = {}
+    for upstream, ours in _MODULES.items():
+        try:
+            modules[upstream] = importlib.import_module(ours)
+        except ImportError as exc:
+            if upstream == "mooncake.store":
+                logger.warning("mooncake.store not provided: %s", exc)
+                continue
+            raise
+    for key in [k for k in sys.modules if k == "mooncake" or k.startswith("mooncake.")]:
+        del sys.modules[key]  # with force: drop the real package's modules
+    sys.modules.update(modules)
+    logger.info("installed mooncake_core.compat as %s", ", ".join(sorted(modules)))
+    return True
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (for tests)."""
+    for upstream in _MODULES:
+        mod = sys.modules.get(upstream)
+        if mod is not None and mod.__name__.startswith("mooncake_core.compat"):
+            del sys.modules[upstream]

@@ -4,8 +4,10 @@ Contract:
 
 - Holders are numbered ``0 .. n-1`` (prefill instances) and ``n`` (the shared store).
 - :meth:`BlockIndex.match` walks a request's prefix-chained block hashes once and returns
-  every holder's matched prefix length (in blocks), using one bitmask of holders per block,
-  so its cost grows with the prompt length, not with the number of instances.
+  every holder's matched prefix length (in blocks) and the prefix available anywhere in
+  the pool (a block id names its whole prefix, so a chain may be assembled from several
+  holders), using one bitmask of holders per block: its cost grows with the prompt
+  length, not with the number of instances.
 - :meth:`BlockIndex.insert` adds/refreshes blocks on a holder. With a capacity, the least
   recently used blocks are evicted; blocks evicted from an instance are demoted to the
   store if it has room (a victim cache). Without a capacity (``None``) nothing is evicted:
@@ -39,7 +41,9 @@ class BlockIndex:
         store_blocks: Store pool capacity in blocks (0: no store; ``None``: unbounded).
     """
 
-    def __init__(self, n_instances: int, capacity_blocks: int | None = None, store_blocks: int | None = 0) -> None:
+    def __init__(
+        self, n_instances: int, capacity_blocks: int | None = None, store_blocks: int | None = 0
+    ) -> None:
         if n_instances <= 0:
             raise ValueError("n_instances must be > 0")
         self.n = n_instances
@@ -57,29 +61,31 @@ class BlockIndex:
         raw = np.frombuffer(mask.to_bytes(self._nbytes, "little"), dtype=np.uint8)
         return np.unpackbits(raw, bitorder="little")[: self.n + 1].astype(bool)
 
-    def match(self, blocks: Sequence[int]) -> np.ndarray:
-        """Return each holder's matched prefix length in blocks (array of ``n + 1`` ints).
+    def match(self, blocks: Sequence[int]) -> tuple[np.ndarray, int]:
+        """Match a prompt's prefix-chained blocks against every holder.
 
-        Entry ``n`` is the store pool.
+        Returns:
+            ``(lengths, union)``: each holder's own matched prefix length in blocks (array
+            of ``n + 1`` ints, entry ``n`` is the store) and the length of the prefix whose
+            every block is held *somewhere* (possibly by different holders).
         """
         out = np.zeros(self.n + 1, dtype=np.int64)
         holders = self._holders
         alive = 0
-        pos = 0
         for pos, h in enumerate(blocks):
             m = holders.get(h, 0)
             if pos == 0:
                 alive = m
-            else:
+            elif alive:
                 dropped = alive & ~m
                 if dropped:
                     self._set(out, dropped, pos)
                 alive &= m
-            if not alive:
-                return out
+            if not m:
+                return out, pos
         if alive:
-            self._set(out, alive, pos + 1)
-        return out
+            self._set(out, alive, len(blocks))
+        return out, len(blocks)
 
     def _set(self, out: np.ndarray, mask: int, value: int) -> None:
         if mask & (mask - 1) == 0:  # one holder: skip numpy

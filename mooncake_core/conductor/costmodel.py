@@ -141,9 +141,13 @@ class CostProfile:
         for f in dataclasses.fields(cls):
             if f.name in kwargs and f.name != "name":
                 try:
-                    kwargs[f.name] = int(kwargs[f.name]) if f.type == "int" else float(kwargs[f.name])
+                    kwargs[f.name] = (
+                        int(kwargs[f.name]) if f.type == "int" else float(kwargs[f.name])
+                    )
                 except (TypeError, ValueError) as exc:
-                    raise ConfigError(f"cost profile {f.name} must be a number, got {kwargs[f.name]!r}") from exc
+                    raise ConfigError(
+                        f"cost profile {f.name} must be a number, got {kwargs[f.name]!r}"
+                    ) from exc
         prof = dataclasses.replace(base or cls(), **kwargs)
         prof.validate()
         return prof
@@ -164,7 +168,9 @@ def load_profile(path: str | Path | None) -> CostProfile:
     try:
         data = json.loads(p.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"cost profile {str(p)!r} not found; write one with `mooncake-core conductor fit`") from None
+        raise ConfigError(
+            f"cost profile {str(p)!r} not found; write one with `mooncake-core conductor fit`"
+        ) from None
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"cost profile {str(p)!r} is not readable JSON: {exc}") from exc
     if not isinstance(data, dict):
@@ -178,7 +184,19 @@ class CostModel:
     Thread-safety: immutable, safe to share.
     """
 
-    __slots__ = ("profile", "_c0", "_c1", "_c2", "_bt", "_blk_bytes", "_bw", "_lat", "_a", "_b", "_c")
+    __slots__ = (
+        "profile",
+        "_c0",
+        "_c1",
+        "_c2",
+        "_bt",
+        "_blk_bytes",
+        "_bw",
+        "_lat",
+        "_a",
+        "_b",
+        "_c",
+    )
 
     def __init__(self, profile: CostProfile = DEFAULT_PROFILE) -> None:
         profile.validate()
@@ -210,7 +228,8 @@ class CostModel:
     def prefill_s_array(self, n: int, p: np.ndarray) -> np.ndarray:
         """Vectorised :meth:`prefill_s` over an array of cached lengths."""
         pc = np.minimum(np.maximum(p, 0), max(n - 1, 0)).astype(np.float64)
-        return self._c0 + self._c1 * (n - pc) + self._c2 * (float(n) * n - pc * pc)
+        out: np.ndarray = self._c0 + self._c1 * (n - pc) + self._c2 * (float(n) * n - pc * pc)
+        return out
 
     def transfer_s(self, blocks: int) -> float:
         """Seconds to fetch ``blocks`` KV blocks from a remote holder (0 for none)."""
@@ -220,7 +239,10 @@ class CostModel:
 
     def handoff_s(self, tokens: int) -> float:
         """Seconds between prefill end and decode start (unhidden KV handoff)."""
-        return self._lat + self.profile.handoff_fraction * tokens * self.profile.kv_bytes_per_token / self._bw
+        return (
+            self._lat
+            + self.profile.handoff_fraction * tokens * self.profile.kv_bytes_per_token / self._bw
+        )
 
     def decode_step_s(self, batch: int, context_tokens: float) -> float:
         """Seconds of one decode iteration over ``batch`` sequences."""
@@ -321,7 +343,9 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef
 
 
-def fit_profile(rows: Iterable[Mapping[str, Any]], base: CostProfile = DEFAULT_PROFILE) -> FitReport:
+def fit_profile(
+    rows: Iterable[Mapping[str, Any]], base: CostProfile = DEFAULT_PROFILE
+) -> FitReport:
     """Fit prefill and/or decode coefficients from measurement rows.
 
     Prefill rows carry ``input_len``, ``cached_len`` (optional, default 0) and
@@ -354,23 +378,25 @@ def fit_profile(rows: Iterable[Mapping[str, Any]], base: CostProfile = DEFAULT_P
     changes: dict[str, Any] = {"name": f"{base.name}+fitted"}
     pre_err = dec_err = float("nan")
     if len(pre) >= 3:
-        a = np.array(pre)
-        n, p, t = a[:, 0], a[:, 1], a[:, 2]
-        x = np.column_stack([np.ones_like(n), n - p, n * n - p * p]) / t[:, None]
-        coef = _nnls(x, np.ones_like(t))
-        changes.update(prefill_c0=float(coef[0]), prefill_c1=float(coef[1]), prefill_c2=float(coef[2]))
-        pred = coef[0] + coef[1] * (n - p) + coef[2] * (n * n - p * p)
-        pre_err = float(np.mean(np.abs(pred - t) / t))
+        arr = np.array(pre)
+        na, pa, ta = arr[:, 0], arr[:, 1], arr[:, 2]
+        x = np.column_stack([np.ones_like(na), na - pa, na * na - pa * pa]) / ta[:, None]
+        coef = _nnls(x, np.ones_like(ta))
+        changes.update(
+            prefill_c0=float(coef[0]), prefill_c1=float(coef[1]), prefill_c2=float(coef[2])
+        )
+        pred = coef[0] + coef[1] * (na - pa) + coef[2] * (na * na - pa * pa)
+        pre_err = float(np.mean(np.abs(pred - ta) / ta))
     elif pre:
         logger.warning("only %d prefill rows; keeping the base prefill coefficients", len(pre))
     if len(dec) >= 3:
-        a = np.array(dec)
-        bt, ctx, s = a[:, 0], a[:, 1], a[:, 2]
-        x = np.column_stack([np.ones_like(bt), bt, ctx]) / s[:, None]
-        coef = _nnls(x, np.ones_like(s))
+        arr = np.array(dec)
+        ba, ca, sa = arr[:, 0], arr[:, 1], arr[:, 2]
+        x = np.column_stack([np.ones_like(ba), ba, ca]) / sa[:, None]
+        coef = _nnls(x, np.ones_like(sa))
         changes.update(decode_a=float(coef[0]), decode_b=float(coef[1]), decode_c=float(coef[2]))
-        pred = coef[0] + coef[1] * bt + coef[2] * ctx
-        dec_err = float(np.mean(np.abs(pred - s) / s))
+        pred = coef[0] + coef[1] * ba + coef[2] * ca
+        dec_err = float(np.mean(np.abs(pred - sa) / sa))
     elif dec:
         logger.warning("only %d decode rows; keeping the base decode coefficients", len(dec))
     prof = dataclasses.replace(base, **changes)

@@ -82,13 +82,17 @@ class ConductorConfig:
         if self.n_decode <= 0:
             raise ConfigError(f"need at least one decode instance, got n_decode={self.n_decode}")
         if self.policy not in POLICIES:
-            raise ConfigError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+            raise ConfigError(
+                f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}"
+            )
         for name in ("slo_ttft_s", "slo_tbt_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v > 0 and not math.isnan(v)):
                 raise ConfigError(f"{name} must be a positive number of seconds, got {v!r}")
         if self.balance_threshold_blocks < 0:
-            raise ConfigError(f"balance_threshold_blocks must be >= 0, got {self.balance_threshold_blocks}")
+            raise ConfigError(
+                f"balance_threshold_blocks must be >= 0, got {self.balance_threshold_blocks}"
+            )
         if self.cache_blocks is not None and self.cache_blocks < 0:
             raise ConfigError(f"cache_blocks must be >= 0, got {self.cache_blocks}")
         if self.store_blocks is not None and self.store_blocks < 0:
@@ -109,7 +113,8 @@ class Decision:
         tbt_s: Predicted time between tokens (0 when there is no decode).
         cached_blocks: Prefix blocks reused (local plus fetched).
         fetch_blocks: Blocks fetched from ``fetch_source`` before prefill.
-        fetch_source: Holder the prefix is fetched from (-1: none; ``n_prefill``: store).
+        fetch_source: Holder with the longest own copy of the fetched prefix (-1: none;
+            ``n_prefill``: store); blocks it lacks come from the other holders.
         queue_s: Predicted wait before the prefill starts (includes a pending fetch).
         transfer_s: Predicted fetch duration.
         prefill_s: Predicted prefill compute time.
@@ -169,8 +174,12 @@ class Conductor:
         self._w_n = 0
         self.decisions = 0
         self.rejections = 0
-        logger.info(
-            "conductor: policy %s, %d prefill, %d decode, reject %s", config.policy, n, m, config.reject
+        logger.debug(
+            "conductor: policy %s, %d prefill, %d decode, reject %s",
+            config.policy,
+            n,
+            m,
+            config.reject,
         )
 
     # --- decisions ----------------------------------------------------------------------
@@ -208,7 +217,7 @@ class Conductor:
         cost = self.cost
         n_in = req.input_len
         bt = self._bt
-        matched = self.index.match(req.blocks)
+        matched, union = self.index.match(req.blocks)
         local = matched[: cfg.n_prefill]
         wait = np.maximum(self._free_at - t, 0.0)
         ttft_local = wait + cost.prefill_s_array(n_in, local * bt)
@@ -217,7 +226,7 @@ class Conductor:
         ttft_fetch = self._inf
         if self.policy.uses_remote:
             src = int(np.argmax(matched))
-            best = int(matched[src])
+            best = union
             gain = best - local
             ok = gain > cfg.balance_threshold_blocks
             if ok.any():
@@ -263,8 +272,20 @@ class Conductor:
             elif tbt > cfg.slo_tbt_s:
                 reason = f"predicted TBT {tbt:.4f} s exceeds the SLO {cfg.slo_tbt_s:g} s"
         decision = Decision(
-            req.rid, bool(reason), reason, i, j, ttft, tbt, cached, fetch_blocks, src,
-            start - t, transfer, prefill, end,
+            req.rid,
+            bool(reason),
+            reason,
+            i,
+            j,
+            ttft,
+            tbt,
+            cached,
+            fetch_blocks,
+            src,
+            start - t,
+            transfer,
+            prefill,
+            end,
         )
         if reason:
             self.rejections += 1
@@ -274,7 +295,9 @@ class Conductor:
             self._commit(req, decision, fetch_end, t_dec, t)
         return decision
 
-    def _commit(self, req: Request, d: Decision, fetch_end: float, t_dec: float, now: float) -> None:
+    def _commit(
+        self, req: Request, d: Decision, fetch_end: float, t_dec: float, now: float
+    ) -> None:
         i = d.prefill
         self._free_at[i] = d.prefill_end_s
         self.queued[i] += 1
@@ -284,21 +307,34 @@ class Conductor:
         else:
             self.index.touch(i, req.blocks[: d.cached_blocks])
         if d.decode >= 0:
-            self._add_window(req.rid, d.decode, t_dec, t_dec + (req.output_len - 1) * d.tbt_s,
-                             req.input_len + req.output_len, now)
+            self._add_window(
+                req.rid,
+                d.decode,
+                t_dec,
+                t_dec + (req.output_len - 1) * d.tbt_s,
+                req.input_len + req.output_len,
+                now,
+            )
 
-    def _add_window(self, rid: int, inst: int, start: float, end: float, tokens: float, now: float) -> None:
+    def _add_window(
+        self, rid: int, inst: int, start: float, end: float, tokens: float, now: float
+    ) -> None:
         k = self._w_n
         if k == len(self._w_start):
             keep = self._w_end[:k] > now - 1e-9
             live = int(keep.sum())
             size = len(self._w_start) * (2 if live > k // 2 else 1)
-            arrays = []
-            for arr in (self._w_start, self._w_end, self._w_tok, self._w_inst, self._w_rid):
+
+            def grow(arr: np.ndarray) -> np.ndarray:
                 new = np.zeros(size, dtype=arr.dtype)
                 new[:live] = arr[:k][keep]
-                arrays.append(new)
-            self._w_start, self._w_end, self._w_tok, self._w_inst, self._w_rid = arrays
+                return new
+
+            self._w_start = grow(self._w_start)
+            self._w_end = grow(self._w_end)
+            self._w_tok = grow(self._w_tok)
+            self._w_inst = grow(self._w_inst)
+            self._w_rid = grow(self._w_rid)
             k = self._w_n = live
         self._w_start[k] = start
         self._w_end[k] = end

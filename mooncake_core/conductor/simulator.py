@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from mooncake_core.conductor.costmodel import DEFAULT_PROFILE, CostProfile
-from mooncake_core.conductor.scheduler import Conductor, ConductorConfig, Decision
+from mooncake_core.conductor.scheduler import Conductor, ConductorConfig
 from mooncake_core.conductor.trace import Request
 from mooncake_core.errors import ConfigError
 
@@ -75,7 +75,21 @@ _ARRIVE, _PREFILL_DONE, _DECODE_JOIN, _DECODE_STEP = 0, 1, 2, 3
 class _DecodeInstance:
     """Continuous-batching decode instance with a closed-form token clock."""
 
-    __slots__ = ("a", "b", "c", "cap", "v", "t", "n", "s", "used", "heap", "meta", "waiting", "version")
+    __slots__ = (
+        "a",
+        "b",
+        "c",
+        "cap",
+        "v",
+        "t",
+        "n",
+        "s",
+        "used",
+        "heap",
+        "meta",
+        "waiting",
+        "version",
+    )
 
     def __init__(self, a: float, b: float, c: float, cap: float) -> None:
         self.a, self.b, self.c, self.cap = a, b, c, cap
@@ -131,7 +145,9 @@ class _DecodeInstance:
             done.append(rid)
         if not self.n:
             self.s = self.used = 0.0
-        while self.waiting and (not self.n or self.used + self.waiting[0][1] + self.waiting[0][2] <= self.cap):
+        while self.waiting and (
+            not self.n or self.used + self.waiting[0][1] + self.waiting[0][2] <= self.cap
+        ):
             self._admit(*self.waiting.popleft())
         self.version += 1
         return done
@@ -198,7 +214,8 @@ class SimResult:
             "hit_rate": self.reused_blocks / self.total_blocks if self.total_blocks else 0.0,
             "fetched_blocks": self.fetched_blocks,
             "prefill_utilization": self.prefill_busy_s / (self.config.n_prefill * self.makespan_s)
-            if self.makespan_s > 0 else 0.0,
+            if self.makespan_s > 0
+            else 0.0,
             "evictions": self.evictions,
             "store_demotions": self.store_demotions,
             "duration_s": self.duration_s,
@@ -229,7 +246,9 @@ def simulate(
     cond = Conductor(config, profile)
     cost = cond.cost
     a, b, c = cost.decode_coeffs()
-    decoders = [_DecodeInstance(a, b, c, float(profile.decode_kv_tokens)) for _ in range(config.n_decode)]
+    decoders = [
+        _DecodeInstance(a, b, c, float(profile.decode_kv_tokens)) for _ in range(config.n_decode)
+    ]
     n = len(requests)
     ttft = np.full(n, np.nan)
     tbt = np.full(n, np.nan)
@@ -324,6 +343,10 @@ def simulate(
         queue_len=queue_len,
     )
     logger.info(
-        "simulated %d requests (%s, reject %s) in %.2f s", n, config.policy, config.reject, res.wall_s
+        "simulated %d requests (%s, reject %s) in %.2f s",
+        n,
+        config.policy,
+        config.reject,
+        res.wall_s,
     )
     return res

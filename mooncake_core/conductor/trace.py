@@ -57,7 +57,9 @@ def _int_field(obj: dict[str, object], key: str, where: str, minimum: int) -> in
     return int(v)
 
 
-def parse_trace_lines(lines: Sequence[str], source: str = "<trace>", speedup: float = 1.0) -> list[Request]:
+def parse_trace_lines(
+    lines: Sequence[str], source: str = "<trace>", speedup: float = 1.0
+) -> list[Request]:
     """Parse trace lines (see module docstring) into requests sorted by arrival.
 
     Args:
@@ -96,7 +98,9 @@ def parse_trace_lines(lines: Sequence[str], source: str = "<trace>", speedup: fl
         raise TraceError(f"{source}: the trace is empty (no request lines)")
     if any(out[i].arrival_s > out[i + 1].arrival_s for i in range(len(out) - 1)):
         out.sort(key=lambda r: r.arrival_s)
-        out = [Request(i, r.arrival_s, r.input_len, r.output_len, r.blocks) for i, r in enumerate(out)]
+        out = [
+            Request(i, r.arrival_s, r.input_len, r.output_len, r.blocks) for i, r in enumerate(out)
+        ]
     return out
 
 

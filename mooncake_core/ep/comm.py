@@ -25,7 +25,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
+import torch.distributed as _dist_mod
+from torch._C._distributed_c10d import (
+    AllgatherOptions,
+    AllreduceOptions,
+    AllToAllOptions,
+    PrefixStore,
+    Store,
+)
 
 from mooncake_core.errors import EPError
 
@@ -79,7 +86,7 @@ class Group:
         out = torch.empty((int(sum(recv_splits)), *send.shape[1:]), dtype=send.dtype, device=send.device)
         try:
             work = pg.alltoall_base(
-                out, send.contiguous(), list(recv_splits), list(send_splits), dist.AllToAllOptions()
+                out, send.contiguous(), list(recv_splits), list(send_splits), AllToAllOptions()
             )
         except Exception as exc:
             raise GroupFailure(f"all_to_all could not start: {exc}") from exc
@@ -90,7 +97,7 @@ class Group:
         """Sum ``t`` across members in place and return it."""
         pg = self._require()
         try:
-            work = pg.allreduce([t], dist.AllreduceOptions())
+            work = pg.allreduce([t], AllreduceOptions())
         except Exception as exc:
             raise GroupFailure(f"all_reduce could not start: {exc}") from exc
         self._wait(work, "all_reduce", timeout_s)
@@ -101,7 +108,7 @@ class Group:
         pg = self._require()
         out = torch.empty((self.size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
         try:
-            work = pg._allgather_base(out, t.contiguous(), dist.AllgatherOptions())
+            work = pg._allgather_base(out, t.contiguous(), AllgatherOptions())
         except Exception as exc:
             raise GroupFailure(f"all_gather could not start: {exc}") from exc
         self._wait(work, "all_gather", timeout_s)
@@ -121,7 +128,7 @@ class Group:
 
 
 def open_group(
-    store: dist.Store,
+    store: Store,
     prefix: str,
     rank: int,
     size: int,
@@ -147,7 +154,8 @@ def open_group(
         GroupFailure: a member did not show up within the connect timeout.
     """
     connect = timeout_s if connect_timeout_s is None else connect_timeout_s
-    pstore = dist.PrefixStore(prefix, store)
+    pstore = PrefixStore(prefix, store)
+    dist: Any = _dist_mod
     try:
         if backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()
@@ -157,7 +165,7 @@ def open_group(
             pg._set_default_timeout(_td(timeout_s))
             device = torch.device("cpu")
         elif backend == "nccl":  # pragma: no cover - needs CUDA
-            nccl_cls: Any = getattr(dist, "ProcessGroupNCCL")
+            nccl_cls: Any = dist.ProcessGroupNCCL
             nopts = nccl_cls.Options()
             nopts._timeout = _td(max(connect, timeout_s))
             pg = nccl_cls(pstore, rank, size, nopts)

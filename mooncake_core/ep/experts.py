@@ -29,14 +29,16 @@ def expert_numel(hidden: int, ffn: int) -> int:
 def make_expert_weights(num_experts: int, hidden: int, ffn: int, seed: int = 0) -> torch.Tensor:
     """Deterministic ``[E, expert_numel]`` float32 weights (for tests, benchmarks, examples)."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(num_experts, expert_numel(hidden, ffn), generator=gen) / hidden**0.5
+    w: torch.Tensor = torch.randn(num_experts, expert_numel(hidden, ffn), generator=gen)
+    return w.div(hidden**0.5)
 
 
 def run_expert(flat: torch.Tensor, x: torch.Tensor, hidden: int, ffn: int) -> torch.Tensor:
     """Apply one expert given its flat weights."""
     w1 = flat[: hidden * ffn].view(hidden, ffn).to(x.dtype)
     w2 = flat[hidden * ffn :].view(ffn, hidden).to(x.dtype)
-    return torch.nn.functional.silu(x @ w1) @ w2
+    out: torch.Tensor = torch.nn.functional.silu(x @ w1) @ w2
+    return out
 
 
 def reference_moe(

@@ -238,8 +238,10 @@ def repair_placement(
 
     lost = sorted((e for e in avail if counts[e] == 0), key=lambda e: (-weights[e], e))
     for e in lost:
-        slot = seat_of_free(e)
-        if slot is None:
+        free_slot = seat_of_free(e)
+        if free_slot is not None:
+            slot = free_slot
+        else:
             donors = [
                 s
                 for s, d in enumerate(slot_expert)
@@ -267,9 +269,9 @@ def repair_placement(
         )
         placed = False
         for e in candidates:
-            slot = seat_of_free(e)
-            if slot is not None:
-                slot_expert[slot] = e
+            free_slot = seat_of_free(e)
+            if free_slot is not None:
+                slot_expert[free_slot] = e
                 counts[e] += 1
                 placed = True
                 break

@@ -7,7 +7,13 @@ etcd.
 
 from __future__ import annotations
 
-from mooncake_core.transfer.engine import Batch, PeerInfo, RequestStatus, TransferEngine, TransferRequest
+from mooncake_core.transfer.engine import (
+    Batch,
+    PeerInfo,
+    RequestStatus,
+    TransferEngine,
+    TransferRequest,
+)
 from mooncake_core.transfer.memory import ManagedBuffer, Region
 
 __all__ = ["TransferEngine", "TransferRequest", "Batch", "RequestStatus", "PeerInfo", "ManagedBuffer", "Region"]

@@ -375,7 +375,7 @@ class TransferEngine:
             except InvalidRequest as exc:
                 raise InvalidRequest(f"request {i}: local buffer: {exc}") from None
             if region.kind != "host":
-                return local, memoryview(bytearray(length)), length, (region, local)
+                return self._staging(region, local, length)
             return local, region.view(local, length), length, None
         addr, size, kind = buffer_address(local, writable=_OPS.get(req.op) == READ)
         length = size if req.length is None else req.length
@@ -384,11 +384,17 @@ class TransferEngine:
         if length > size:
             raise InvalidRequest(f"request {i}: length {length} exceeds the local buffer ({size} bytes)")
         if kind == "cuda":
-            staging = Region(addr, size, "staging", "cuda", owner=local)
-            return addr, memoryview(bytearray(length)), length, (staging, addr)
+            return self._staging(Region(addr, size, "staging", "cuda", owner=local), addr, length)
         from mooncake_core.transfer.memory import host_view
 
         return addr, host_view(addr, length), length, local
+
+    @staticmethod
+    def _staging(region: Region, device_addr: int, length: int) -> tuple[int, memoryview, int, Any]:
+        """Device memory moves through a host staging buffer: (host addr, view, length, info)."""
+        host = bytearray(length)
+        host_addr = buffer_address(host)[0]
+        return host_addr, memoryview(host), length, (region, device_addr, host_addr, host)
 
     def _plan(self, batch: Batch) -> list[WorkItem]:
         items: list[WorkItem] = []
@@ -489,8 +495,8 @@ class TransferEngine:
                     st.state = "timeout" if isinstance(st.error, TransferTimeout) else "failed"
             for it in items:
                 if it.done and it.op == READ and it.extra.get("staging") is not None and isinstance(it.extra["staging"], tuple):
-                    region, base = it.extra["staging"]
-                    region.copy_in(it.local_addr, it.local_view)
+                    region, dev, host_base, _ = it.extra["staging"]
+                    region.copy_in(dev + (it.local_addr - host_base), it.local_view)
         except BaseException as exc:  # never leave a future pending
             for st in batch.statuses:
                 if st.state == "pending":
@@ -536,8 +542,8 @@ class TransferEngine:
         for it in items:
             st = it.extra.get("staging")
             if it.op == WRITE and isinstance(st, tuple) and it.error is None:
-                region, _ = st
-                it.local_view[:] = region.copy_out(it.local_addr, it.length)
+                region, dev, host_base, _ = st
+                it.local_view[:] = region.copy_out(dev + (it.local_addr - host_base), it.length)
         chain = self._choose(peer, hint)
         if not chain:
             for it in items:

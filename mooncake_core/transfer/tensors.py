@@ -34,12 +34,12 @@ def encode_tensor(tensor: Any, key: str) -> tuple[bytes, memoryview]:
         shape = list(tensor.shape)
         t = tensor.detach().contiguous().cpu()
         arr = t.view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
-        data = memoryview(arr).cast("B") if arr.size else memoryview(b"")
+        data = arr.data.cast("B") if arr.size else memoryview(b"")
     elif isinstance(tensor, np.ndarray):
         arr = np.ascontiguousarray(tensor)
         dtype = arr.dtype.str
         shape = list(arr.shape)
-        data = memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else memoryview(b"")
+        data = arr.reshape(-1).view(np.uint8).data if arr.size else memoryview(b"")
     else:
         raise InvalidRequest(f"cannot send {type(tensor).__name__} as a tensor (torch.Tensor or numpy.ndarray)")
     head = json.dumps({"key": key, "kind": kind, "dtype": dtype, "shape": shape}).encode()
@@ -49,7 +49,7 @@ def encode_tensor(tensor: Any, key: str) -> tuple[bytes, memoryview]:
 class _Buf:
     def __init__(self, n: int) -> None:
         self.array = np.empty(n, dtype=np.uint8)
-        self.view = memoryview(self.array)
+        self.view = self.array.data
 
 
 class TensorInbox:

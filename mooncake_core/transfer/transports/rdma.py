@@ -42,7 +42,7 @@ def detect_devices(sysfs: str = "/sys/class/infiniband") -> list[str]:
 
 def _import_pyverbs() -> Any:
     try:
-        import pyverbs.device  # type: ignore[import-not-found]
+        import pyverbs.device
 
         return pyverbs
     except ImportError:
@@ -75,9 +75,9 @@ class _Endpoint:
     """One RC queue pair to one peer, with its completion queue."""
 
     def __init__(self, ctx: Any, pd: Any, port: int, gid_index: int) -> None:
-        from pyverbs.cq import CQ  # type: ignore[import-not-found]
-        from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr  # type: ignore[import-not-found]
-        import pyverbs.enums as e  # type: ignore[import-not-found]
+        import pyverbs.enums as e
+        from pyverbs.cq import CQ
+        from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
 
         self.cq = CQ(ctx, 1024)
         cap = QPCap(max_send_wr=512, max_recv_wr=16, max_send_sge=1, max_recv_sge=1)
@@ -97,9 +97,9 @@ class _Endpoint:
         return {"qpn": self.qp.qp_num, "lid": self.lid, "gid": self.gid, "psn": self.psn}
 
     def connect(self, remote: dict[str, Any]) -> None:
-        from pyverbs.addr import AHAttr, GID, GlobalRoute  # type: ignore[import-not-found]
-        from pyverbs.qp import QPAttr  # type: ignore[import-not-found]
-        import pyverbs.enums as e  # type: ignore[import-not-found]
+        import pyverbs.enums as e
+        from pyverbs.addr import GID, AHAttr, GlobalRoute
+        from pyverbs.qp import QPAttr
 
         attr = QPAttr(port_num=self.port)
         attr.path_mtu = e.IBV_MTU_1024
@@ -137,8 +137,8 @@ class RDMATransport(Transport):
                 _logged = True
             return
         try:
-            from pyverbs.device import Context  # type: ignore[import-not-found]
-            from pyverbs.pd import PD  # type: ignore[import-not-found]
+            from pyverbs.device import Context
+            from pyverbs.pd import PD
 
             self.device = why.split(",")[0]
             self._ctx = Context(name=self.device)
@@ -152,8 +152,8 @@ class RDMATransport(Transport):
 
     # ------------------------------------------------------------------ memory registration
     def _sync_mrs(self) -> None:
-        from pyverbs.mr import MR  # type: ignore[import-not-found]
-        import pyverbs.enums as e  # type: ignore[import-not-found]
+        import pyverbs.enums as e
+        from pyverbs.mr import MR
 
         access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
         with self._lock:
@@ -198,8 +198,8 @@ class RDMATransport(Transport):
         return ep
 
     def execute(self, peer: PeerInfo, items: list[WorkItem], deadline: float) -> None:
-        from pyverbs.wr import SGE, SendWR  # type: ignore[import-not-found]
-        import pyverbs.enums as e  # type: ignore[import-not-found]
+        import pyverbs.enums as e
+        from pyverbs.wr import SGE, SendWR
 
         ep = self._endpoint(peer, deadline)
         rkeys: dict[str, int] = peer.desc["rdma"].get("rkeys", {})

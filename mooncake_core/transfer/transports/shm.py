@@ -143,6 +143,8 @@ class ShmTransport(Transport):
             if region is None:
                 it.error = InvalidRequest(f"peer {peer.name!r} has no registered memory at 0x{it.remote_addr:x}+{it.length}")
                 continue
+            if str(region.get("location", "")).startswith("cuda"):
+                raise TransportError(f"peer {peer.name!r} region {region.get('name')!r} is device memory; not reachable by shm")
             if "memfd" in region:
                 base = self._map(peer, region) + (it.remote_addr - int(region["addr"]))
                 if it.op == READ:

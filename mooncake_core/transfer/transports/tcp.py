@@ -18,7 +18,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from mooncake_core.errors import AuthError, InvalidRequest, PeerUnreachable, TransferTimeout, TransportError
+from mooncake_core.errors import (
+    AuthError,
+    InvalidRequest,
+    PeerUnreachable,
+    TransferTimeout,
+    TransportError,
+)
 from mooncake_core.plugins import TransportInfo, hookimpl
 from mooncake_core.transfer.net import recv_exact, send_parts, tune_socket
 from mooncake_core.transfer.protocol import (
@@ -81,7 +87,7 @@ class TCPConnection:
                 raise AuthError(f"peer {peer!r} rejected our shared secret (check transfer.secret on both sides)")
             if status != Status.OK:
                 raise PeerUnreachable(f"peer {peer!r} refused the handshake: {STATUS_TEXT.get(status, status)}")
-        except socket.timeout as exc:
+        except TimeoutError as exc:
             self.close()
             raise PeerUnreachable(f"peer {peer!r} at {host}:{port} did not answer the handshake within {timeout:.1f}s") from exc
         except (OSError, ConnectionError) as exc:
@@ -280,7 +286,7 @@ class TCPTransport(Transport):
             try:
                 conn.run(items, on_send if hook is not None else None)
                 return None
-            except socket.timeout as exc:
+            except TimeoutError as exc:
                 conn.close()
                 return TransferTimeout(f"peer {peer.name!r} did not answer within the timeout") .with_traceback(exc.__traceback__)
             except (OSError, ConnectionError) as exc:

@@ -1,0 +1,555 @@
+"""Elastic expert parallelism: DeepEP-shaped dispatch/combine that survives dead ranks.
+
+Contract (one :class:`ElasticEP` per rank; all ranks call the same methods in the same order):
+
+- ``start()`` forms epoch 0 with every seat. ``join()`` is for a restarted or new rank: it
+  asks to join, is admitted by the next transition, receives its experts (from live replicas,
+  or from the weight store if one is configured) and then follows the others.
+- ``dispatch(x, topk_idx, topk_weights, active_ranks, num_experts, timeout)`` routes pairs to
+  live replicas (policy for experts without one), sends each token once per destination rank
+  and returns ``(recv_x, recv_counts, handle)``: ``recv_x`` is ``[N, H]`` grouped by local
+  slot, ``recv_counts[s]`` rows for slot ``s``. ``combine(expert_out, handle)`` applies the
+  gate weights at the expert side, sends one row per (token, rank) back and sums: ``y``.
+- ``forward(...)`` = dispatch + local experts + combine, retried across membership changes;
+  this is what a MoE layer calls.
+- Every round is three all-to-alls on the epoch's group (header, payload, combine). The
+  header carries the round number, a hash of ``active_ranks`` (ranks passing different
+  masks all get :class:`InvalidRouting`), an error flag (a rank whose input is invalid still
+  takes part, so the others get a clear error instead of a timeout) and the leader's
+  "a join is pending" flag.
+- A collective that fails or exceeds its timeout starts a transition (see
+  :mod:`mooncake_core.ep.membership`): the group is dropped, survivors agree on the next
+  epoch, form a fresh group, copy the weights the re-plan moved, and the call raises
+  :class:`RankFailure` (``forward`` retries transparently). Survivors that had already
+  finished the failed round replay it with zero tokens so every member is at the same round.
+
+Recovery bound: a crashed rank (sockets reset) is noticed at once; a hung one after
+``timeout_s``. The agreement then waits until the dead rank's heartbeat is ``stale_s`` old
+(counted from its death, so it overlaps detection) and forms the new group. Hence
+``recover <= max(timeout_s, stale_s) + T_rebuild`` where ``T_rebuild`` (group rendezvous +
+weight copy) is tens of milliseconds on loopback for the test sizes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+import zlib
+from dataclasses import dataclass
+from typing import NoReturn
+
+import torch
+
+from mooncake_core.ep.comm import Group, GroupFailure, open_group
+from mooncake_core.ep.config import EPConfig
+from mooncake_core.ep.experts import ExpertBank
+from mooncake_core.ep.membership import AliveInfo, Membership, View, plan_view
+from mooncake_core.ep.placement import Placement, balanced_placement
+from mooncake_core.ep.routing import ReplicaTable, route, validate_routing
+from mooncake_core.ep.weights import (
+    STORE,
+    ExpertWeightSource,
+    FetchContext,
+    LiveReplicaSource,
+)
+from mooncake_core.errors import EPError, Evicted, InvalidRouting, RankFailure
+
+__all__ = ["DispatchHandle", "ElasticEP"]
+
+logger = logging.getLogger(__name__)
+
+_ERR = 1
+_JOIN = 2
+_WILDCARD = -1
+
+
+@dataclass(frozen=True)
+class DispatchHandle:
+    """What ``combine`` needs from ``dispatch`` (opaque to callers)."""
+
+    epoch: int
+    round: int
+    num_tokens: int
+    send_token: torch.Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
+    pair_row: torch.Tensor
+    pair_weight: torch.Tensor
+    num_recv_rows: int
+    dtype: torch.dtype
+
+
+class ElasticEP:
+    """One rank of an elastic EP layer.
+
+    Args:
+        config: sizes, policy and timeouts (identical on every rank).
+        seat: this rank's seat ``0..num_seats-1``.
+        bank: expert weights; for ``start()`` it must hold (at least) this seat's experts
+            of the initial placement; for ``join()`` it may be empty.
+        store_host, store_port: the shared TCPStore (hosted by the launcher).
+        placement: initial placement (default: balanced for uniform load).
+        store_source: optional weight store used when no live replica has an expert.
+
+    Thread-safety: not thread-safe; one call at a time, from the rank's main thread.
+    """
+
+    def __init__(
+        self,
+        config: EPConfig,
+        seat: int,
+        bank: ExpertBank,
+        store_host: str,
+        store_port: int,
+        placement: Placement | None = None,
+        store_source: ExpertWeightSource | None = None,
+    ):
+        if not 0 <= seat < config.num_seats:
+            raise EPError(f"seat {seat} outside 0..{config.num_seats - 1}")
+        if bank.hidden != config.hidden:
+            raise EPError(f"expert bank hidden {bank.hidden} != config hidden {config.hidden}")
+        self.config = config
+        self.seat = seat
+        self.bank = bank
+        self.store_source = store_source
+        self.live_source = LiveReplicaSource()
+        self.membership = Membership(
+            store_host,
+            store_port,
+            seat,
+            prefix=config.prefix,
+            heartbeat_s=config.heartbeat_s,
+            stale_s=config.stale_s,
+            store_timeout_s=config.connect_timeout_s,
+        )
+        self._initial = placement or balanced_placement(
+            [1.0] * config.num_experts, range(config.num_seats), config.num_seats, config.slots_per_rank
+        )
+        self.view: View | None = None
+        self.group: Group | None = None
+        self.round = 0
+        self.step = 0
+        self.load = torch.zeros(config.num_experts, dtype=torch.float64)
+        self.stats: dict[str, float] = {"dropped": 0, "substituted": 0, "transitions": 0, "last_recover_s": 0.0}
+        self._table: ReplicaTable | None = None
+        self._table_mask: torch.Tensor | None = None
+        self._seat_to_member = torch.full((config.num_seats,), -1, dtype=torch.int64)
+        self._replica_table = self._initial.replica_table()
+        self._transition_pending = False
+        self._last_join_poll = 0.0
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Form epoch 0 with every seat (blocks until all seats connect or connect timeout)."""
+        self.membership.start_heartbeat()
+        view = View(0, tuple(range(self.config.num_seats)), self._initial)
+        for e in view.placement.seat_experts(self.seat):
+            if e >= 0 and e not in self.bank.held():
+                if self.store_source is None:
+                    raise EPError(f"seat {self.seat} must hold expert {e} to start; load it or pass store_source")
+                self.bank.put(e, self._store_load(e))
+        won = self.membership.offer_view(view)
+        self._install(won, connect_timeout_s=self.config.connect_timeout_s)
+        logger.info("EP seat %d started epoch 0 with %d seats", self.seat, self.config.num_seats)
+
+    def join(self, timeout_s: float = 60.0) -> None:
+        """Rejoin (or join) the running EP group; returns once this seat serves again."""
+        self.membership.start_heartbeat()
+        nonce = uuid.uuid4().hex
+        self.membership.request_join(nonce)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            view = self.membership.current_view()
+            if view is not None and (self.seat, nonce) in view.joined:
+                break
+            if time.monotonic() > deadline:
+                raise EPError(
+                    f"seat {self.seat} was not admitted within {timeout_s:.0f}s; are the other ranks "
+                    "still calling forward()/dispatch()?"
+                )
+            time.sleep(0.01)
+        self.round = view.resume_round
+        self.step = view.max_step
+        try:
+            self._install(view)
+        except GroupFailure as exc:
+            self._transition("failure", cause=exc)
+        logger.info("EP seat %d joined at epoch %d", self.seat, self.epoch)
+
+    def close(self) -> None:
+        """Stop heartbeats and drop the group (other ranks will see this seat as dead)."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        self.membership.close()
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def epoch(self) -> int:
+        return -1 if self.view is None else self.view.epoch
+
+    @property
+    def placement(self) -> Placement:
+        return self._require_view().placement
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        return self._require_view().members
+
+    def active_ranks(self) -> torch.Tensor:
+        """``[num_seats]`` int32 mask of the current epoch."""
+        return self._require_view().active_mask()
+
+    def local_experts(self) -> tuple[int, ...]:
+        return self.placement.seat_experts(self.seat)
+
+    # ------------------------------------------------------------------ the layer
+    def forward(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        router_logits: torch.Tensor | None = None,
+        active_ranks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """MoE output ``y [T, H]`` for this rank's tokens; survives membership changes."""
+        for _ in range(self.config.num_seats + 3):
+            try:
+                recv_x, counts, handle = self.dispatch(
+                    x, topk_idx, topk_weights, active_ranks, router_logits=router_logits
+                )
+                out = self.bank.forward(recv_x, counts, self.local_experts())
+                return self.combine(out, handle)
+            except RankFailure as exc:
+                logger.info("EP seat %d retrying step %d at epoch %d: %s", self.seat, self.step, self.epoch, exc)
+        raise EPError(f"seat {self.seat}: membership kept changing; gave up step {self.step}")
+
+    def rebalance(self) -> None:
+        """Collective: re-place experts from the load seen so far (EPLB); next epoch."""
+        self._require_view()
+        self._transition("rebalance", rebalance=True)
+
+    def reset_load(self) -> None:
+        self.load.zero_()
+
+    # ------------------------------------------------------------------ dispatch / combine
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        active_ranks: torch.Tensor | None = None,
+        num_experts: int | None = None,
+        timeout: float | None = None,
+        router_logits: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        """Send each token to the ranks of its experts' live replicas.
+
+        Args:
+            x: ``[T, H]`` tokens of this rank.
+            topk_idx: ``[T, K]`` logical experts (``-1`` = masked).
+            topk_weights: ``[T, K]`` gate weights.
+            active_ranks: optional ``[num_seats]`` int mask, identical on every rank; ANDed
+                with the epoch's members and updated in place (DeepEP style).
+            num_experts: checked against the config when given.
+            timeout: seconds for each collective (default ``config.timeout_s``).
+            router_logits: ``[T, E]``, needed by the ``substitute`` policy.
+
+        Returns:
+            ``(recv_x [N, H] grouped by local slot, recv_counts [S], handle)``.
+
+        Raises:
+            InvalidRouting: bad input here or on another rank (no communication hangs).
+            RankFailure: membership changed; the new epoch is installed; call again.
+            Evicted: the survivors left this seat out; call ``join()``.
+        """
+        self._catch_up()
+        return self._dispatch(x, topk_idx, topk_weights, active_ranks, num_experts, timeout, router_logits)
+
+    def combine(
+        self, expert_out: torch.Tensor, handle: DispatchHandle, timeout: float | None = None
+    ) -> torch.Tensor:
+        """Weighted sum of the expert outputs back at the tokens' rank: ``y [T, H]``."""
+        view = self._require_view()
+        if handle.epoch != view.epoch or handle.round != self.round:
+            raise EPError(
+                f"stale dispatch handle (epoch {handle.epoch}, round {handle.round}); current is "
+                f"epoch {view.epoch}, round {self.round}: dispatch again"
+            )
+        if expert_out.shape != (handle.pair_row.numel(), self.config.hidden):
+            raise InvalidRouting(
+                f"expert_out must be [{handle.pair_row.numel()}, {self.config.hidden}] like recv_x; "
+                f"got {tuple(expert_out.shape)}"
+            )
+        group = self._require_group()
+        partial = torch.zeros((handle.num_recv_rows, self.config.hidden), dtype=handle.dtype, device=group.device)
+        partial.index_add_(0, handle.pair_row, expert_out.to(handle.dtype) * handle.pair_weight[:, None].to(handle.dtype))
+        try:
+            back = group.all_to_all(partial, handle.recv_splits, handle.send_splits, timeout)
+        except GroupFailure as exc:
+            self._fail(exc)
+        y = torch.zeros((handle.num_tokens, self.config.hidden), dtype=handle.dtype, device=group.device)
+        y.index_add_(0, handle.send_token, back)
+        if self.round == self.step:
+            self.step += 1
+        self.round += 1
+        if self._transition_pending:
+            self._transition("join")
+        return y
+
+    # ------------------------------------------------------------------ internals: rounds
+    def _catch_up(self) -> None:
+        while self.round < self.step:
+            h = self.config.hidden
+            k = self.config.top_k
+            recv_x, counts, handle = self._dispatch(
+                torch.empty((0, h)), torch.empty((0, k), dtype=torch.int64), torch.empty((0, k)),
+                None, None, None, None, wildcard=True,
+            )
+            self.combine(self.bank.forward(recv_x, counts, self.local_experts()), handle)
+
+    def _routing_table(self, mask: torch.Tensor) -> ReplicaTable:
+        if self._table is None or self._table_mask is None or not torch.equal(mask, self._table_mask):
+            slot_live = mask.to(torch.bool).repeat_interleave(self.config.slots_per_rank)
+            self._table = ReplicaTable.build(self._replica_table, slot_live)
+            self._table_mask = mask.clone()
+        return self._table
+
+    def _dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        active_ranks: torch.Tensor | None,
+        num_experts: int | None,
+        timeout: float | None,
+        router_logits: torch.Tensor | None,
+        wildcard: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        cfg = self.config
+        view = self._require_view()
+        group = self._require_group()
+        m = len(view.members)
+        mask = view.active_mask()
+        error: InvalidRouting | None = None
+        try:
+            if num_experts is not None and num_experts != cfg.num_experts:
+                raise InvalidRouting(f"num_experts {num_experts} != {cfg.num_experts} of this EP layer")
+            validate_routing(x, topk_idx, topk_weights, cfg.num_experts, cfg.hidden, router_logits)
+            if active_ranks is not None:
+                if tuple(active_ranks.shape) != (cfg.num_seats,):
+                    raise InvalidRouting(
+                        f"active_ranks must be [{cfg.num_seats}]; got {tuple(active_ranks.shape)}"
+                    )
+                if int((active_ranks != 0).sum()) == 0:
+                    raise InvalidRouting("active_ranks marks every rank inactive; nothing can serve tokens")
+                mask = mask * (active_ranks.cpu() != 0).to(torch.int32)
+                active_ranks.copy_(mask.to(active_ranks.dtype))
+            if int(mask.sum()) == 0:
+                raise InvalidRouting("no rank of active_ranks is alive in this epoch")
+        except InvalidRouting as exc:
+            error = exc
+        ctrl = _ERR if error is not None else 0
+        if view.members[0] == self.seat and time.monotonic() - self._last_join_poll > cfg.join_poll_s:
+            self._last_join_poll = time.monotonic()
+            outside = [s for s in range(cfg.num_seats) if s not in view.members]
+            if self.membership.any_join_pending(outside):
+                ctrl |= _JOIN
+        mask_hash = _WILDCARD if wildcard else zlib.crc32(bytes(mask.tolist()))
+        dev = group.device
+        k = cfg.top_k if error is not None else topk_idx.shape[1]
+        if error is None:
+            r = route(topk_idx, topk_weights, self._routing_table(mask), cfg.policy, router_logits, offset=self.seat)
+            self.stats["dropped"] += r.dropped
+            self.stats["substituted"] += r.substituted
+            valid = r.experts >= 0
+            self.load += torch.bincount(r.experts[valid], minlength=cfg.num_experts).to(torch.float64)
+            dest = torch.where(r.slots >= 0, self._seat_to_member[(r.slots // cfg.slots_per_rank).clamp(min=0)], -1)
+            has = (dest.unsqueeze(-1) == torch.arange(m)).any(dim=1)  # [T, M]
+            pairs = has.t().nonzero()
+            send_member, send_token = pairs[:, 0], pairs[:, 1]
+            send_splits = torch.bincount(send_member, minlength=m).tolist()
+            same = dest[send_token] == send_member[:, None]
+            local_slot = torch.where(same, r.slots[send_token] % cfg.slots_per_rank, -1).to(torch.int32)
+            w = torch.where(same, r.weights[send_token], 0.0).to(torch.float32)
+            rows = x[send_token].to(dev)
+        else:
+            send_token = torch.empty(0, dtype=torch.int64)
+            send_splits = [0] * m
+            local_slot = torch.empty((0, k), dtype=torch.int32)
+            w = torch.empty((0, k), dtype=torch.float32)
+            rows = torch.empty((0, cfg.hidden), dtype=x.dtype if x.is_floating_point() else torch.float32, device=dev)
+        header = torch.tensor([[n, mask_hash, ctrl, self.round] for n in send_splits], dtype=torch.int64, device=dev)
+        try:
+            hdr = group.all_to_all(header, [1] * m, [1] * m, timeout).cpu()
+        except GroupFailure as exc:
+            self._fail(exc)
+        self._check_header(hdr, error, view)
+        if int(hdr[0, 2]) & _JOIN:  # row 0 is the leader's header
+            self._transition_pending = True
+        recv_splits = hdr[:, 0].tolist()
+        dtype = rows.dtype
+        esize = rows.element_size()
+        meta = torch.cat([local_slot, w.view(torch.int32)], dim=1).to(dev)
+        payload = torch.cat([rows.contiguous().view(torch.uint8), meta.view(torch.uint8)], dim=1)
+        try:
+            recv = group.all_to_all(payload, send_splits, recv_splits, timeout)
+        except GroupFailure as exc:
+            self._fail(exc)
+        hb = cfg.hidden * esize
+        xr = recv[:, :hb].contiguous().view(dtype)
+        rmeta = recv[:, hb:].contiguous().view(torch.int32)
+        ls = rmeta[:, :k]
+        rw = rmeta[:, k:].contiguous().view(torch.float32)
+        pr = (ls >= 0).nonzero()
+        row, kk = pr[:, 0], pr[:, 1]
+        pslot = ls[row, kk].to(torch.int64)
+        order = torch.argsort(pslot, stable=True)
+        row_o = row[order]
+        recv_x = xr[row_o]
+        recv_counts = torch.bincount(pslot[order], minlength=cfg.slots_per_rank)
+        handle = DispatchHandle(
+            epoch=view.epoch,
+            round=self.round,
+            num_tokens=x.shape[0] if error is None else 0,
+            send_token=send_token.to(dev),
+            send_splits=send_splits,
+            recv_splits=recv_splits,
+            pair_row=row_o,
+            pair_weight=rw[row, kk][order],
+            num_recv_rows=int(xr.shape[0]),
+            dtype=dtype,
+        )
+        return recv_x, recv_counts, handle
+
+    def _check_header(self, hdr: torch.Tensor, error: InvalidRouting | None, view: View) -> None:
+        bad = [view.members[i] for i in range(hdr.shape[0]) if int(hdr[i, 2]) & _ERR]
+        if error is not None:
+            raise error
+        if bad:
+            raise InvalidRouting(
+                f"seat(s) {bad} rejected their input in round {self.round}; the round was aborted on "
+                "every rank (see the error on those ranks)"
+            )
+        rounds = hdr[:, 3].tolist()
+        if any(r != self.round for r in rounds):
+            raise EPError(f"round mismatch in epoch {view.epoch}: members at rounds {rounds}, this seat at {self.round}")
+        hashes = {view.members[i]: int(hdr[i, 1]) for i in range(hdr.shape[0]) if int(hdr[i, 1]) != _WILDCARD}
+        if len(set(hashes.values())) > 1:
+            raise InvalidRouting(
+                f"active_ranks differs across ranks in round {self.round} (mask hash per seat: {hashes}); "
+                "pass the same mask on every rank"
+            )
+
+    # ------------------------------------------------------------------ internals: epochs
+    def _fail(self, exc: GroupFailure) -> NoReturn:
+        self._transition("failure", cause=exc)
+        raise RankFailure(
+            f"seat {self.seat}: membership changed during round {self.round}; now epoch {self.epoch} "
+            f"with seats {list(self.members)}; redo the step"
+        ) from exc
+
+    def _transition(self, reason: str, rebalance: bool = False, cause: Exception | None = None) -> None:
+        t0 = time.monotonic()
+        old = self._require_view()
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        self._transition_pending = False
+        epoch = old.epoch + 1
+        logger.info("EP seat %d: transition to epoch %d (%s) %s", self.seat, epoch, reason, cause or "")
+        while True:
+            info = AliveInfo(self.round, self.step, tuple(self.bank.held()), tuple(self.load.tolist()), rebalance)
+            self.membership.post_alive(epoch, info)
+            view = self._await_view(epoch, old, reason)
+            if self.seat not in view.members:
+                self.view = None
+                raise Evicted(
+                    f"seat {self.seat} was left out of epoch {view.epoch} (members {list(view.members)}); "
+                    "call join() to come back"
+                )
+            try:
+                self._install(view)
+                break
+            except GroupFailure as exc:
+                logger.warning("EP seat %d: installing epoch %d failed: %s", self.seat, view.epoch, exc)
+                if self.group is not None:
+                    self.group.close()
+                    self.group = None
+                old, epoch = view, view.epoch + 1
+        self.stats["transitions"] += 1
+        self.stats["last_recover_s"] = time.monotonic() - t0
+
+    def _await_view(self, epoch: int, old: View, reason: str) -> View:
+        cfg = self.config
+        start = time.monotonic()
+        while True:
+            view = self.membership.read_view(epoch)
+            if view is not None:
+                return view
+            posted = self.membership.read_alive(epoch, old.members)
+            waiting = []
+            for seat in old.members:
+                if seat in posted:
+                    continue
+                age = self.membership.heartbeat_age(seat)
+                dead = age is None or age > cfg.stale_s or time.monotonic() - start > cfg.timeout_s + cfg.stale_s
+                if not dead:
+                    waiting.append(seat)
+            if not waiting:
+                outside = [s for s in range(cfg.num_seats) if s not in posted]
+                joiners = self.membership.pending_joins(outside)
+                proposal = plan_view(old, posted, joiners, store_fallback=self.store_source is not None, reason=reason)
+                won = self.membership.offer_view(proposal)
+                if won == proposal:
+                    logger.info(
+                        "EP epoch %d: members %s, %d expert copies (%s)", won.epoch, list(won.members), len(won.transfers), won.reason
+                    )
+                return won
+            time.sleep(0.005)
+
+    def _install(self, view: View, connect_timeout_s: float | None = None) -> None:
+        cfg = self.config
+        idx = view.members.index(self.seat)
+        self.view = view
+        self.group = open_group(
+            self.membership.store,
+            f"{cfg.prefix}/pg/{view.epoch}/",
+            idx,
+            len(view.members),
+            backend=cfg.backend,
+            timeout_s=cfg.timeout_s,
+            connect_timeout_s=connect_timeout_s or cfg.timeout_s + cfg.stale_s,
+            host=cfg.host,
+        )
+        ctx = FetchContext(self.seat, view.members, self.bank, self.group)
+        got = self.live_source.fetch(view.transfers, ctx)
+        if self.store_source is not None and any(t.src_seat == STORE for t in view.transfers):
+            got.update(self.store_source.fetch(view.transfers, ctx))
+        for e, flat in got.items():
+            self.bank.put(e, flat)
+        self.bank.retain([e for e in view.placement.seat_experts(self.seat) if e >= 0])
+        self._seat_to_member.fill_(-1)
+        for i, seat in enumerate(view.members):
+            self._seat_to_member[seat] = i
+        self._replica_table = view.placement.replica_table()
+        self._table = None
+        self.round = view.resume_round
+
+    def _store_load(self, expert: int) -> torch.Tensor:
+        from mooncake_core.ep.weights import StoreWeightSource
+
+        if not isinstance(self.store_source, StoreWeightSource):
+            raise EPError(f"expert {expert} missing and no store source configured")
+        return self.store_source.load(expert)
+
+    def _require_view(self) -> View:
+        if self.view is None:
+            raise EPError(f"seat {self.seat} is not serving; call start() or join()")
+        return self.view
+
+    def _require_group(self) -> Group:
+        if self.group is None:
+            raise EPError(f"seat {self.seat} has no EP group; call start() or join()")
+        return self.group

@@ -1,0 +1,177 @@
+"""Multi-process harness for the EP tests, benchmark and example (loopback only).
+
+- :func:`free_port` / :func:`serve_store`: the launcher hosts the shared TCPStore.
+- :class:`WorkerSpec` + :func:`run_worker`: one EP rank that runs a tiny MoE layer on
+  deterministic inputs and reports every step (inputs, output, epoch, live experts) on a
+  queue, so the parent can compare against its own references. A spec can make one seat
+  ``SIGKILL`` itself at a given step and phase, start a seat with ``join()`` instead of
+  ``start()``, or inject bad input.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch._C._distributed_c10d import TCPStore
+
+from mooncake_core.ep.config import EPConfig
+from mooncake_core.ep.engine import ElasticEP
+from mooncake_core.ep.experts import ExpertBank, make_expert_weights
+from mooncake_core.errors import EPError, Evicted
+
+__all__ = ["WorkerSpec", "free_port", "make_inputs", "run_worker", "serve_store"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def serve_store(port: int | None = None) -> tuple[TCPStore, int]:
+    """Host the shared store in this (launcher) process; returns ``(store, port)``."""
+    port = port or free_port()
+    store = TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
+    )
+    return store, port
+
+
+def make_inputs(
+    seed: int, seat: int, step: int, tokens: int, hidden: int, num_experts: int, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Deterministic ``(x, topk_idx, topk_weights, logits)`` for one seat and step."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + seat * 10_007 + step)
+    x = torch.randn(tokens, hidden, generator=gen)
+    logits = torch.randn(tokens, num_experts, generator=gen)
+    vals, idx = torch.topk(logits, top_k, dim=1)
+    return x, idx, torch.softmax(vals, dim=1), logits
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One rank's script (picklable)."""
+
+    num_seats: int = 4
+    slots_per_rank: int = 16
+    num_experts: int = 32
+    hidden: int = 256
+    ffn: int = 32
+    top_k: int = 4
+    tokens: int = 16
+    steps: int = 6
+    policy: str = "renormalize"
+    timeout_s: float = 2.0
+    stale_s: float = 0.5
+    heartbeat_s: float = 0.05
+    seed: int = 0
+    kill_seat: int = -1
+    kill_step: int = -1
+    kill_phase: str = "before_dispatch"
+    join: bool = False
+    steps_after_join: int = 0
+    bad_input_step: int = -1
+    bad_mask_step: int = -1
+    step_sleep_s: float = 0.0
+    prefix: str = "mooncake/ep"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def config(self) -> EPConfig:
+        return EPConfig(
+            num_experts=self.num_experts,
+            num_seats=self.num_seats,
+            slots_per_rank=self.slots_per_rank,
+            hidden=self.hidden,
+            top_k=self.top_k,
+            policy="substitute" if self.policy == "substitute" else "renormalize",
+            timeout_s=self.timeout_s,
+            heartbeat_s=self.heartbeat_s,
+            stale_s=self.stale_s,
+            join_poll_s=0.05,
+            prefix=self.prefix,
+        )
+
+
+def _live_experts(ep: ElasticEP) -> list[int]:
+    p = ep.placement
+    return sorted({e for s in ep.members for e in p.seat_experts(s) if e >= 0})
+
+
+def _die(queue: Any, seat: int) -> None:
+    queue.put({"kind": "killed", "seat": seat, "t": time.time()})
+    queue.close()
+    queue.join_thread()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run_worker(seat: int, port: int, spec: WorkerSpec, queue: Any) -> None:
+    """Body of one EP rank process (target of a ``spawn`` process)."""
+    torch.set_num_threads(1)
+    cfg = spec.config()
+    weights = make_expert_weights(spec.num_experts, spec.hidden, spec.ffn, spec.seed)
+    held = {} if spec.join else {e: weights[e] for e in range(spec.num_experts)}
+    ep = ElasticEP(cfg, seat, ExpertBank(spec.hidden, spec.ffn, held), "127.0.0.1", port)
+    try:
+        if spec.join:
+            ep.join(timeout_s=60.0)
+        else:
+            ep.start()
+        queue.put({"kind": "up", "seat": seat, "epoch": ep.epoch, "placement": ep.placement.to_list(), "held": ep.bank.held()})
+        join_step = ep.step if spec.join else -1
+        last = spec.steps
+        while ep.step < last or (spec.steps_after_join and join_step < 0):
+            step = ep.step
+            x, idx, w, logits = make_inputs(spec.seed, seat, step, spec.tokens, spec.hidden, spec.num_experts, spec.top_k)
+            if step == spec.bad_input_step or step == spec.bad_mask_step:
+                bad_idx, mask = idx, None
+                if step == spec.bad_input_step and seat == 0:
+                    bad_idx = idx.clone()
+                    bad_idx[0, 0] = spec.num_experts + 5
+                if step == spec.bad_mask_step:
+                    mask = torch.ones(spec.num_seats, dtype=torch.int32)
+                    if seat == 0:
+                        mask[spec.num_seats - 1] = 0
+                t0 = time.monotonic()
+                try:
+                    ep.forward(x, bad_idx, w, logits, active_ranks=mask)
+                    queue.put({"kind": "bad", "seat": seat, "step": step, "error": None})
+                except EPError as exc:
+                    queue.put({"kind": "bad", "seat": seat, "step": step, "error": f"{type(exc).__name__}: {exc}", "s": time.monotonic() - t0})
+            if seat == spec.kill_seat and step == spec.kill_step and spec.kill_phase == "before_dispatch":
+                _die(queue, seat)
+            epoch_before = ep.epoch
+            if seat == spec.kill_seat and step == spec.kill_step and spec.kill_phase == "mid_step":
+                ep.dispatch(x, idx, w, router_logits=logits)
+                _die(queue, seat)
+            y = ep.forward(x, idx, w, logits)
+            if spec.steps_after_join and join_step < 0 and len(ep.members) == spec.num_seats and ep.view is not None and ep.view.reason == "join":
+                join_step = ep.step
+                last = ep.step + spec.steps_after_join
+            if spec.join:
+                last = join_step + spec.steps_after_join
+            queue.put(
+                {
+                    "kind": "step", "seat": seat, "step": step, "t": time.time(), "epoch": ep.epoch,
+                    "epoch_changed": ep.epoch != epoch_before, "members": list(ep.members),
+                    "live_experts": _live_experts(ep), "x": x.tolist(), "idx": idx.tolist(), "w": w.tolist(),
+                    "logits": logits.tolist(), "y": y.tolist(),
+                    "placement": ep.placement.to_list(), "stats": dict(ep.stats),
+                }
+            )
+            if spec.step_sleep_s:
+                time.sleep(spec.step_sleep_s)
+        queue.put({"kind": "done", "seat": seat, "epoch": ep.epoch, "placement": ep.placement.to_list(), "held": ep.bank.held()})
+    except Evicted as exc:
+        queue.put({"kind": "evicted", "seat": seat, "error": str(exc)})
+    except Exception as exc:  # reported to the parent, which fails the test with it
+        queue.put({"kind": "error", "seat": seat, "error": f"{type(exc).__name__}: {exc}"})
+        raise
+    finally:
+        ep.close()

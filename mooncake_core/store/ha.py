@@ -1,0 +1,140 @@
+"""High availability through etcd: leader election and a replicated metadata log.
+
+Design choice: **the leader replicates its metadata log through etcd** (not a rebuild
+from clients' reports). Every change a standby must know (client and segment registry,
+each committed object with its replica locations, removals, evictions) becomes an
+entry; entries produced by concurrent RPCs are group-committed as one etcd key
+``<prefix>/oplog/<seq>`` in a transaction that only succeeds while our leader key
+still holds our id (fencing a deposed leader). The master answers an RPC only after
+its entries are durable, so an acknowledged ``put_end`` survives a leader crash.
+Standbys tail the log; on winning the election they read to its end and take over.
+
+Layout under ``mooncake-store/<cluster_id>/``:
+
+- ``leader``: JSON ``{"id", "rpc", "http"}`` of the leader, attached to its etcd lease
+  (TTL ``ha_lease_ttl_s``): it disappears when the leader dies.
+- ``oplog/<%016d seq>``: msgpack list of entries (see ``MasterState.apply``).
+
+Clients configured with ``master_server_address = "etcd://host:port"`` read ``leader``
+to find the RPC address and re-read it when the connection fails.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import msgspec
+
+from mooncake_core.errors import MetadataError
+from mooncake_core.etcd import EtcdClient
+
+__all__ = ["StoreEtcd", "LeaderInfo", "prefix_for", "resolve_leader", "MAX_BATCH_BYTES"]
+
+logger = logging.getLogger(__name__)
+MAX_BATCH_BYTES = 1 << 20  # etcd's default request limit is 1.5 MiB
+
+
+def prefix_for(cluster_id: str) -> str:
+    return f"mooncake-store/{cluster_id}/"
+
+
+class LeaderInfo(msgspec.Struct, frozen=True):
+    id: str
+    rpc: str
+    http: str = ""
+
+
+class StoreEtcd(EtcdClient):
+    """:class:`EtcdClient` plus the range reads and fenced writes the store needs."""
+
+    def __init__(self, url: str, cluster_id: str = "default", timeout: float = 5.0) -> None:
+        super().__init__(url, timeout=timeout)
+        self.prefix = prefix_for(cluster_id)
+        self.leader_key = self.prefix + "leader"
+        self.oplog_prefix = self.prefix + "oplog/"
+
+    def _seq_key(self, seq: int) -> str:
+        return f"{self.oplog_prefix}{seq:016d}"
+
+    # ------------------------------------------------------------------ election
+    def leader(self) -> LeaderInfo | None:
+        raw = self.get(self.leader_key)
+        if raw is None:
+            return None
+        try:
+            return msgspec.json.decode(raw, type=LeaderInfo)
+        except msgspec.DecodeError:
+            logger.warning("ignoring a malformed leader record %r", raw[:200])
+            return None
+
+    def campaign(self, me: LeaderInfo, lease: int) -> bool:
+        """Try to become leader once; True on success."""
+        return self.create_if_absent(self.leader_key, msgspec.json.encode(me), lease)
+
+    def still_leader(self, me: LeaderInfo) -> bool:
+        cur = self.leader()
+        return cur is not None and cur.id == me.id
+
+    # ------------------------------------------------------------------ oplog
+    def append(self, me: LeaderInfo, seq: int, entries: list[Any]) -> int:
+        """Write ``entries`` at ``seq`` (split when large) while we lead; returns the next seq.
+
+        Raises MetadataError when we are no longer the leader or etcd fails.
+        """
+        chunks: list[bytes] = []
+        cur: list[Any] = []
+        size = 0
+        for e in entries:
+            b = len(msgspec.msgpack.encode(e))
+            if cur and size + b > MAX_BATCH_BYTES:
+                chunks.append(msgspec.msgpack.encode(cur))
+                cur, size = [], 0
+            cur.append(e)
+            size += b
+        if cur:
+            chunks.append(msgspec.msgpack.encode(cur))
+        mine = msgspec.json.encode(me)
+        for body in chunks:
+            key = self._seq_key(seq)
+
+            async def txn(k: str = key, v: bytes = body) -> bool:
+                c = self._client
+                cmp = [c.transactions.value(self.leader_key.encode()) == mine,
+                       c.transactions.create(k.encode()) == 0]
+                ok, _ = await c.transaction(compare=cmp, success=[c.transactions.put(k.encode(), v)], failure=[])
+                return bool(ok)
+
+            if not self._run(txn()):
+                raise MetadataError(f"oplog append at seq {seq} refused: this master is no longer the leader")
+            seq += 1
+        return seq
+
+    def read_log(self, start_seq: int, limit: int = 512) -> list[tuple[int, list[Any]]]:
+        """Log batches with seq >= ``start_seq`` (at most ``limit``), in order."""
+        lo = self._seq_key(start_seq).encode()
+        hi = (self.oplog_prefix[:-1] + "0").encode()  # '/' + 1
+
+        async def f() -> list[tuple[int, list[Any]]]:
+            r = await self._client.get_range(lo, hi, sort_order="ascend", sort_target="key")
+            out = []
+            for kv in list(r)[:limit]:
+                seq = int(kv.key.decode()[len(self.oplog_prefix):])
+                out.append((seq, msgspec.msgpack.decode(bytes(kv.value))))
+            return out
+
+        return self._run(f())
+
+
+def resolve_leader(url: str, cluster_id: str = "default", timeout: float = 3.0) -> LeaderInfo | None:
+    """One-shot look-up of the leader (for clients and tools)."""
+    c = StoreEtcd(url, cluster_id, timeout=timeout)
+    try:
+        return c.leader()
+    finally:
+        c.close()
+
+
+def leader_json(info: LeaderInfo | None) -> str:
+    return json.dumps(None if info is None else {"id": info.id, "rpc": info.rpc, "http": info.http})

@@ -1,0 +1,559 @@
+"""The store master: an asyncio RPC service over :class:`MasterState`, plus its HTTP port.
+
+Contract:
+
+- RPC: length-prefixed msgpack frames (:mod:`mooncake_core.store.protocol`) on
+  ``rpc_port``. Requests on one connection are answered in order of completion; the
+  bundled client sends one request at a time per connection. A malformed frame closes
+  that connection only.
+- HTTP on ``http_port``: ``/metrics`` (Prometheus), ``/health``, ``/role``,
+  ``/query_key?key=K``, ``/segments``, and (unless disabled) the HTTP metadata server at
+  ``/metadata`` so one process serves a small deployment.
+- HA (``ha_url`` = ``etcd://host:port``): see :mod:`mooncake_core.store.ha`. A standby
+  answers every RPC with ``NOT_LEADER`` naming the leader.
+- Background: expire silent clients, reclaim unfinished puts, evict above the high
+  watermark (every ``tick_s``).
+
+:class:`MasterServer` is used by ``mooncake-core master`` and by tests (``start_in_thread``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from mooncake_core.config import StoreConfig
+from mooncake_core.errors import MetadataError
+from mooncake_core.store import protocol as P
+from mooncake_core.store.metrics import Metrics, render
+from mooncake_core.store.state import MasterState, error_tuple
+
+__all__ = ["MasterServer", "install_uvloop"]
+
+logger = logging.getLogger(__name__)
+
+
+def install_uvloop() -> bool:
+    """Use uvloop for new event loops when it is installed; True if it is."""
+    try:
+        import uvloop
+    except ImportError:
+        return False
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return True
+
+
+class _Conn(asyncio.Protocol):
+    def __init__(self, server: MasterServer) -> None:
+        self.server = server
+        self.buf = bytearray()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            import socket
+
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        pos = 0
+        n = len(buf)
+        while n - pos >= 4:
+            (length,) = P.HEADER.unpack_from(buf, pos)
+            if length > P.MAX_FRAME:
+                self._bad(f"frame of {length} bytes exceeds {P.MAX_FRAME}")
+                return
+            if n - pos - 4 < length:
+                break
+            frame = bytes(buf[pos + 4 : pos + 4 + length])
+            pos += 4 + length
+            try:
+                req = P.decode_request(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                self._bad(f"malformed request frame: {exc}")
+                return
+            self.server.handle(self, req)
+        if pos:
+            del buf[:pos]
+
+    def _bad(self, why: str) -> None:
+        self.server.metrics.bad_frames += 1
+        peer = self.transport.get_extra_info("peername") if self.transport else None
+        logger.warning("closing RPC connection from %s: %s", peer, why)
+        self.buf.clear()
+        if self.transport is not None:
+            self.transport.close()
+
+    def send(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+
+Handler = Callable[[Any, float], Any]
+
+
+class MasterServer:
+    """One master process (leader, or standby with HA).
+
+    Args:
+        cfg: store settings (leases, watermarks, placement, timeouts).
+        host, rpc_port: RPC listen address (port 0 picks a free one).
+        http_host, http_port: HTTP listen address (port 0 picks; -1 disables HTTP).
+        ha_url: ``etcd://host:port`` to run with leader election; None for a single master.
+        cluster_id: namespace of the leader key and oplog in etcd.
+        advertise: RPC address clients should use (defaults to host:port).
+        serve_metadata: also serve the HTTP metadata protocol at ``/metadata``.
+        tick_s: period of the background checks.
+        ha_lease_ttl_s: etcd lease of the leader key (failover takes about this long).
+    """
+
+    def __init__(
+        self,
+        cfg: StoreConfig | None = None,
+        *,
+        host: str = "127.0.0.1",
+        rpc_port: int = 50051,
+        http_host: str = "127.0.0.1",
+        http_port: int = 9003,
+        ha_url: str | None = None,
+        cluster_id: str = "default",
+        advertise: str = "",
+        serve_metadata: bool = True,
+        tick_s: float = 0.2,
+        ha_lease_ttl_s: float = 2.0,
+    ) -> None:
+        self.cfg = cfg or StoreConfig()
+        self.state = MasterState(self.cfg)
+        self.metrics = Metrics()
+        self.host, self.rpc_port = host, rpc_port
+        self.http_host, self.http_port = http_host, http_port
+        self.ha_url = ha_url
+        self.cluster_id = cluster_id
+        self.advertise = advertise
+        self.serve_metadata = serve_metadata
+        self.tick_s = tick_s
+        self.ha_lease_ttl_s = ha_lease_ttl_s
+        self.id = uuid.uuid4().hex[:12]
+        self.role = "starting"
+        self.leader_hint = ""
+        self._etcd: Any = None
+        self._me: Any = None
+        self._seq = 0
+        self._log: list[Any] = []
+        self._flush_waiters: list[asyncio.Future[None]] = []
+        self._flush_wake: asyncio.Event | None = None
+        self._pollers: dict[str, asyncio.Future[None]] = {}
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._server: asyncio.base_events.Server | None = None
+        self._runner: web.AppRunner | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopped: asyncio.Event | None = None
+        self.state.on_task = self._wake_poller
+        self._handlers: dict[str, Handler] = self._make_handlers()
+
+    # ------------------------------------------------------------------ handlers
+    def _make_handlers(self) -> dict[str, Handler]:
+        st = self.state
+
+        def batch_put_start(a: Any, now: float) -> list[Any]:
+            if len(a.keys) != len(a.sizes):
+                raise P.InvalidArgument(f"batch_put_start: {len(a.keys)} keys but {len(a.sizes)} sizes")
+            if len(a.keys) > P.MAX_BATCH:
+                raise P.InvalidArgument(f"batch of {len(a.keys)} keys exceeds the limit of {P.MAX_BATCH}")
+            out: list[Any] = []
+            for k, n in zip(a.keys, a.sizes, strict=True):
+                try:
+                    tok, reps = st.put_start(a.client_id, k, n, a.cfg, now)
+                    out.append((0, tok, reps))
+                except P.UnknownClient:
+                    raise
+                except Exception as exc:
+                    code, msg = error_tuple(exc)
+                    out.append((code, msg, []))
+            return out
+
+        def batch_put_end(a: Any, now: float) -> list[Any]:
+            if not len(a.keys) == len(a.tokens) == len(a.ok):
+                raise P.InvalidArgument("batch_put_end: keys, tokens and ok must have the same length")
+            out: list[Any] = []
+            for k, t, ok in zip(a.keys, a.tokens, a.ok, strict=True):
+                try:
+                    if ok:
+                        st.put_end(a.client_id, k, t, now)
+                    else:
+                        st.put_revoke(a.client_id, k, t, now)
+                    out.append((0, ""))
+                except P.UnknownClient:
+                    raise
+                except Exception as exc:
+                    out.append(error_tuple(exc))
+            return out
+
+        return {
+            "register_client": lambda a, now: st.register_client(a.client_id, a.host, a.peer, a.ssd, now),
+            "mount": lambda a, now: st.mount(a.client_id, a.segment, a.peer, a.base, a.size, a.host, now),
+            "unmount": lambda a, now: st.unmount(a.client_id, a.segment, now),
+            "task_done": lambda a, now: st.task_done(a.client_id, a.kind, a.key, a.token, a.ok, a.detail, now),
+            "put_start": lambda a, now: st.put_start(a.client_id, a.key, a.size, a.cfg, now),
+            "batch_put_start": batch_put_start,
+            "put_end": lambda a, now: st.put_end(a.client_id, a.key, a.token, now),
+            "put_revoke": lambda a, now: st.put_revoke(a.client_id, a.key, a.token, now),
+            "batch_put_end": batch_put_end,
+            "get_replica_list": lambda a, now: st.get_replica_list(a.key, now),
+            "batch_get_replica_list": lambda a, now: st.batch_get_replica_list(a.keys, now),
+            "exists": lambda a, now: st.exists(a.key, now),
+            "batch_exists": lambda a, now: st.batch_exists(a.keys, now),
+            "get_size": lambda a, now: st.get_size(a.key),
+            "remove": lambda a, now: st.remove(a.key, a.force, now),
+            "batch_remove": lambda a, now: st.batch_remove(a.keys, a.force, now),
+            "remove_by_regex": lambda a, now: st.remove_by_regex(a.pattern, a.force, now),
+            "keys_by_regex": lambda a, now: st.keys_by_regex(a.pattern),
+            "remove_all": lambda a, now: st.remove_all(a.force, now),
+            "ping": lambda a, now: {"role": self.role, "id": self.id},
+            "stats": lambda a, now: st.stats(),
+            "query_key": lambda a, now: st.query_key(a.key),
+        }
+
+    def handle(self, conn: _Conn, req: P.Request) -> None:
+        t0 = time.perf_counter()
+        method = req.method
+        if req.v != P.VERSION:
+            conn.send(P.encode_response(req.id, P.Code.UNSUPPORTED,
+                                        f"RPC version {req.v} is not supported (this master speaks {P.VERSION})"))
+            return
+        if self.role != "leader" and method != "ping":
+            hint = f"; the leader is {self.leader_hint}" if self.leader_hint else ""
+            conn.send(P.encode_response(req.id, P.Code.NOT_LEADER, f"master {self.id} is {self.role}{hint}"))
+            return
+        if method == "poll":
+            asyncio.ensure_future(self._poll(conn, req, t0))
+            return
+        ok = True
+        try:
+            args = P.decode_params(method, req.params)
+            result = self._handlers[method](args, time.monotonic())
+            out = P.encode_response(req.id, P.Code.OK, result)
+        except Exception as exc:
+            ok = False
+            code, msg = error_tuple(exc)
+            if code == P.Code.INTERNAL:
+                logger.exception("internal error in %s", method)
+            out = P.encode_response(req.id, code, msg)
+        self.metrics.observe(method, time.perf_counter() - t0, ok)
+        if self._log and self._etcd is not None:
+            asyncio.ensure_future(self._reply_when_durable(conn, out))
+        else:
+            self._log.clear()
+            conn.send(out)
+
+    async def _reply_when_durable(self, conn: _Conn, out: bytes) -> None:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._flush_waiters.append(fut)
+        assert self._flush_wake is not None
+        self._flush_wake.set()
+        try:
+            await fut
+        except MetadataError as exc:
+            logger.error("oplog write failed, dropping the reply: %s", exc)
+            conn.transport.close() if conn.transport is not None else None
+            return
+        conn.send(out)
+
+    async def _flusher(self) -> None:
+        """Group commit: write every pending entry in one fenced etcd transaction."""
+        assert self._flush_wake is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._flush_wake.wait()
+            self._flush_wake.clear()
+            if not self._flush_waiters:
+                continue
+            entries, self._log = self._log, []
+            waiters, self._flush_waiters = self._flush_waiters, []
+            try:
+                if entries:
+                    self._seq = await loop.run_in_executor(None, self._etcd.append, self._me, self._seq, entries)
+                for w in waiters:
+                    if not w.done():
+                        w.set_result(None)
+            except MetadataError as exc:
+                for w in waiters:
+                    if not w.done():
+                        w.set_exception(exc)
+                self._step_down(str(exc))
+
+    async def _poll(self, conn: _Conn, req: P.Request, t0: float) -> None:
+        try:
+            a = P.decode_params("poll", req.params)
+            assert isinstance(a, P.PollArgs)
+            now = time.monotonic()
+            tasks = self.state.take_tasks(a.client_id, now)
+            if not tasks and a.timeout_s > 0:
+                fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                old = self._pollers.pop(a.client_id, None)
+                if old is not None and not old.done():
+                    old.set_result(None)
+                self._pollers[a.client_id] = fut
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(fut, min(a.timeout_s, 30.0))
+                if self._pollers.get(a.client_id) is fut:
+                    del self._pollers[a.client_id]
+                if self.role != "leader":
+                    raise P.NotLeader(f"master {self.id} is {self.role}")
+                tasks = self.state.take_tasks(a.client_id, time.monotonic())
+            out = P.encode_response(req.id, P.Code.OK, tasks)
+            ok = True
+        except Exception as exc:
+            ok = False
+            out = P.encode_response(req.id, *error_tuple(exc))
+        self.metrics.observe("poll", time.perf_counter() - t0, ok)
+        conn.send(out)
+
+    def _wake_poller(self, client_id: str) -> None:
+        fut = self._pollers.get(client_id)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    # ------------------------------------------------------------------ background
+    async def _ticker(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick_s)
+            if self.role != "leader":
+                continue
+            now = time.monotonic()
+            try:
+                self.state.expire_clients(now)
+                self.state.reclaim(now)
+                self.state.check_watermarks(now)
+            except Exception:
+                logger.exception("background check failed")
+            if self._log:
+                if self._etcd is not None:
+                    fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                    self._flush_waiters.append(fut)
+                    assert self._flush_wake is not None
+                    self._flush_wake.set()
+                else:
+                    self._log.clear()
+
+    def _step_down(self, why: str) -> None:
+        if self.role == "leader":
+            logger.error("stepping down: %s", why)
+        self.role = "deposed"
+        if self._stopped is not None:
+            self._stopped.set()
+
+    async def _ha_loop(self) -> None:
+        """Standby: tail the oplog and campaign; leader: watch that we still lead."""
+        loop = asyncio.get_running_loop()
+        etcd = self._etcd
+        lease = await loop.run_in_executor(None, etcd.grant_lease, self.ha_lease_ttl_s)
+        while True:
+            if self.role != "leader":
+                batches = await loop.run_in_executor(None, etcd.read_log, self._seq)
+                self._apply(batches)
+                if len(batches) >= 512:
+                    continue
+                won = await loop.run_in_executor(None, etcd.campaign, self._me, lease)
+                if won:
+                    while True:  # read the log to its end before serving
+                        batches = await loop.run_in_executor(None, etcd.read_log, self._seq)
+                        if not batches:
+                            break
+                        self._apply(batches)
+                    self.state.on_takeover(time.monotonic())
+                    self.role = "leader"
+                    self.leader_hint = self._me.rpc
+                    logger.info("master %s is now the leader at %s (oplog seq %d, %d objects)", self.id,
+                                self._me.rpc, self._seq, len(self.state.objects))
+                    continue
+                cur = await loop.run_in_executor(None, etcd.leader)
+                self.leader_hint = cur.rpc if cur is not None else ""
+                await asyncio.sleep(0.1)
+            else:
+                await asyncio.sleep(max(0.2, self.ha_lease_ttl_s / 4))
+                try:
+                    mine = await loop.run_in_executor(None, etcd.still_leader, self._me)
+                except MetadataError as exc:
+                    logger.warning("cannot confirm leadership: %s", exc)
+                    continue
+                if not mine:
+                    self._step_down("the leader key in etcd is no longer ours")
+                    return
+
+    def _apply(self, batches: list[tuple[int, list[Any]]]) -> None:
+        now = time.monotonic()
+        self.state.on_change = None  # replaying: nothing to re-log
+        try:
+            self._replay(batches, now)
+        finally:
+            self.state.on_change = self._log.append
+            self._log.clear()
+
+    def _replay(self, batches: list[tuple[int, list[Any]]], now: float) -> None:
+        for seq, entries in batches:
+            for e in entries:
+                try:
+                    self.state.apply(e, now)
+                except Exception:
+                    logger.exception("cannot apply oplog entry %r", e[:2] if isinstance(e, list) else e)
+            self._seq = seq + 1
+
+    # ------------------------------------------------------------------ HTTP
+    def _http_app(self) -> web.Application:
+        app = web.Application()
+
+        async def metrics(_r: web.Request) -> web.Response:
+            return web.Response(text=render(self.metrics, self.state, self.role), content_type="text/plain")
+
+        async def health(_r: web.Request) -> web.Response:
+            ok = self.role in ("leader", "standby")
+            return web.json_response({"status": "ok" if ok else self.role, "role": self.role},
+                                     status=200 if ok else 503)
+
+        async def role(_r: web.Request) -> web.Response:
+            return web.json_response({"role": self.role, "id": self.id, "leader": self.leader_hint})
+
+        async def query_key(r: web.Request) -> web.Response:
+            key = r.query.get("key", "")
+            try:
+                return web.json_response(self.state.query_key(key))
+            except Exception as exc:
+                code, msg = error_tuple(exc)
+                return web.json_response({"error": msg}, status=404 if code == P.Code.NOT_FOUND else 400)
+
+        async def segments(_r: web.Request) -> web.Response:
+            return web.json_response([{"name": s.name, "client": s.client_id, "peer": s.peer, "size": s.size,
+                                       "used": s.allocator.used, "objects": len(s.keys)}
+                                      for s in self.state.segments.values()])
+
+        async def stats(_r: web.Request) -> web.Response:
+            return web.json_response(self.state.stats())
+
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/health", health)
+        app.router.add_get("/role", role)
+        app.router.add_get("/query_key", query_key)
+        app.router.add_get("/segments", segments)
+        app.router.add_get("/stats", stats)
+        if self.serve_metadata:
+            from mooncake_core.metadata.http import add_metadata_routes
+
+            add_metadata_routes(app)
+        return app
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._stopped = asyncio.Event()
+        self._flush_wake = asyncio.Event()
+        self._server = await loop.create_server(lambda: _Conn(self), self.host, self.rpc_port, reuse_address=True)
+        self.rpc_port = self._server.sockets[0].getsockname()[1]
+        if self.http_port >= 0:
+            self._runner = web.AppRunner(self._http_app(), access_log=None)
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, self.http_host, self.http_port, reuse_address=True)
+            await site.start()
+            srv: Any = site._server
+            self.http_port = srv.sockets[0].getsockname()[1]
+        rpc = self.advertise or f"{self.host}:{self.rpc_port}"
+        self._tasks.append(asyncio.ensure_future(self._ticker()))
+        if self.ha_url:
+            from mooncake_core.store.ha import LeaderInfo, StoreEtcd
+
+            self._etcd = await loop.run_in_executor(None, StoreEtcd, self.ha_url, self.cluster_id)
+            self._me = LeaderInfo(self.id, rpc, f"{self.http_host}:{self.http_port}")
+            self.role = "standby"
+            self.state.on_change = self._log.append
+            self._tasks.append(asyncio.ensure_future(self._flusher()))
+            self._tasks.append(asyncio.ensure_future(self._ha_loop()))
+        else:
+            self.state.on_change = self._log.append
+            self.role = "leader"
+            self.leader_hint = rpc
+        logger.info("store master %s: RPC on %s:%d, HTTP on %s:%d%s", self.id, self.host, self.rpc_port,
+                    self.http_host, self.http_port, f", HA via {self.ha_url}" if self.ha_url else "")
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+        if self._server is not None:
+            self._server.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._etcd is not None:
+            etcd, self._etcd = self._etcd, None
+            await asyncio.get_running_loop().run_in_executor(None, etcd.close)
+
+    async def serve_forever(self) -> None:
+        await self.start()
+        assert self._stopped is not None
+        try:
+            await self._stopped.wait()
+        finally:
+            await self.stop()
+
+    def start_in_thread(self) -> MasterServer:
+        """Run the master on a private event loop thread (tests, embedding)."""
+        ready = threading.Event()
+        err: list[BaseException] = []
+
+        def main() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+
+            async def boot() -> None:
+                try:
+                    await self.start()
+                except BaseException as exc:
+                    err.append(exc)
+                    raise
+                finally:
+                    ready.set()
+                assert self._stopped is not None
+                await self._stopped.wait()
+                await self.stop()
+
+            with contextlib.suppress(BaseException):
+                loop.run_until_complete(boot())
+            loop.close()
+
+        self._thread = threading.Thread(target=main, name="mc-master", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if err:
+            raise err[0]
+        return self
+
+    def shutdown(self) -> None:
+        """Stop a master started with :meth:`start_in_thread`."""
+        loop = self._loop
+        if loop is not None and self._stopped is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._stopped.set)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.rpc_port}"

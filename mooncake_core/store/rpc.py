@@ -1,0 +1,190 @@
+"""Client side of the master RPC: a pool of blocking connections that follows the leader.
+
+Contract: :meth:`MasterRPC.call` is thread-safe (each call borrows a connection), sends
+one request and waits for its answer. Connection failures and ``NOT_LEADER`` answers
+make it re-resolve the master (``etcd://`` addresses read the leader key) and retry
+until ``failover_timeout_s``; then it raises :class:`MasterUnavailable`. Error answers
+raise the matching :mod:`mooncake_core.errors` class.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from typing import Any
+
+import msgspec
+
+from mooncake_core.errors import ConfigError, MasterUnavailable, MetadataError
+from mooncake_core.store import protocol as P
+
+__all__ = ["MasterRPC"]
+
+logger = logging.getLogger(__name__)
+
+
+class _Sock:
+    __slots__ = ("sock", "addr", "hdr", "next_id")
+
+    def __init__(self, addr: str, timeout: float) -> None:
+        host, _, port = addr.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"master_server_address: {addr!r} is not host:port or etcd://host:port")
+        self.addr = addr
+        self.sock = socket.create_connection((host, int(port)), timeout=timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.hdr = bytearray(4)
+        self.next_id = 0
+
+    def roundtrip(self, method: str, params: Any, timeout: float | None) -> P.Response:
+        self.next_id += 1
+        rid = self.next_id
+        self.sock.settimeout(timeout)
+        self.sock.sendall(P.encode_request(rid, method, params))
+        hdr = memoryview(self.hdr)
+        got = 0
+        while got < 4:
+            k = self.sock.recv_into(hdr[got:])
+            if not k:
+                raise ConnectionError("master closed the connection")
+            got += k
+        (n,) = P.HEADER.unpack(self.hdr)
+        if n > P.MAX_FRAME:
+            raise ConnectionError(f"master sent a {n}-byte frame")
+        body = bytearray(n)
+        view = memoryview(body)
+        got = 0
+        while got < n:
+            k = self.sock.recv_into(view[got:])
+            if not k:
+                raise ConnectionError("master closed the connection mid-frame")
+            got += k
+        resp = P.decode_response(body)
+        if resp.id != rid:
+            raise ConnectionError(f"answer id {resp.id} does not match request {rid}")
+        return resp
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class MasterRPC:
+    """Calls to the (leader) master.
+
+    Args:
+        address: ``host:port`` or ``etcd://host:port[,host:port]`` (HA: follow the leader).
+        cluster_id: the HA cluster namespace in etcd.
+        timeout_s: per-call socket timeout.
+        failover_timeout_s: how long to keep retrying while no leader answers.
+    """
+
+    def __init__(self, address: str, *, cluster_id: str = "default", timeout_s: float = 30.0,
+                 failover_timeout_s: float = 15.0) -> None:
+        self.address = address
+        self.cluster_id = cluster_id
+        self.timeout_s = timeout_s
+        self.failover_timeout_s = failover_timeout_s
+        self._lock = threading.Lock()
+        self._idle: list[_Sock] = []
+        self._target = "" if address.startswith("etcd://") else address
+        self._etcd: Any = None
+        self._closed = False
+        self.failovers = 0
+
+    # ------------------------------------------------------------------ leader resolution
+    def _resolve(self) -> str:
+        if not self.address.startswith("etcd://"):
+            return self.address
+        if self._etcd is None:
+            from mooncake_core.store.ha import StoreEtcd
+
+            self._etcd = StoreEtcd(self.address, self.cluster_id, timeout=3.0)
+        info = self._etcd.leader()
+        if info is None:
+            raise MasterUnavailable(f"no store master is leader in etcd {self.address} (cluster {self.cluster_id!r})")
+        return str(info.rpc)
+
+    def _drop_all(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for s in idle:
+            s.close()
+
+    def _acquire(self) -> _Sock:
+        with self._lock:
+            while self._idle:
+                s = self._idle.pop()
+                if s.addr == self._target:
+                    return s
+                s.close()
+            target = self._target
+        if not target:
+            target = self._resolve()
+            with self._lock:
+                self._target = target
+        try:
+            return _Sock(target, min(self.timeout_s, 5.0))
+        except OSError as exc:
+            raise ConnectionError(f"cannot connect to master {target}: {exc.strerror or exc}") from exc
+
+    def _release(self, s: _Sock) -> None:
+        with self._lock:
+            if not self._closed and s.addr == self._target and len(self._idle) < 64:
+                self._idle.append(s)
+                return
+        s.close()
+
+    # ------------------------------------------------------------------ calls
+    def call(self, method: str, params: Any, *, timeout: float | None = None, typ: Any = Any) -> Any:
+        """Send one request and return its decoded result (raises on error answers)."""
+        deadline = time.monotonic() + self.failover_timeout_s
+        delay = 0.01
+        last: BaseException | None = None
+        while True:
+            if self._closed:
+                raise MasterUnavailable("the store client is closed")
+            try:
+                s = self._acquire()
+            except (ConnectionError, MasterUnavailable, MetadataError) as exc:
+                last = exc
+                s = None
+            if s is not None:
+                try:
+                    resp = s.roundtrip(method, params, timeout if timeout is not None else self.timeout_s)
+                except (OSError, ConnectionError, msgspec.DecodeError) as exc:
+                    s.close()
+                    last = exc
+                    if isinstance(exc, socket.timeout) and not self.address.startswith("etcd://"):
+                        raise MasterUnavailable(f"master {s.addr} did not answer {method} within the timeout") from exc
+                else:
+                    self._release(s)
+                    if resp.code == P.Code.OK:
+                        return msgspec.msgpack.decode(resp.result, type=typ)
+                    msg = msgspec.msgpack.decode(resp.result)
+                    if resp.code != P.Code.NOT_LEADER:
+                        P.raise_for(resp.code, str(msg))
+                    last = P.NotLeader(str(msg))
+            # connection failure or standby: find the leader again
+            if time.monotonic() >= deadline:
+                raise MasterUnavailable(f"no store master answered {method} at {self.address} within "
+                                        f"{self.failover_timeout_s:.0f}s: {last}") from last
+            self.failovers += 1
+            logger.debug("master call %s failed (%s); re-resolving", method, last)
+            with self._lock:
+                if self.address.startswith("etcd://"):
+                    self._target = ""
+            self._drop_all()
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+    def close(self) -> None:
+        self._closed = True
+        self._drop_all()
+        if self._etcd is not None:
+            self._etcd.close()
+            self._etcd = None

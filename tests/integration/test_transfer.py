@@ -1,0 +1,267 @@
+"""Transfer engine between real processes over TCP and shared memory."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import socket
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mooncake_core.errors import AuthError, InvalidRequest, PeerUnreachable, TransportError
+from mooncake_core.transfer import TransferEngine, TransferRequest
+from mooncake_core.transfer.transports.tcp import TCPTransport
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def sha(b: Any) -> str:
+    return hashlib.sha256(memoryview(b).cast("B")).hexdigest()
+
+
+@pytest.fixture()
+def engine() -> Any:
+    eng = TransferEngine(transfer={"slice_size": 64 << 10, "connections_per_peer": 3, "timeout_s": 10}).start()
+    yield eng
+    eng.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("remote_kind", ["alloc", "register_numpy"])
+def test_round_trip_byte_exact(engine: TransferEngine, spawn_peer: Any, transport: str, remote_kind: str) -> None:
+    peer = spawn_peer()
+    size = 3 << 20
+    raddr = peer.call(remote_kind, size=size)["addr"]
+    rng = np.random.default_rng(1)
+    local = engine.allocate(size)
+    # sizes that are not multiples of the 64 KiB slice, unaligned offsets on both ends
+    for length, loff, roff in [(1, 0, 0), (65535, 3, 7), (65537, 1, 12345), (1_000_003, 17, 999), (2_500_001, 5, 11)]:
+        data = rng.integers(0, 256, length, dtype=np.uint8)
+        local.view[loff : loff + length] = data.tobytes()
+        engine.write(peer.name, local.addr + loff, raddr + roff, length, transport=transport)
+        assert peer.call("digest", addr=raddr + roff, length=length)["sha"] == sha(data)
+        back = np.zeros(length + 2, dtype=np.uint8)
+        engine.read(peer.name, back[1:-1], raddr + roff, transport=transport)
+        assert sha(back[1:-1]) == sha(data)
+        assert back[0] == 0 and back[-1] == 0  # nothing written outside the target
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_many_batches_in_flight(engine: TransferEngine, spawn_peer: Any, transport: str) -> None:
+    peer = spawn_peer()
+    n, each = 24, 200_003
+    raddr = peer.call("alloc", size=n * each)["addr"]
+    peer.call("fill", addr=raddr, length=n * each, seed=7)
+    expected = np.random.default_rng(7).integers(0, 256, n * each, dtype=np.uint8)
+    dests = [np.zeros(each, dtype=np.uint8) for _ in range(n)]
+    batches = [engine.submit([TransferRequest("read", peer.name, dests[i], None, raddr + i * each, transport=transport)])
+               for i in range(n)]
+    for b in batches:
+        b.wait(30)
+        assert [s.state for s in b.statuses] == ["completed"]
+    assert sha(np.concatenate(dests)) == sha(expected)
+    # one batch with many requests, mixed reads and writes to distinct ranges
+    src = np.random.default_rng(8).integers(0, 256, n * each, dtype=np.uint8)
+    reqs = [TransferRequest("write", peer.name, src[i * each : (i + 1) * each], None, raddr + i * each, transport=transport)
+            for i in range(n)]
+    b = engine.submit(reqs)
+    b.wait(30)
+    assert all(s.state == "completed" and s.transferred == each for s in b.statuses)
+    assert peer.call("digest", addr=raddr, length=n * each)["sha"] == sha(src)
+
+
+def test_shm_is_chosen_on_same_host_and_tcp_when_forced(engine: TransferEngine, spawn_peer: Any) -> None:
+    peer = spawn_peer()
+    raddr = peer.call("alloc", size=1 << 20)["addr"]
+    info = engine.peer(peer.name)
+    assert [t.name for t in engine._choose(info, None)][0] == "shm"
+    tcp = engine.transports["tcp"]
+    assert isinstance(tcp, TCPTransport)
+    engine.write(peer.name, bytearray(b"x" * 1000), raddr)
+    assert tcp._pools.get(peer.name) is None or all(c is None for c in tcp._pools[peer.name].conns[1:])
+    engine.write(peer.name, bytearray(b"y" * 1000), raddr, transport="tcp")
+    assert peer.call("digest", addr=raddr, length=1000)["sha"] == sha(b"y" * 1000)
+
+
+def test_peer_killed_mid_transfer_gives_clear_error_and_engine_serves_others(engine: TransferEngine, spawn_peer: Any) -> None:
+    victim, other = spawn_peer(), spawn_peer()
+    size = 64 << 20
+    vaddr = victim.call("alloc", size=size)["addr"]
+    oaddr = other.call("alloc", size=1 << 20)["addr"]
+    src = np.ones(size, dtype=np.uint8)
+    errors: list[BaseException] = []
+    started = threading.Event()
+
+    def pump() -> None:
+        try:
+            for _ in range(200):
+                engine.write(victim.name, src, vaddr, transport="tcp")
+                started.set()
+        except TransportError as exc:
+            errors.append(exc)
+        started.set()
+
+    t = threading.Thread(target=pump)
+    t.start()
+    assert started.wait(30)
+    os.kill(victim.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    t.join(20)
+    assert not t.is_alive(), "transfer to a killed peer hung"
+    assert time.monotonic() - t0 < 12  # within the 10 s transfer timeout (+ slack)
+    assert errors, "writes to a killed peer reported success"
+    assert victim.name in str(errors[0])
+    # the engine still serves its other peers
+    data = np.arange(1 << 20, dtype=np.uint32).view(np.uint8)[: 1 << 20]
+    engine.write(other.name, data, oaddr, transport="tcp")
+    assert other.call("digest", addr=oaddr, length=1 << 20)["sha"] == sha(data)
+
+
+def test_killed_peer_over_shm_is_reported(engine: TransferEngine, spawn_peer: Any) -> None:
+    victim = spawn_peer()
+    vaddr = victim.call("alloc", size=1 << 20)["addr"]
+    engine.write(victim.name, bytearray(1000), vaddr)
+    victim.kill()
+    with pytest.raises(TransportError, match=victim.name.split(":")[0]):
+        engine.write(victim.name, bytearray(1000), vaddr)
+
+
+def test_broken_connection_is_retried_and_completes(engine: TransferEngine, spawn_peer: Any) -> None:
+    peer = spawn_peer()
+    size = 4 << 20
+    raddr = peer.call("alloc", size=size)["addr"]
+    tcp = engine.transports["tcp"]
+    assert isinstance(tcp, TCPTransport)
+    broken = {"n": 0}
+
+    def hook(conn: Any) -> bool:
+        broken["n"] += 1
+        return broken["n"] == 5  # break one connection once, mid-batch
+
+    tcp.fault_hook = hook
+    try:
+        data = np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8)
+        engine.write(peer.name, data, raddr, transport="tcp")
+    finally:
+        tcp.fault_hook = None
+    assert tcp.retried_slices > 0
+    assert peer.call("digest", addr=raddr, length=size)["sha"] == sha(data)
+    back = np.zeros(size, dtype=np.uint8)
+    broken["n"] = 0
+    tcp.fault_hook = hook
+    try:
+        engine.read(peer.name, back, raddr, transport="tcp")
+    finally:
+        tcp.fault_hook = None
+    assert sha(back) == sha(data)
+
+
+# ---------------------------------------------------------------------- bad input
+def test_bad_requests_get_clear_errors(engine: TransferEngine, spawn_peer: Any) -> None:
+    peer = spawn_peer()
+    raddr = peer.call("alloc", size=1 << 20)["addr"]
+    buf = bytearray(4096)
+    with pytest.raises(InvalidRequest, match="not inside memory registered by peer"):
+        engine.write(peer.name, buf, 0x1000)
+    with pytest.raises(InvalidRequest, match="not inside memory registered"):
+        engine.write(peer.name, buf, raddr + (1 << 20) - 100)  # runs past the end
+    with pytest.raises(InvalidRequest, match="length must be positive"):
+        engine.write(peer.name, buf, raddr, 0)
+    with pytest.raises(InvalidRequest, match="length must be positive"):
+        engine.write(peer.name, buf, raddr, -5)
+    with pytest.raises(InvalidRequest, match="exceeds the local buffer"):
+        engine.write(peer.name, buf, raddr, 8192)
+    with pytest.raises(InvalidRequest, match="not inside any registered memory"):
+        engine.write(peer.name, 12345678, raddr, 16)  # unregistered local address
+    with pytest.raises(PeerUnreachable, match="127.0.0.1:1"):
+        engine.write("127.0.0.1:1", buf, raddr)
+    with pytest.raises(PeerUnreachable, match="unknown peer 'no-such-host'"):
+        engine.write("no-such-host", buf, raddr)
+    with pytest.raises(InvalidRequest, match="unknown transport"):
+        engine.write(peer.name, buf, raddr, transport="carrier-pigeon")
+    # the engine still works after all that
+    engine.write(peer.name, buf, raddr)
+
+
+def test_server_refuses_out_of_bounds_even_if_client_does_not_check(spawn_peer: Any) -> None:
+    """A misbehaving client that skips our checks still cannot touch unregistered memory."""
+    from mooncake_core.transfer.protocol import MAGIC, REQ, RESP, Op, Status
+    from mooncake_core.transfer.transports.tcp import TCPConnection
+
+    peer = spawn_peer()
+    raddr = peer.call("alloc", size=1 << 16)["addr"]
+    peer.call("fill", addr=raddr, length=1 << 16, seed=1)
+    before = peer.call("digest", addr=raddr, length=1 << 16)["sha"]
+    host, port = peer.name.rsplit(":", 1)
+    conn = TCPConnection(host, int(port), secret="", timeout=5, peer=peer.name)
+
+    def answer() -> tuple[int, bytes]:
+        head = conn.sock.recv(RESP.size, socket.MSG_WAITALL)
+        _magic, status, _rid, _pad, n = RESP.unpack(head)
+        return status, conn.sock.recv(n, socket.MSG_WAITALL) if n else b""
+
+    conn.sock.sendall(REQ.pack(MAGIC, Op.READ, 0, 0, 1, 0, raddr - 4096, 8192))
+    status, msg = answer()
+    assert status == Status.OUT_OF_BOUNDS and b"not inside any registered memory" in msg
+    conn.sock.sendall(REQ.pack(MAGIC, Op.WRITE, 0, 0, 2, 0, raddr + (1 << 16) - 10, 100) + b"z" * 100)
+    status, msg = answer()
+    assert status == Status.OUT_OF_BOUNDS and b"runs past the end" in msg
+    conn.close()
+    assert peer.call("digest", addr=raddr, length=1 << 16)["sha"] == before
+
+
+def test_wrong_secret_can_neither_read_nor_write(spawn_peer: Any) -> None:
+    peer = spawn_peer(env={"MOONCAKE_TRANSFER_SECRET": "s3cret", "MOONCAKE_TRANSFER_SHM": "0"})
+    raddr = peer.call("alloc", size=1 << 16)["addr"]
+    with TransferEngine(transfer={"secret": "wrong", "timeout_s": 5}) as bad:
+        with pytest.raises(AuthError, match="shared secret"):
+            bad.write(peer.name, bytearray(10), raddr)
+        with pytest.raises(AuthError):
+            bad.read(peer.name, bytearray(10), raddr)
+    with TransferEngine(transfer={"timeout_s": 5}) as nosecret:
+        with pytest.raises(AuthError):
+            nosecret.read(peer.name, bytearray(10), raddr)
+    with TransferEngine(transfer={"secret": "s3cret", "timeout_s": 5}) as good:
+        good.write(peer.name, bytearray(b"hello"), raddr)
+        out = bytearray(5)
+        good.read(peer.name, out, raddr)
+        assert out == b"hello"
+
+
+def test_tensors_between_processes(engine: TransferEngine, spawn_peer: Any) -> None:
+    torch = pytest.importorskip("torch")
+    peer = spawn_peer()
+    t = torch.arange(1000, dtype=torch.float32).reshape(10, 100)
+    engine.put_tensor_async(t, peer.name, "layer0").result(10)
+    got = peer.call("tensor_get", key="layer0")
+    assert got == {"type": "torch", "dtype": "torch.float32", "shape": [10, 100], "sum": float(t.sum())}
+    a = np.arange(12, dtype=np.int16).reshape(3, 4)
+    engine.put_tensor(a, peer.name, "np")
+    got = peer.call("tensor_get", key="np")
+    assert got["type"] == "numpy" and got["shape"] == [3, 4] and got["sum"] == 66.0
+    with pytest.raises(InvalidRequest):
+        engine.put_tensor_async("not a tensor", peer.name, "x")
+
+
+def test_device_memory_staging_path(engine: TransferEngine, spawn_peer: Any) -> None:
+    """The host-staging path used for CUDA memory, driven with CPU tensors registered as a
+    device-kind region (the real CUDA test is test_transfer_cuda.py, which needs a GPU)."""
+    torch = pytest.importorskip("torch")
+    from mooncake_core.transfer.memory import Region
+
+    peer = spawn_peer()
+    raddr = peer.call("alloc", size=1 << 20)["addr"]
+    src = torch.arange(100_000, dtype=torch.float32)
+    engine.segments.add(Region(src.data_ptr(), src.numel() * 4, "dev-src", "cuda", owner=src))
+    for transport in ("shm", "tcp"):
+        engine.write(peer.name, src.data_ptr(), raddr, length=400_000, transport=transport)
+        assert peer.call("digest", addr=raddr, length=400_000)["sha"] == sha(src.numpy())
+        dst = torch.zeros(100_000, dtype=torch.float32)
+        engine.segments.add(Region(dst.data_ptr(), 400_000, f"dev-dst-{transport}", "cuda", owner=dst))
+        engine.read(peer.name, dst.data_ptr(), raddr, length=400_000, transport=transport)
+        assert torch.equal(src, dst)
