@@ -348,7 +348,10 @@ class TransferEngine:
             raise PeerUnreachable(f"peer {name!r} refused to describe its segments (status {status})")
         import json
 
-        info = PeerInfo(name, addrs, json.loads(body))
+        desc = json.loads(body)
+        # the peer may listen on several interfaces: stripe over all it advertises
+        advertised = [(str(a), int(p)) for a, p in desc.get("addresses", [])]
+        info = PeerInfo(name, advertised if len(advertised) > 1 else addrs, desc)
         with self._peers_lock:
             self._peers[name] = info
         return info

@@ -203,3 +203,57 @@ def test_two_hosts_in_network_namespaces(two_hosts: Any, spawn_peer: Any) -> Non
     client.call("fill", addr=laddr, length=1 << 20, seed=10)
     client.call("write", peer=server.name, local=laddr, remote=raddr + 5, length=1 << 20)
     assert client.call("digest", addr=laddr, length=1 << 20)["sha"] == server.call("digest", addr=raddr + 5, length=1 << 20)["sha"]
+
+
+@pytest.fixture()
+def two_hosts_two_links() -> Any:
+    why = _can_netns()
+    if why:
+        pytest.skip(why)
+    tag = f"ms{os.getpid() % 100000}"
+    a, b = f"{tag}a", f"{tag}b"
+    cmds = [f"ip netns add {a}", f"ip netns add {b}"]
+    for k, net in ((1, 78), (2, 79)):
+        cmds += [
+            f"ip link add {tag}a{k} type veth peer name {tag}b{k}",
+            f"ip link set {tag}a{k} netns {a}", f"ip link set {tag}b{k} netns {b}",
+            f"ip -n {a} addr add 10.231.{net}.1/24 dev {tag}a{k}", f"ip -n {b} addr add 10.231.{net}.2/24 dev {tag}b{k}",
+            f"ip -n {a} link set {tag}a{k} up", f"ip -n {b} link set {tag}b{k} up",
+        ]
+    cmds += [f"ip -n {a} link set lo up", f"ip -n {b} link set lo up"]
+    try:
+        for c in cmds:
+            r = subprocess.run(c.split(), capture_output=True, text=True)
+            if r.returncode != 0:
+                pytest.skip(f"cannot create network namespaces here: {c}: {r.stderr.strip()}")
+        yield a, b, tag
+    finally:
+        for ns in (a, b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def _tx_bytes(ns: str, dev: str) -> int:
+    out = subprocess.run(["ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/statistics/tx_bytes"],
+                         capture_output=True, text=True, check=True)
+    return int(out.stdout)
+
+
+@pytest.mark.netns
+def test_striping_one_peer_over_two_interfaces(two_hosts_two_links: Any, spawn_peer: Any) -> None:
+    a, b, tag = two_hosts_two_links
+    server = spawn_peer(env={"MOONCAKE_TRANSFER_INTERFACES": f"{tag}b1,{tag}b2", "MOONCAKE_LOCAL_HOSTNAME": "10.231.78.2"},
+                        prefix=["ip", "netns", "exec", b])
+    client = spawn_peer(env={"MOONCAKE_TRANSFER_INTERFACES": f"{tag}a1,{tag}a2", "MOONCAKE_TRANSFER_STRIPE_INTERFACES": "1",
+                             "MOONCAKE_LOCAL_HOSTNAME": "10.231.78.1", "MOONCAKE_TRANSFER_CONNECTIONS_PER_PEER": "2",
+                             "MOONCAKE_TRANSFER_SLICE_SIZE": "256KiB"},
+                        prefix=["ip", "netns", "exec", a])
+    size = 16 << 20
+    raddr = server.call("alloc", size=size)["addr"]
+    laddr = client.call("alloc", size=size)["addr"]
+    client.call("fill", addr=laddr, length=size, seed=4)
+    before = [_tx_bytes(a, f"{tag}a1"), _tx_bytes(a, f"{tag}a2")]
+    client.call("write", peer=server.name, local=laddr, remote=raddr, length=size)
+    sent = [_tx_bytes(a, f"{tag}a1") - before[0], _tx_bytes(a, f"{tag}a2") - before[1]]
+    assert client.call("digest", addr=laddr, length=size)["sha"] == server.call("digest", addr=raddr, length=size)["sha"]
+    # both links carried a real share of the 16 MiB
+    assert min(sent) > size // 4, sent
