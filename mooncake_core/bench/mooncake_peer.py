@@ -35,7 +35,7 @@ from typing import IO, Any
 
 from mooncake_core.errors import MooncakeError
 
-__all__ = ["run_mooncake_transfer_bench", "run_mooncake_store_bench", "mooncake_env", "default_peer_python",
+__all__ = ["run_mooncake_transfer_bench", "run_mooncake_store_bench", "mooncake_env", "default_peer_python", "free_port",
            "TRANSFER_SCRIPT", "STORE_SCRIPT"]
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,8 @@ def mooncake_env() -> dict[str, str]:
     return env
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -197,7 +198,7 @@ def run_mooncake_store_bench(python: str, quick: bool) -> dict[str, Any]:
     if not master_bin.is_file():
         raise MooncakeError(f"{master_bin} not found; the venv of {python!r} lacks mooncake-transfer-engine-non-cuda")
     t0 = time.monotonic()
-    rpc, http, metrics = _free_port(), _free_port(), _free_port()
+    rpc, http, metrics = free_port(), free_port(), free_port()
     master_addr = f"127.0.0.1:{rpc}"
     metadata = f"http://127.0.0.1:{http}/metadata"
     with tempfile.TemporaryDirectory(prefix="mc-peer-") as tmp, ExitStack() as stack:

@@ -64,6 +64,7 @@ __all__ = [
     "SUPPORT_MUSA",
     "SUPPORT_INTRA_NVLINK",
     "UPSTREAM_ENV",
+    "upstream_transfer_overrides",
     "OK",
     "ERR_INVALID_ARGUMENT",
     "ERR_ADDRESS_NOT_REGISTERED",
@@ -131,7 +132,8 @@ class TransferNotify:
     __hash__ = None  # type: ignore[assignment]
 
 
-def _upstream_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+def upstream_transfer_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """``transfer`` config overrides from the upstream env variables in :data:`UPSTREAM_ENV`."""
     transfer: dict[str, Any] = {}
     raw = environ.get("MC_TRANSFER_TIMEOUT", "").strip()
     if raw:
@@ -203,7 +205,7 @@ class TransferEngine:
         # The published engine does not read mooncake.json; a store-only key there must
         # not break initialize().
         env.pop("MOONCAKE_CONFIG_PATH", None)
-        transfer = _upstream_overrides(env)
+        transfer = upstream_transfer_overrides(env)
         host = local_hostname.strip() or "127.0.0.1"
         bare = host.rpartition(":")[0] if host.rpartition(":")[2].isdigit() else host
         ip = _ip_literal(bare)

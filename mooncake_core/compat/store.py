@@ -1,0 +1,500 @@
+"""``mooncake.store`` drop-in: ``MooncakeDistributedStore`` and ``ReplicateConfig`` on our store.
+
+Contract (names, argument order, defaults and return conventions follow the published
+``mooncake-transfer-engine`` wheel, 0.3.13; see docs/compat.md):
+
+- Setup: :meth:`MooncakeDistributedStore.setup` with the seven positional arguments
+  (``local_hostname, metadata_server, global_segment_size, local_buffer_size, protocol,
+  rdma_devices, master_server_addr``) plus keywords, or with one config dict;
+  ``close``, ``health_check``, ``get_hostname``.
+- Bytes: ``put``, ``get`` (``b""`` when missing), ``put_batch``, ``get_batch``,
+  ``put_parts``, ``get_buffer`` / ``batch_get_buffer`` (``BufferHandle`` or None),
+  ``upsert*``, ``put_tensor`` / ``get_tensor``.
+- Zero-copy: ``register_buffer`` / ``unregister_buffer``, ``put_from``, ``get_into``
+  (bytes read), ``batch_put_from``, ``batch_get_into``.
+- Metadata: ``is_exist`` (1 / 0 / negative), ``batch_is_exist``, ``get_size``,
+  ``remove``, ``batch_remove``, ``remove_by_regex`` / ``remove_all`` (count removed).
+
+Returns: 0 (or a count / size) on success, a negative published ``ErrorCode`` on
+failure (table :data:`ERROR_CODES`); methods never raise for store errors. As in the
+published store, putting a key that already exists succeeds without changing it.
+
+Runs on :class:`mooncake_core.store.StoreClient` against our master
+(``mooncake-core master``); it does not speak to a published ``mooncake_master``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import logging
+import os
+import socket
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from mooncake_core.compat import engine as _compat_engine
+from mooncake_core.config import load_config, parse_size
+from mooncake_core.errors import (
+    LeaseExpired,
+    MasterUnavailable,
+    MooncakeError,
+    NoSpace,
+    ObjectExists,
+    ObjectNotFound,
+    SegmentError,
+    TransportError,
+)
+from mooncake_core.store import StoreClient
+from mooncake_core.store.protocol import InvalidArgument, ObjectBusy
+from mooncake_core.transfer.engine import TransferEngine as _Engine
+
+__all__ = [
+    "MooncakeDistributedStore",
+    "ReplicateConfig",
+    "SoftPinAction",
+    "ObjectDataType",
+    "BufferHandle",
+    "ERROR_CODES",
+    "INTERNAL_ERROR",
+    "NO_AVAILABLE_HANDLE",
+    "INVALID_PARAMS",
+    "INVALID_READ",
+    "OBJECT_NOT_FOUND",
+    "OBJECT_ALREADY_EXISTS",
+    "OBJECT_HAS_LEASE",
+    "TRANSFER_FAIL",
+    "RPC_FAIL",
+]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Published ErrorCode values for the failures we can tell apart.
+INTERNAL_ERROR = -1
+NO_AVAILABLE_HANDLE = -200  # no space for the object
+INVALID_PARAMS = -600  # bad key/size/buffer, buffer too small, double registration
+INVALID_READ = -701  # the read outlived its lease
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+OBJECT_HAS_LEASE = -706  # remove of a leased / pinned / busy object without force
+TRANSFER_FAIL = -800
+RPC_FAIL = -900  # master unreachable
+
+#: Our exception class -> published code (first match wins; order matters).
+ERROR_CODES: tuple[tuple[type[BaseException], int], ...] = (
+    (ObjectNotFound, OBJECT_NOT_FOUND),
+    (ObjectExists, OBJECT_ALREADY_EXISTS),
+    (ObjectBusy, OBJECT_HAS_LEASE),
+    (NoSpace, NO_AVAILABLE_HANDLE),
+    (LeaseExpired, INVALID_READ),
+    (MasterUnavailable, RPC_FAIL),
+    (InvalidArgument, INVALID_PARAMS),
+    (SegmentError, INVALID_PARAMS),
+    (ValueError, INVALID_PARAMS),
+    (TransportError, TRANSFER_FAIL),
+    (OSError, RPC_FAIL),
+)
+
+_DEFAULT_SOFT_PIN_TTL_MS = 30 * 60 * 1000
+
+
+def _code(exc: BaseException) -> int:
+    for cls, code in ERROR_CODES:
+        if isinstance(exc, cls):
+            return code
+    return INTERNAL_ERROR
+
+
+class SoftPinAction(enum.IntEnum):
+    PRESERVE = 0
+    ENABLE = 1
+    DISABLE = 2
+
+
+class ObjectDataType(enum.IntEnum):
+    UNKNOWN = 0
+    KVCACHE = 1
+    TENSOR = 2
+    WEIGHT = 3
+    SAMPLE = 4
+    ACTIVATION = 5
+    GRADIENT = 6
+    OPTIMIZER_STATE = 7
+    METADATA = 8
+    GENERAL = 9
+
+
+class ReplicateConfig:
+    """Per-put placement options (attribute names and defaults of the published class).
+
+    Used here: ``replica_num``, ``with_hard_pin``, ``soft_pin_action`` (ENABLE pins softly
+    for ``soft_pin_ttl_ms``, default 30 min), ``preferred_segment`` (else the first of
+    ``preferred_segments``), ``prefer_alloc_in_same_node`` (local-first placement).
+    Kept but without effect: ``nof_replica_num``, ``dfs_replica_num``,
+    ``preferred_nof_segments``, ``data_type``, ``group_ids``.
+    """
+
+    def __init__(self) -> None:
+        self.replica_num: int = 1
+        self.nof_replica_num: int = 0
+        self.dfs_replica_num: int = 0
+        self.soft_pin_action: SoftPinAction = SoftPinAction.PRESERVE
+        self.soft_pin_ttl_ms: int | None = None
+        self.with_hard_pin: bool = False
+        self.preferred_segment: str = ""
+        self.preferred_segments: list[str] = []
+        self.preferred_nof_segments: list[str] = []
+        self.prefer_alloc_in_same_node: bool = False
+        self.data_type: ObjectDataType = ObjectDataType.UNKNOWN
+        self.group_ids: list[str] | None = None
+
+    def __repr__(self) -> str:
+        return (f"ReplicateConfig(replica_num={self.replica_num}, with_hard_pin={self.with_hard_pin}, "
+                f"soft_pin_action={self.soft_pin_action.name}, preferred_segment={self.preferred_segment!r})")
+
+    def kwargs(self) -> dict[str, Any]:
+        """The matching :class:`StoreClient` put keywords."""
+        soft = 0.0
+        if self.soft_pin_action == SoftPinAction.ENABLE:
+            ms = self.soft_pin_ttl_ms if self.soft_pin_ttl_ms else _DEFAULT_SOFT_PIN_TTL_MS
+            soft = ms / 1000.0
+        seg = self.preferred_segment or (self.preferred_segments[0] if self.preferred_segments else "")
+        return {"replica_num": int(self.replica_num), "preferred_segment": seg, "hard_pin": bool(self.with_hard_pin),
+                "soft_pin_ttl_s": soft, "strategy": "local-first" if self.prefer_alloc_in_same_node else ""}
+
+
+class BufferHandle(bytearray):
+    """An object's bytes held in local memory: buffer protocol, ``ptr()`` and ``size()``."""
+
+    def ptr(self) -> int:
+        if not self:
+            return 0
+        return ctypes.addressof((ctypes.c_char * len(self)).from_buffer(self))
+
+    def size(self) -> int:
+        return len(self)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host if host not in ("", "localhost") else "127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class MooncakeDistributedStore:
+    """The published ``mooncake.store.MooncakeDistributedStore`` on :class:`StoreClient`."""
+
+    def __init__(self) -> None:
+        self._client: StoreClient | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ setup / teardown
+    def setup(self, *args: Any, **kwargs: Any) -> int:
+        """``setup(local_hostname, metadata_server, global_segment_size, local_buffer_size,
+        protocol, rdma_devices, master_server_addr, engine=None, enable_ssd_offload=False,
+        ssd_offload_path="", tenant_id="default", enable_client_http_server=False,
+        client_http_port=9300)`` or ``setup(config_dict)``. Returns 0 or a negative code."""
+        if len(args) == 1 and not kwargs and isinstance(args[0], Mapping):
+            return self._setup_dict(args[0])
+        try:
+            return self._setup(*args, **kwargs)
+        except TypeError as exc:
+            logger.error("setup: %s", exc)
+            return INVALID_PARAMS
+
+    def _setup_dict(self, cfg: Mapping[str, Any]) -> int:
+        missing = [k for k in ("local_hostname", "metadata_server") if not cfg.get(k)]
+        if missing:
+            logger.error("setup(config): missing required key(s) %s", ", ".join(missing))
+            return INVALID_PARAMS
+        try:
+            return self._setup(
+                str(cfg["local_hostname"]), str(cfg["metadata_server"]),
+                parse_size(cfg.get("global_segment_size", 16 << 20), "global_segment_size"),
+                parse_size(cfg.get("local_buffer_size", 16 << 20), "local_buffer_size"),
+                str(cfg.get("protocol", "tcp")), str(cfg.get("rdma_devices", "")),
+                str(cfg.get("master_server_addr", cfg.get("master_server_address", "127.0.0.1:50051"))),
+                enable_ssd_offload=bool(cfg.get("enable_ssd_offload", False)),
+                ssd_offload_path=str(cfg.get("ssd_offload_path", "")),
+                tenant_id=str(cfg.get("tenant_id", "default")),
+            )
+        except MooncakeError as exc:
+            logger.error("setup(config): %s", exc)
+            return INVALID_PARAMS
+
+    def _setup(self, local_hostname: str, metadata_server: str, global_segment_size: int, local_buffer_size: int,
+               protocol: str, rdma_devices: str, master_server_addr: str, engine: Any = None,
+               enable_ssd_offload: bool = False, ssd_offload_path: str = "", tenant_id: str = "default",
+               enable_client_http_server: bool = False, client_http_port: int = 9300) -> int:
+        if self._client is not None:
+            logger.error("setup: this store is already set up")
+            return INVALID_PARAMS
+        if global_segment_size < 0 or local_buffer_size < 0:
+            logger.error("setup: sizes must not be negative (%d, %d)", global_segment_size, local_buffer_size)
+            return INVALID_PARAMS
+        if tenant_id != "default" or enable_client_http_server:
+            logger.info("setup: tenant_id and the client HTTP server are not supported; ignored")
+        env = dict(os.environ)
+        env.pop("MOONCAKE_CONFIG_PATH", None)
+        meta = metadata_server.strip() or "P2PHANDSHAKE"
+        host = local_hostname.strip() or "127.0.0.1"
+        bare, sep, port = host.rpartition(":")
+        if not (sep and port.isdigit()) and meta.upper() != "P2PHANDSHAKE":
+            # With a metadata service the segment name is local_hostname; give each client
+            # its own port, as the published client does.
+            host = f"{host}:{_free_port(host)}"
+        proto = {"rdma": "rdma", "efa": "rdma", "barex": "rdma", "shm": "shm"}.get(protocol.strip().lower(), "tcp")
+        transfer = _compat_engine.upstream_transfer_overrides(env)
+        overrides: dict[str, Any] = {"local_hostname": host, "metadata_server": meta, "protocol": proto,
+                                     "device_name": rdma_devices, "master_server_address": master_server_addr,
+                                     "global_segment_size": global_segment_size,
+                                     "local_buffer_size": local_buffer_size}
+        if transfer:
+            overrides["transfer"] = transfer
+        inner: _Engine | None = None
+        if isinstance(engine, _compat_engine.TransferEngine):
+            inner = engine.get_engine()
+        elif isinstance(engine, _Engine):
+            inner = engine
+        elif engine is not None:
+            logger.error("setup: engine must come from TransferEngine.get_engine(), got %r", type(engine).__name__)
+            return INVALID_PARAMS
+        try:
+            cfg = load_config(environ=env, **overrides)
+            client = StoreClient(cfg, master=master_server_addr, segment_size=global_segment_size, engine=inner,
+                                 ssd_path=ssd_offload_path if enable_ssd_offload else "")
+            client.start()
+        except (MooncakeError, OSError) as exc:
+            logger.error("setup(%r, master %r) failed: %s", host, master_server_addr, exc)
+            return _code(exc)
+        self._client = client
+        self._closed = False
+        return 0
+
+    def close(self) -> int:
+        """Unmount this client's memory and disconnect. Idempotent; returns 0."""
+        if self._client is not None:
+            try:
+                self._client.close()
+            except (MooncakeError, OSError) as exc:
+                logger.warning("close: %s", exc)
+            self._client = None
+        self._closed = True
+        return 0
+
+    def health_check(self) -> int:
+        """0 healthy, 1 not set up or closed, 2 master unreachable."""
+        if self._client is None:
+            return 1
+        try:
+            self._client.stats()
+        except (MooncakeError, OSError):
+            return 2
+        return 0
+
+    def get_hostname(self) -> str:
+        """This client's segment name (``host:port``)."""
+        return self._client.hostname if self._client is not None else ""
+
+    # ------------------------------------------------------------------ helpers
+    def _run(self, what: str, fn: Callable[[StoreClient], T]) -> T | int:
+        if self._client is None:
+            logger.error("%s: the store is not set up (call setup() first)", what)
+            return INVALID_PARAMS
+        try:
+            return fn(self._client)
+        except (MooncakeError, OSError, ValueError) as exc:
+            code = _code(exc)
+            log = logger.debug if code == OBJECT_NOT_FOUND else logger.error
+            log("%s failed: %s", what, exc)
+            return code
+
+    def _put(self, what: str, fn: Callable[[StoreClient], None]) -> int:
+        def run(c: StoreClient) -> int:
+            try:
+                fn(c)
+            except ObjectExists:
+                return 0  # the published store reports success for an existing key
+            return 0
+
+        rc = self._run(what, run)
+        return int(rc)
+
+    @staticmethod
+    def _kw(config: ReplicateConfig | None) -> dict[str, Any]:
+        return (config or ReplicateConfig()).kwargs()
+
+    # ------------------------------------------------------------------ bytes
+    def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
+        return self._put(f"put {key!r}", lambda c: c.put(key, value, **self._kw(config)))
+
+    def put_parts(self, key: str, *args: Any, config: ReplicateConfig | None = None) -> int:
+        kw = self._kw(config)
+
+        def run(c: StoreClient) -> None:
+            data = b"".join(bytes(memoryview(p).cast("B")) for p in args)
+            c.put(key, data, **kw)
+
+        if not args:
+            logger.error("put_parts %r: no parts", key)
+            return INVALID_PARAMS
+        return self._put(f"put_parts {key!r}", run)
+
+    def put_batch(self, keys: list[str], values: list[Any], config: ReplicateConfig | None = None) -> int:
+        """0 if every key was stored (or already existed), else the first failure's code."""
+        if len(keys) != len(values):
+            logger.error("put_batch: %d keys but %d values", len(keys), len(values))
+            return INVALID_PARAMS
+        res = self._run("put_batch", lambda c: c.put_batch(keys, values, **self._kw(config)))
+        if isinstance(res, int):
+            return res
+        for exc in res:
+            if exc is not None and not isinstance(exc, ObjectExists):
+                return _code(exc)
+        return 0
+
+    def get(self, key: str) -> bytes:
+        """The object's bytes; ``b""`` if it is missing or the read failed."""
+        res = self._run(f"get {key!r}", lambda c: c.get(key))
+        return res if isinstance(res, bytes) else b""
+
+    def get_batch(self, keys: list[str]) -> list[bytes]:
+        res = self._run("get_batch", lambda c: c.get_batch(keys))
+        if isinstance(res, int):
+            return [b""] * len(keys)
+        return [b if b is not None else b"" for b in res]
+
+    def get_buffer(self, key: str) -> BufferHandle | None:
+        data = self._run(f"get_buffer {key!r}", lambda c: c.get(key))
+        return BufferHandle(data) if isinstance(data, bytes) else None
+
+    def batch_get_buffer(self, keys: list[str]) -> list[BufferHandle | None]:
+        res = self._run("batch_get_buffer", lambda c: c.get_batch(keys))
+        if isinstance(res, int):
+            return [None] * len(keys)
+        return [BufferHandle(b) if b is not None else None for b in res]
+
+    def upsert(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
+        """Insert or replace (remove, then put: not atomic)."""
+        return self._upsert(key, lambda: self.put(key, value, config))
+
+    def upsert_parts(self, key: str, *args: Any, config: ReplicateConfig | None = None) -> int:
+        return self._upsert(key, lambda: self.put_parts(key, *args, config=config))
+
+    def upsert_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
+        return self._upsert(key, lambda: self.put_from(key, buffer_ptr, size, config))
+
+    def upsert_batch(self, keys: list[str], values: list[Any], config: ReplicateConfig | None = None) -> int:
+        for k in keys:
+            rc = self.remove(k, True)
+            if rc not in (0, OBJECT_NOT_FOUND):
+                return rc
+        return self.put_batch(keys, values, config)
+
+    def batch_upsert_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
+                          config: ReplicateConfig | None = None) -> list[int]:
+        return [self.upsert_from(k, p, n, config) for k, p, n in zip(keys, buffer_ptrs, sizes, strict=False)]
+
+    def _upsert(self, key: str, put: Callable[[], int]) -> int:
+        rc = self.remove(key, True)
+        if rc not in (0, OBJECT_NOT_FOUND):
+            return rc
+        return put()
+
+    def put_tensor(self, key: str, tensor: Any) -> int:
+        """Store a torch tensor (readable with :meth:`get_tensor` of this module, not the published one)."""
+        return self._put(f"put_tensor {key!r}", lambda c: c.put_tensor(key, tensor))
+
+    def get_tensor(self, key: str) -> Any:
+        """The tensor stored with :meth:`put_tensor`, or None."""
+        res = self._run(f"get_tensor {key!r}", lambda c: c.get_tensor(key))
+        return None if isinstance(res, int) else res
+
+    # ------------------------------------------------------------------ zero-copy
+    def register_buffer(self, buffer_ptr: int, size: int) -> int:
+        """Register ``[buffer_ptr, buffer_ptr+size)`` for ``put_from`` / ``get_into``."""
+        rc = self._run("register_buffer", lambda c: c.register_buffer(int(buffer_ptr), int(size)))
+        return rc if isinstance(rc, int) else 0
+
+    def unregister_buffer(self, buffer_ptr: int) -> int:
+        rc = self._run("unregister_buffer", lambda c: c.unregister_buffer(int(buffer_ptr)))
+        return rc if isinstance(rc, int) else 0
+
+    def put_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
+        return self._put(f"put_from {key!r}", lambda c: c.put_from(key, int(buffer_ptr), int(size),
+                                                                    **self._kw(config)))
+
+    def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
+        """Read ``key`` into registered memory; returns the bytes read or a negative code."""
+        return int(self._run(f"get_into {key!r}", lambda c: c.get_into(key, int(buffer_ptr), int(size))))
+
+    def batch_put_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
+                       config: ReplicateConfig | None = None) -> list[int]:
+        if not (len(keys) == len(buffer_ptrs) == len(sizes)):
+            logger.error("batch_put_from: keys, buffer_ptrs and sizes differ in length")
+            return [INVALID_PARAMS] * len(keys)
+        res = self._run("batch_put_from", lambda c: c.batch_put_from(keys, [int(p) for p in buffer_ptrs],
+                                                                      [int(n) for n in sizes], **self._kw(config)))
+        if isinstance(res, int):
+            return [res] * len(keys)
+        return [0 if e is None or isinstance(e, ObjectExists) else _code(e) for e in res]
+
+    def batch_get_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]:
+        """Per key: bytes read, or a negative code."""
+        if not (len(keys) == len(buffer_ptrs) == len(sizes)):
+            logger.error("batch_get_into: keys, buffer_ptrs and sizes differ in length")
+            return [INVALID_PARAMS] * len(keys)
+        res = self._run("batch_get_into", lambda c: c.batch_get_into(keys, [int(p) for p in buffer_ptrs],
+                                                                      [int(n) for n in sizes]))
+        if isinstance(res, int):
+            return [res] * len(keys)
+        return [r if isinstance(r, int) else _code(r) for r in res]
+
+    # ------------------------------------------------------------------ existence and removal
+    def is_exist(self, key: str) -> int:
+        """1 if ``key`` exists, 0 if not, negative on error."""
+        res = self._run(f"is_exist {key!r}", lambda c: c.exists(key))
+        return res if isinstance(res, int) and not isinstance(res, bool) else int(bool(res))
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        res = self._run("batch_is_exist", lambda c: c.batch_exists(keys))
+        if isinstance(res, int):
+            return [res] * len(keys)
+        return [1 if x else 0 for x in res]
+
+    def get_size(self, key: str) -> int:
+        """The object's size in bytes, or a negative code (-704 when missing)."""
+        return int(self._run(f"get_size {key!r}", lambda c: c.get_size(key)))
+
+    def remove(self, key: str, force: bool = False) -> int:
+        """0, or -704 (missing) / -706 (leased or pinned; pass ``force``)."""
+        rc = self._run(f"remove {key!r}", lambda c: c.remove(key, force=force))
+        return rc if isinstance(rc, int) else 0
+
+    def batch_remove(self, keys: list[str], force: bool = False) -> list[int]:
+        res = self._run("batch_remove", lambda c: c.batch_remove(keys, force=force))
+        if isinstance(res, int):
+            return [res] * len(keys)
+        return [0 if e is None else _code(e) for e in res]
+
+    def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
+        """How many objects were removed (leased ones are skipped unless ``force``), or negative."""
+        return int(self._run(f"remove_by_regex {regex_pattern!r}",
+                             lambda c: c.remove_by_regex(regex_pattern, force=force)))
+
+    def remove_all(self, force: bool = False) -> int:
+        """How many objects were removed (leased ones are skipped unless ``force``), or negative."""
+        return int(self._run("remove_all", lambda c: c.remove_all(force=force)))
+
+    # ------------------------------------------------------------------ ours
+    def get_client(self) -> StoreClient | None:
+        """The inner :class:`StoreClient` (an extension of the published API)."""
+        return self._client
+
+    def __del__(self) -> None:
+        try:
+            if self._client is not None and not self._closed:
+                self._client.close()
+        except Exception:  # interpreter shutdown: nothing sensible left to do
+            pass
