@@ -214,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mooncake-core bench transfer", description=__doc__.splitlines()[0] if __doc__ else "")
     ap.add_argument("--quick", action="store_true", help="fewer rounds and bytes (finishes within ~45 s)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    ap.add_argument("--compare-mooncake", metavar="PYTHON", default=None,
+                    help="also run the published Mooncake engine with this Python (scripts/setup_mooncake_peer.sh "
+                         "makes one) and add <key>_ratio_vs_mooncake figures")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve:
@@ -222,8 +225,26 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     print(f"bench transfer: two processes on loopback ({'quick' if args.quick else 'full'}) ...", file=sys.stderr, flush=True)
     r = run(args.quick)
+    if args.compare_mooncake:
+        from mooncake_core.bench.mooncake_peer import run_mooncake_transfer_bench
+
+        print("bench transfer: published Mooncake engine (TCP) ...", file=sys.stderr, flush=True)
+        mc = run_mooncake_transfer_bench(os.path.abspath(args.compare_mooncake), args.quick)
+        r2 = run(args.quick)  # ours again, after theirs: alternate so drift hits both
+        for k, v in r2.items():
+            if isinstance(v, float) and k in r and "lat" not in k:
+                r[k] = round((r[k] + v) / 2, 3)
+        for key in ("tcp_write_gbps_16m", "tcp_read_gbps_16m", "tcp_write_gbps_64m", "tcp_read_gbps_64m",
+                    "tcp_batch_write_32x1m", "tcp_batch_read_32x1m", "lat64k_p50_us", "lat64k_p99_us"):
+            ours_key = key.replace("_gbps_64m", "_64m")
+            if key in mc and ours_key in r and mc[key]:
+                r[f"mooncake_{key}"] = mc[key]
+                r[f"{key}_ratio_vs_mooncake"] = round(r[ours_key] / mc[key], 3)
     r["elapsed_s"] = round(time.time() - t0, 1)
     print_table(r)
+    if args.compare_mooncake:
+        print("vs published Mooncake (TCP, same run): " + ", ".join(
+            f"{k.removesuffix('_ratio_vs_mooncake')} {v:.2f}x" for k, v in r.items() if k.endswith("_ratio_vs_mooncake")))
     if args.json:
         print(json.dumps(r))
     return 0
