@@ -141,13 +141,21 @@ class Batch:
             self.future.set_result(None)
             return
         i, st = failed[0]
-        err = st.error or TransportError("transfer failed")
-        if len(failed) > 1:
-            msg = f"{len(failed)} of {len(self.statuses)} requests failed; first (request {i}): {err}"
-            exc: BaseException = type(err)(msg) if isinstance(err, TransportError) else TransportError(msg)
-            exc.__cause__ = err
-            err = exc
-        self.future.set_exception(err)
+        cause = st.error or TransportError("transfer failed")
+        req = self.requests[i]
+        where = f"segment {req.segment!r}+{req.offset}" if req.segment is not None else (
+            f"0x{req.remote_addr:x}" if isinstance(req.remote_addr, int) else "?")
+        what = f"request {i} ({req.op} to peer {req.peer!r} at {where})"
+        if str(cause).startswith(f"request {i}"):
+            what = ""
+        lead = f"{len(failed)} of {len(self.statuses)} requests failed; first: " if len(failed) > 1 else ""
+        msg = f"{lead}{what}{': ' if what else ''}{cause}"
+        try:
+            exc: BaseException = type(cause)(msg) if isinstance(cause, TransportError) else TransportError(msg)
+        except TypeError:
+            exc = TransportError(msg)
+        exc.__cause__ = cause
+        self.future.set_exception(exc)
 
 
 class TransferEngine:

@@ -265,3 +265,21 @@ def test_device_memory_staging_path(engine: TransferEngine, spawn_peer: Any) -> 
         engine.segments.add(Region(dst.data_ptr(), 400_000, f"dev-dst-{transport}", "cuda", owner=dst))
         engine.read(peer.name, dst.data_ptr(), raddr, length=400_000, transport=transport)
         assert torch.equal(src, dst)
+
+
+def test_hung_peer_times_out_naming_peer_and_request(spawn_peer: Any) -> None:
+    peer = spawn_peer()
+    raddr = peer.call("alloc", size=1 << 20)["addr"]
+    with TransferEngine(transfer={"timeout_s": 2, "retry_count": 1}) as eng:
+        eng.write(peer.name, bytearray(1 << 20), raddr, transport="tcp")  # connected and working
+        os.kill(peer.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(TransportError) as ei:
+                eng.read(peer.name, bytearray(1 << 20), raddr, transport="tcp")
+            elapsed = time.monotonic() - t0
+        finally:
+            os.kill(peer.pid, signal.SIGCONT)
+        assert elapsed < 2 + 1.5, elapsed
+        msg = str(ei.value)
+        assert "request 0 (read to peer" in msg and peer.name in msg and "timed out" in msg, msg
