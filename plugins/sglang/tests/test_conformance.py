@@ -1,0 +1,60 @@
+"""mooncake-sglang passes the adapter conformance suite, on SGLang's real classes.
+
+Runs SGLang's host pools, storage config, backend factory (``dynamic``) and
+HiCacheController storage methods on CPU against a real master and memory node; no
+SGLang server is involved (see docs/sglang.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="sglang is not installed (scripts/setup.sh)")
+
+from mooncake_conformance import AdapterContract, AdapterFixtures, KVLayout  # noqa: E402
+
+BASE = KVLayout("page_first", num_layers=4, page_size=16, num_kv_heads=4, head_dim=32, num_slots=24)
+LAYOUTS = [
+    BASE,
+    BASE.replace(name="page_first_direct"),
+    BASE.replace(name="layer_first"),
+    BASE.replace(tp_size=2),
+    BASE.replace(name="layer_first", tp_size=2),
+    BASE.replace(mla=True, tp_size=2),
+    BASE.replace(name="page_first_direct", mla=True),
+    BASE.replace(name="layer_first", mla=True, tp_size=2),
+]
+
+
+class SGLangFixtures(AdapterFixtures):
+    """How the suite drives mooncake-sglang (``mooncake_sglang.testing``)."""
+
+    @pytest.fixture
+    def adapter_name(self) -> str:
+        return "sglang"
+
+    @pytest.fixture
+    def adapter_package(self) -> str:
+        return "mooncake_sglang"
+
+    @pytest.fixture
+    def harness_factory(self) -> str:
+        return "mooncake_sglang.testing:make_harness"
+
+    @pytest.fixture(params=LAYOUTS, ids=[lay.label for lay in LAYOUTS])
+    def kv_layout(self, request: pytest.FixtureRequest) -> KVLayout:
+        return request.param  # type: ignore[no-any-return]
+
+    @pytest.fixture
+    def base_layout(self) -> KVLayout:
+        return BASE
+
+    @pytest.fixture
+    def harness_options(self) -> dict[str, Any]:
+        return {"backend": "dynamic", "interface_v1": 1}
+
+
+class TestSGLang(AdapterContract, SGLangFixtures):
+    """The zero-copy (``interface_v1``) path, as SGLang selects it for our dynamic backend."""
