@@ -80,10 +80,15 @@ class Group:
         send_splits: Sequence[int],
         recv_splits: Sequence[int],
         timeout_s: float | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Exchange rows: ``send_splits[j]`` rows go to member ``j``; returns the received rows."""
+        """Exchange rows: ``send_splits[j]`` rows go to member ``j``; returns the received rows
+        (in ``out`` when given: contiguous, ``sum(recv_splits)`` rows, same row shape)."""
         pg = self._require()
-        out = torch.empty((int(sum(recv_splits)), *send.shape[1:]), dtype=send.dtype, device=send.device)
+        if out is None:
+            out = torch.empty(
+                (int(sum(recv_splits)), *send.shape[1:]), dtype=send.dtype, device=send.device
+            )
         try:
             work = pg.alltoall_base(
                 out, send.contiguous(), list(recv_splits), list(send_splits), AllToAllOptions()
@@ -103,10 +108,15 @@ class Group:
         self._wait(work, "all_reduce", timeout_s)
         return t
 
-    def all_gather(self, t: torch.Tensor, timeout_s: float | None = None) -> torch.Tensor:
+    def all_gather(
+        self, t: torch.Tensor, timeout_s: float | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Concatenate ``t`` from every member along dim 0 (same shape on every member)."""
         pg = self._require()
-        out = torch.empty((self.size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+        if out is None:
+            out = torch.empty(
+                (self.size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device
+            )
         try:
             work = pg._allgather_base(out, t.contiguous(), AllgatherOptions())
         except Exception as exc:

@@ -59,5 +59,8 @@ class EPConfig:
                 f"ep.slots_per_rank {self.slots_per_rank} > num_experts {self.num_experts}: "
                 "a rank holds each expert at most once"
             )
-        if min(self.timeout_s, self.heartbeat_s, self.stale_s) <= 0 or self.stale_s <= self.heartbeat_s:
+        if (
+            min(self.timeout_s, self.heartbeat_s, self.stale_s) <= 0
+            or self.stale_s <= self.heartbeat_s
+        ):
             raise ConfigError("ep timeouts must be positive and stale_s > heartbeat_s")

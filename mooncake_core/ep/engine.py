@@ -8,8 +8,9 @@ Contract (one :class:`ElasticEP` per rank; all ranks call the same methods in th
 - ``dispatch(x, topk_idx, topk_weights, active_ranks, num_experts, timeout)`` routes pairs to
   live replicas (policy for experts without one), sends each token once per destination rank
   and returns ``(recv_x, recv_counts, handle)``: ``recv_x`` is ``[N, H]`` grouped by local
-  slot, ``recv_counts[s]`` rows for slot ``s``. ``combine(expert_out, handle)`` applies the
-  gate weights at the expert side, sends one row per (token, rank) back and sums: ``y``.
+  slot (a buffer reused by the next dispatch), ``recv_counts[s]`` rows for slot ``s``.
+  ``combine(expert_out, handle)`` applies the gate weights at the expert side, sends one row
+  per (token, rank) back and sums: ``y``.
 - ``forward(...)`` = dispatch + local experts + combine, retried across membership changes;
   this is what a MoE layer calls.
 - Every round is three all-to-alls on the epoch's group (header, payload, combine). The
@@ -60,6 +61,7 @@ __all__ = ["DispatchHandle", "ElasticEP"]
 logger = logging.getLogger(__name__)
 
 _ERR = 1
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _JOIN = 2
 _WILDCARD = -1
 
@@ -124,20 +126,29 @@ class ElasticEP:
             store_timeout_s=config.connect_timeout_s,
         )
         self._initial = placement or balanced_placement(
-            [1.0] * config.num_experts, range(config.num_seats), config.num_seats, config.slots_per_rank
+            [1.0] * config.num_experts,
+            range(config.num_seats),
+            config.num_seats,
+            config.slots_per_rank,
         )
         self.view: View | None = None
         self.group: Group | None = None
         self.round = 0
         self.step = 0
         self.load = torch.zeros(config.num_experts, dtype=torch.float64)
-        self.stats: dict[str, float] = {"dropped": 0, "substituted": 0, "transitions": 0, "last_recover_s": 0.0}
+        self.stats: dict[str, float] = {
+            "dropped": 0,
+            "substituted": 0,
+            "transitions": 0,
+            "last_recover_s": 0.0,
+        }
         self._table: ReplicaTable | None = None
         self._table_mask: torch.Tensor | None = None
         self._seat_to_member = torch.full((config.num_seats,), -1, dtype=torch.int64)
         self._replica_table = self._initial.replica_table()
         self._transition_pending = False
         self._last_join_poll = 0.0
+        self._bufs: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -147,7 +158,9 @@ class ElasticEP:
         for e in view.placement.seat_experts(self.seat):
             if e >= 0 and e not in self.bank.held():
                 if self.store_source is None:
-                    raise EPError(f"seat {self.seat} must hold expert {e} to start; load it or pass store_source")
+                    raise EPError(
+                        f"seat {self.seat} must hold expert {e} to start; load it or pass store_source"
+                    )
                 self.bank.put(e, self._store_load(e))
         won = self.membership.offer_view(view)
         self._install(won, connect_timeout_s=self.config.connect_timeout_s)
@@ -222,7 +235,13 @@ class ElasticEP:
                 out = self.bank.forward(recv_x, counts, self.local_experts())
                 return self.combine(out, handle)
             except RankFailure as exc:
-                logger.info("EP seat %d retrying step %d at epoch %d: %s", self.seat, self.step, self.epoch, exc)
+                logger.info(
+                    "EP seat %d retrying step %d at epoch %d: %s",
+                    self.seat,
+                    self.step,
+                    self.epoch,
+                    exc,
+                )
         raise EPError(f"seat {self.seat}: membership kept changing; gave up step {self.step}")
 
     def rebalance(self) -> None:
@@ -265,7 +284,9 @@ class ElasticEP:
             Evicted: the survivors left this seat out; call ``join()``.
         """
         self._catch_up()
-        return self._dispatch(x, topk_idx, topk_weights, active_ranks, num_experts, timeout, router_logits)
+        return self._dispatch(
+            x, topk_idx, topk_weights, active_ranks, num_experts, timeout, router_logits
+        )
 
     def combine(
         self, expert_out: torch.Tensor, handle: DispatchHandle, timeout: float | None = None
@@ -283,13 +304,23 @@ class ElasticEP:
                 f"got {tuple(expert_out.shape)}"
             )
         group = self._require_group()
-        partial = torch.zeros((handle.num_recv_rows, self.config.hidden), dtype=handle.dtype, device=group.device)
-        partial.index_add_(0, handle.pair_row, expert_out.to(handle.dtype) * handle.pair_weight[:, None].to(handle.dtype))
+        dev, h = group.device, self.config.hidden
+        weighted = self._buffer("weighted", (handle.pair_row.numel(), h), handle.dtype, dev)
+        torch.mul(
+            expert_out.to(handle.dtype), handle.pair_weight[:, None].to(handle.dtype), out=weighted
+        )
+        partial = self._buffer("partial", (handle.num_recv_rows, h), handle.dtype, dev).zero_()
+        partial.index_add_(0, handle.pair_row, weighted)
+        back_buf = self._buffer("back", (int(sum(handle.send_splits)), h), handle.dtype, dev)
         try:
-            back = group.all_to_all(partial, handle.recv_splits, handle.send_splits, timeout)
+            back = group.all_to_all(
+                partial, handle.recv_splits, handle.send_splits, timeout, out=back_buf
+            )
         except GroupFailure as exc:
             self._fail(exc)
-        y = torch.zeros((handle.num_tokens, self.config.hidden), dtype=handle.dtype, device=group.device)
+        y = torch.zeros(
+            (handle.num_tokens, self.config.hidden), dtype=handle.dtype, device=group.device
+        )
         y.index_add_(0, handle.send_token, back)
         if self.round == self.step:
             self.step += 1
@@ -304,13 +335,23 @@ class ElasticEP:
             h = self.config.hidden
             k = self.config.top_k
             recv_x, counts, handle = self._dispatch(
-                torch.empty((0, h)), torch.empty((0, k), dtype=torch.int64), torch.empty((0, k)),
-                None, None, None, None, wildcard=True,
+                torch.empty((0, h)),
+                torch.empty((0, k), dtype=torch.int64),
+                torch.empty((0, k)),
+                None,
+                None,
+                None,
+                None,
+                wildcard=True,
             )
             self.combine(self.bank.forward(recv_x, counts, self.local_experts()), handle)
 
     def _routing_table(self, mask: torch.Tensor) -> ReplicaTable:
-        if self._table is None or self._table_mask is None or not torch.equal(mask, self._table_mask):
+        if (
+            self._table is None
+            or self._table_mask is None
+            or not torch.equal(mask, self._table_mask)
+        ):
             slot_live = mask.to(torch.bool).repeat_interleave(self.config.slots_per_rank)
             self._table = ReplicaTable.build(self._replica_table, slot_live)
             self._table_mask = mask.clone()
@@ -335,7 +376,9 @@ class ElasticEP:
         error: InvalidRouting | None = None
         try:
             if num_experts is not None and num_experts != cfg.num_experts:
-                raise InvalidRouting(f"num_experts {num_experts} != {cfg.num_experts} of this EP layer")
+                raise InvalidRouting(
+                    f"num_experts {num_experts} != {cfg.num_experts} of this EP layer"
+                )
             validate_routing(x, topk_idx, topk_weights, cfg.num_experts, cfg.hidden, router_logits)
             if active_ranks is not None:
                 if tuple(active_ranks.shape) != (cfg.num_seats,):
@@ -343,7 +386,9 @@ class ElasticEP:
                         f"active_ranks must be [{cfg.num_seats}]; got {tuple(active_ranks.shape)}"
                     )
                 if int((active_ranks != 0).sum()) == 0:
-                    raise InvalidRouting("active_ranks marks every rank inactive; nothing can serve tokens")
+                    raise InvalidRouting(
+                        "active_ranks marks every rank inactive; nothing can serve tokens"
+                    )
                 mask = mask * (active_ranks.cpu() != 0).to(torch.int32)
                 active_ranks.copy_(mask.to(active_ranks.dtype))
             if int(mask.sum()) == 0:
@@ -351,7 +396,10 @@ class ElasticEP:
         except InvalidRouting as exc:
             error = exc
         ctrl = _ERR if error is not None else 0
-        if view.members[0] == self.seat and time.monotonic() - self._last_join_poll > cfg.join_poll_s:
+        if (
+            view.members[0] == self.seat
+            and time.monotonic() - self._last_join_poll > cfg.join_poll_s
+        ):
             self._last_join_poll = time.monotonic()
             outside = [s for s in range(cfg.num_seats) if s not in view.members]
             if self.membership.any_join_pending(outside):
@@ -360,27 +408,48 @@ class ElasticEP:
         dev = group.device
         k = cfg.top_k if error is not None else topk_idx.shape[1]
         if error is None:
-            r = route(topk_idx, topk_weights, self._routing_table(mask), cfg.policy, router_logits, offset=self.seat)
+            # Routing tables live on the CPU (they are tiny); on CUDA this costs a copy of
+            # topk_idx/topk_weights per step (the NCCL path is untested here).
+            r = route(
+                topk_idx.cpu(),
+                topk_weights.cpu(),
+                self._routing_table(mask),
+                cfg.policy,
+                None if router_logits is None else router_logits.cpu(),
+                offset=self.seat,
+            )
             self.stats["dropped"] += r.dropped
             self.stats["substituted"] += r.substituted
             valid = r.experts >= 0
-            self.load += torch.bincount(r.experts[valid], minlength=cfg.num_experts).to(torch.float64)
-            dest = torch.where(r.slots >= 0, self._seat_to_member[(r.slots // cfg.slots_per_rank).clamp(min=0)], -1)
+            self.load += torch.bincount(r.experts[valid], minlength=cfg.num_experts).to(
+                torch.float64
+            )
+            dest = torch.where(
+                r.slots >= 0, self._seat_to_member[(r.slots // cfg.slots_per_rank).clamp(min=0)], -1
+            )
             has = (dest.unsqueeze(-1) == torch.arange(m)).any(dim=1)  # [T, M]
             pairs = has.t().nonzero()
             send_member, send_token = pairs[:, 0], pairs[:, 1]
             send_splits = torch.bincount(send_member, minlength=m).tolist()
             same = dest[send_token] == send_member[:, None]
-            local_slot = torch.where(same, r.slots[send_token] % cfg.slots_per_rank, -1).to(torch.int32)
+            local_slot = torch.where(same, r.slots[send_token] % cfg.slots_per_rank, -1).to(
+                torch.int32
+            )
             w = torch.where(same, r.weights[send_token], 0.0).to(torch.float32)
-            rows = x[send_token].to(dev)
+            dtype = x.dtype
+            xi = x.to(dev).contiguous().view(_INT_OF_SIZE[x.element_size()])
         else:
             send_token = torch.empty(0, dtype=torch.int64)
             send_splits = [0] * m
             local_slot = torch.empty((0, k), dtype=torch.int32)
             w = torch.empty((0, k), dtype=torch.float32)
-            rows = torch.empty((0, cfg.hidden), dtype=x.dtype if x.is_floating_point() else torch.float32, device=dev)
-        header = torch.tensor([[n, mask_hash, ctrl, self.round] for n in send_splits], dtype=torch.int64, device=dev)
+            dtype = x.dtype if x.is_floating_point() else torch.float32
+            xi = torch.empty((0, cfg.hidden), dtype=dtype, device=dev).view(
+                _INT_OF_SIZE[dtype.itemsize]
+            )
+        header = torch.tensor(
+            [[n, mask_hash, ctrl, self.round] for n in send_splits], dtype=torch.int64, device=dev
+        )
         try:
             hdr = group.all_to_all(header, [1] * m, [1] * m, timeout).cpu()
         except GroupFailure as exc:
@@ -389,25 +458,33 @@ class ElasticEP:
         if int(hdr[0, 2]) & _JOIN:  # row 0 is the leader's header
             self._transition_pending = True
         recv_splits = hdr[:, 0].tolist()
-        dtype = rows.dtype
-        esize = rows.element_size()
-        meta = torch.cat([local_slot, w.view(torch.int32)], dim=1).to(dev)
-        payload = torch.cat([rows.contiguous().view(torch.uint8), meta.view(torch.uint8)], dim=1)
+        # One row per (token, destination): the token's hidden state, then K local slots and
+        # K gate weights, all bit-cast to an integer type of the element size of x.
+        itype = xi.dtype
+        hw = xi.shape[1]
+        meta = torch.cat([local_slot, w.view(torch.int32)], dim=1).to(dev).view(itype)
+        n_send = send_token.numel()
+        width = hw + meta.shape[1]
+        gathered = self._buffer("gather", (n_send, hw), itype, dev)
+        torch.index_select(xi, 0, send_token.to(dev), out=gathered)
+        payload = self._buffer("payload", (n_send, width), itype, dev)
+        torch.cat([gathered, meta], dim=1, out=payload)
+        recv_buf = self._buffer("recv", (int(sum(recv_splits)), width), itype, dev)
         try:
-            recv = group.all_to_all(payload, send_splits, recv_splits, timeout)
+            recv = group.all_to_all(payload, send_splits, recv_splits, timeout, out=recv_buf)
         except GroupFailure as exc:
             self._fail(exc)
-        hb = cfg.hidden * esize
-        xr = recv[:, :hb].contiguous().view(dtype)
-        rmeta = recv[:, hb:].contiguous().view(torch.int32)
+        rmeta = recv[:, hw:].contiguous().view(torch.int32)
         ls = rmeta[:, :k]
         rw = rmeta[:, k:].contiguous().view(torch.float32)
         pr = (ls >= 0).nonzero()
         row, kk = pr[:, 0], pr[:, 1]
         pslot = ls[row, kk].to(torch.int64)
         order = torch.argsort(pslot, stable=True)
-        row_o = row[order]
-        recv_x = xr[row_o]
+        row_o = row[order].to(dev)
+        rows = self._buffer("recv_x", (row_o.numel(), hw), itype, dev)
+        torch.index_select(recv[:, :hw], 0, row_o, out=rows)
+        recv_x = rows.view(dtype)  # grouped by local slot; valid until the next dispatch
         recv_counts = torch.bincount(pslot[order], minlength=cfg.slots_per_rank)
         handle = DispatchHandle(
             epoch=view.epoch,
@@ -417,8 +494,8 @@ class ElasticEP:
             send_splits=send_splits,
             recv_splits=recv_splits,
             pair_row=row_o,
-            pair_weight=rw[row, kk][order],
-            num_recv_rows=int(xr.shape[0]),
+            pair_weight=rw[row, kk][order].to(dev),
+            num_recv_rows=int(recv.shape[0]),
             dtype=dtype,
         )
         return recv_x, recv_counts, handle
@@ -434,8 +511,14 @@ class ElasticEP:
             )
         rounds = hdr[:, 3].tolist()
         if any(r != self.round for r in rounds):
-            raise EPError(f"round mismatch in epoch {view.epoch}: members at rounds {rounds}, this seat at {self.round}")
-        hashes = {view.members[i]: int(hdr[i, 1]) for i in range(hdr.shape[0]) if int(hdr[i, 1]) != _WILDCARD}
+            raise EPError(
+                f"round mismatch in epoch {view.epoch}: members at rounds {rounds}, this seat at {self.round}"
+            )
+        hashes = {
+            view.members[i]: int(hdr[i, 1])
+            for i in range(hdr.shape[0])
+            if int(hdr[i, 1]) != _WILDCARD
+        }
         if len(set(hashes.values())) > 1:
             raise InvalidRouting(
                 f"active_ranks differs across ranks in round {self.round} (mask hash per seat: {hashes}); "
@@ -450,7 +533,9 @@ class ElasticEP:
             f"with seats {list(self.members)}; redo the step"
         ) from exc
 
-    def _transition(self, reason: str, rebalance: bool = False, cause: Exception | None = None) -> None:
+    def _transition(
+        self, reason: str, rebalance: bool = False, cause: Exception | None = None
+    ) -> None:
         t0 = time.monotonic()
         old = self._require_view()
         if self.group is not None:
@@ -458,9 +543,13 @@ class ElasticEP:
             self.group = None
         self._transition_pending = False
         epoch = old.epoch + 1
-        logger.info("EP seat %d: transition to epoch %d (%s) %s", self.seat, epoch, reason, cause or "")
+        logger.info(
+            "EP seat %d: transition to epoch %d (%s) %s", self.seat, epoch, reason, cause or ""
+        )
         while True:
-            info = AliveInfo(self.round, self.step, tuple(self.bank.held()), tuple(self.load.tolist()), rebalance)
+            info = AliveInfo(
+                self.round, self.step, tuple(self.bank.held()), tuple(self.load.tolist()), rebalance
+            )
             self.membership.post_alive(epoch, info)
             view = self._await_view(epoch, old, reason)
             if self.seat not in view.members:
@@ -473,7 +562,9 @@ class ElasticEP:
                 self._install(view)
                 break
             except GroupFailure as exc:
-                logger.warning("EP seat %d: installing epoch %d failed: %s", self.seat, view.epoch, exc)
+                logger.warning(
+                    "EP seat %d: installing epoch %d failed: %s", self.seat, view.epoch, exc
+                )
                 if self.group is not None:
                     self.group.close()
                     self.group = None
@@ -489,22 +580,39 @@ class ElasticEP:
             if view is not None:
                 return view
             posted = self.membership.read_alive(epoch, old.members)
+            # A member seat with a fresh join request was restarted: its old process is gone.
+            rejoining = self.membership.pending_joins(s for s in old.members if s not in posted)
             waiting = []
             for seat in old.members:
                 if seat in posted:
                     continue
                 age = self.membership.heartbeat_age(seat)
-                dead = age is None or age > cfg.stale_s or time.monotonic() - start > cfg.timeout_s + cfg.stale_s
+                dead = (
+                    seat in rejoining
+                    or age is None
+                    or age > cfg.stale_s
+                    or time.monotonic() - start > cfg.timeout_s + cfg.stale_s
+                )
                 if not dead:
                     waiting.append(seat)
             if not waiting:
                 outside = [s for s in range(cfg.num_seats) if s not in posted]
                 joiners = self.membership.pending_joins(outside)
-                proposal = plan_view(old, posted, joiners, store_fallback=self.store_source is not None, reason=reason)
+                proposal = plan_view(
+                    old,
+                    posted,
+                    joiners,
+                    store_fallback=self.store_source is not None,
+                    reason=reason,
+                )
                 won = self.membership.offer_view(proposal)
                 if won == proposal:
                     logger.info(
-                        "EP epoch %d: members %s, %d expert copies (%s)", won.epoch, list(won.members), len(won.transfers), won.reason
+                        "EP epoch %d: members %s, %d expert copies (%s)",
+                        won.epoch,
+                        list(won.members),
+                        len(won.transfers),
+                        won.reason,
                     )
                 return won
             time.sleep(0.005)
@@ -536,6 +644,21 @@ class ElasticEP:
         self._replica_table = view.placement.replica_table()
         self._table = None
         self.round = view.resume_round
+
+    def _buffer(
+        self, name: str, shape: tuple[int, int], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """A reused scratch tensor (large fresh allocations cost page faults every step)."""
+        numel = shape[0] * shape[1]
+        buf = self._bufs.get(name)
+        if (
+            buf is None
+            or buf.numel() * buf.element_size() < numel * dtype.itemsize
+            or buf.device != device
+        ):
+            buf = torch.empty(max(numel * dtype.itemsize, 1), dtype=torch.uint8, device=device)
+            self._bufs[name] = buf
+        return buf[: numel * dtype.itemsize].view(dtype).view(shape)
 
     def _store_load(self, expert: int) -> torch.Tensor:
         from mooncake_core.ep.weights import StoreWeightSource

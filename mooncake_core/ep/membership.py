@@ -14,7 +14,9 @@ Contract:
   offer wins and every member adopts exactly that one. A member left out gets ``Evicted``.
 - Heartbeats are wall-clock timestamps written every ``heartbeat_s`` by a daemon thread on
   its own store connection (clocks of the EP hosts must agree to well within ``stale_s``).
-- Joiners write ``{prefix}/join/{seat}`` and wait for a view listing them.
+- Joiners write a fresh nonce to ``{prefix}/join/{seat}`` and wait for a view listing it;
+  the winner of that view records it under ``{prefix}/admitted/{seat}``. Keys are only
+  ever overwritten, never deleted, so a check followed by a get cannot block.
 
 The store host must outlive the ranks (run it on the launcher or scheduler, as the Mooncake
 PG coordinator is); it is the single point of failure of this design.
@@ -54,13 +56,25 @@ class AliveInfo:
 
     def to_json(self) -> str:
         return json.dumps(
-            {"round": self.round, "step": self.step, "held": list(self.held), "load": list(self.load), "rebalance": self.rebalance}
+            {
+                "round": self.round,
+                "step": self.step,
+                "held": list(self.held),
+                "load": list(self.load),
+                "rebalance": self.rebalance,
+            }
         )
 
     @staticmethod
     def from_json(raw: bytes | str) -> AliveInfo:
         d = json.loads(raw)
-        return AliveInfo(int(d["round"]), int(d["step"]), tuple(d["held"]), tuple(d["load"]), bool(d["rebalance"]))
+        return AliveInfo(
+            int(d["round"]),
+            int(d["step"]),
+            tuple(d["held"]),
+            tuple(d["load"]),
+            bool(d["rebalance"]),
+        )
 
 
 @dataclass(frozen=True)
@@ -169,7 +183,9 @@ def plan_view(
     available = range(p.num_experts) if store_fallback else sorted(holders)
     if any(info.rebalance for info in posted.values()):
         reason = "rebalance"
-        new = balanced_placement(load, members, p.num_seats, s_per)
+        new = balanced_placement(
+            load, members, p.num_seats, s_per, held={s: i.held for s, i in posted.items()}
+        )
     else:
         new = repair_placement(base, members, load, available)
     slot_expert = list(new.slot_expert)
@@ -282,8 +298,8 @@ class Membership:
         won = View.from_json(raw)
         if won == view:
             self.store.set(self._k("current"), str(view.epoch))
-            for seat, _ in view.joined:
-                self.store.delete_key(self._k("join", seat))
+            for seat, nonce in view.joined:  # keys are only ever set, never deleted
+                self.store.set(self._k("admitted", seat), nonce)
         return won
 
     def current_view(self) -> View | None:
@@ -312,10 +328,13 @@ class Membership:
         out: dict[int, str] = {}
         for seat in seats:
             key = self._k("join", seat)
-            if self.store.check([key]):
-                out[seat] = self.store.get(key).decode()
+            if not self.store.check([key]):
+                continue
+            nonce = self.store.get(key).decode()
+            done = self._k("admitted", seat)
+            if not self.store.check([done]) or self.store.get(done).decode() != nonce:
+                out[seat] = nonce
         return out
 
     def any_join_pending(self, seats: Iterable[int]) -> bool:
-        keys = [self._k("join", s) for s in seats]
-        return bool(keys) and any(self.store.check([k]) for k in keys)
+        return bool(self.pending_joins(seats))

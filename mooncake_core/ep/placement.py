@@ -23,7 +23,7 @@ same inputs.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -115,7 +115,9 @@ class Placement:
 
 def _check_load(load: Sequence[float], num_experts: int) -> list[float]:
     if len(load) != num_experts:
-        raise InvalidRouting(f"load has {len(load)} entries; expected one per expert ({num_experts})")
+        raise InvalidRouting(
+            f"load has {len(load)} entries; expected one per expert ({num_experts})"
+        )
     # A small floor keeps never-seen experts placeable and ties deterministic.
     return [max(float(x), 0.0) + 1e-6 for x in load]
 
@@ -144,6 +146,7 @@ def balanced_placement(
     live_seats: Iterable[int],
     num_seats: int,
     slots_per_rank: int,
+    held: Mapping[int, Iterable[int]] | None = None,
 ) -> Placement:
     """EPLB-style placement from per-expert load over the live seats.
 
@@ -152,6 +155,8 @@ def balanced_placement(
         live_seats: seats that get slots; the others stay empty.
         num_seats: total seat capacity ``R``.
         slots_per_rank: slots per seat ``S``.
+        held: experts each seat holds now; the balanced bins are handed to the seats that
+            already hold most of their experts, so fewer weights move (balance unchanged).
 
     Returns:
         A placement where hot experts have redundant replicas and per-seat load (load of an
@@ -170,16 +175,31 @@ def balanced_placement(
     seat_load = {s: 0.0 for s in seats}
     seat_items: dict[int, list[int]] = {s: [] for s in seats}
     for share, e in replicas:
-        options = [s for s in seats if len(seat_items[s]) < slots_per_rank and e not in seat_items[s]]
+        options = [
+            s for s in seats if len(seat_items[s]) < slots_per_rank and e not in seat_items[s]
+        ]
         if not options:  # only happens when an expert has more replicas than seats
             continue
         best = min(options, key=lambda s: (seat_load[s], s))
         seat_items[best].append(e)
         seat_load[best] += share
+    bins = [seat_items[s] for s in seats]
+    owner = dict(zip(range(len(bins)), seats, strict=True))
+    if held is not None:
+        have = {s: set(held.get(s, ())) for s in seats}
+        pairs = sorted(
+            ((len(have[s] & set(b)), i, s) for i, b in enumerate(bins) for s in seats),
+            key=lambda t: (-t[0], t[1], t[2]),
+        )
+        owner, taken = {}, set()
+        for _, i, s in pairs:
+            if i not in owner and s not in taken:
+                owner[i] = s
+                taken.add(s)
     slot_expert = [-1] * (num_seats * slots_per_rank)
-    for s in seats:
-        for i, e in enumerate(sorted(seat_items[s])):
-            slot_expert[s * slots_per_rank + i] = e
+    for i, b in enumerate(bins):
+        for j, e in enumerate(sorted(b)):
+            slot_expert[owner[i] * slots_per_rank + j] = e
     return Placement(num_experts, num_seats, slots_per_rank, tuple(slot_expert))
 
 
@@ -233,7 +253,9 @@ def repair_placement(
         ]
         if not free:
             return None
-        loads = {slot: _seat_load(slot_expert, slot // s_per, s_per, weights, counts) for slot in free}
+        loads = {
+            slot: _seat_load(slot_expert, slot // s_per, s_per, weights, counts) for slot in free
+        }
         return min(free, key=lambda slot: (loads[slot], slot))
 
     lost = sorted((e for e in avail if counts[e] == 0), key=lambda e: (-weights[e], e))
@@ -281,7 +303,11 @@ def repair_placement(
 
 
 def _seat_load(
-    slot_expert: Sequence[int], seat: int, s_per: int, weights: Sequence[float], counts: Sequence[int]
+    slot_expert: Sequence[int],
+    seat: int,
+    s_per: int,
+    weights: Sequence[float],
+    counts: Sequence[int],
 ) -> float:
     return sum(
         weights[e] / max(counts[e], 1)

@@ -86,7 +86,9 @@ def validate_routing(
     if x.dim() != 2:
         raise InvalidRouting(f"x must be [tokens, hidden]; got shape {tuple(x.shape)}")
     if hidden is not None and x.shape[1] != hidden:
-        raise InvalidRouting(f"x has hidden size {x.shape[1]}; this EP layer was built for {hidden}")
+        raise InvalidRouting(
+            f"x has hidden size {x.shape[1]}; this EP layer was built for {hidden}"
+        )
     if not x.is_floating_point():
         raise InvalidRouting(f"x must be floating point; got {x.dtype}")
     if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:

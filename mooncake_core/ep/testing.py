@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import signal
 import socket
@@ -39,7 +40,11 @@ def serve_store(port: int | None = None) -> tuple[TCPStore, int]:
     """Host the shared store in this (launcher) process; returns ``(store, port)``."""
     port = port or free_port()
     store = TCPStore(
-        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
+        "127.0.0.1",
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=30),
     )
     return store, port
 
@@ -69,7 +74,7 @@ class WorkerSpec:
     steps: int = 6
     policy: str = "renormalize"
     timeout_s: float = 2.0
-    stale_s: float = 0.5
+    stale_s: float = 1.0
     heartbeat_s: float = 0.05
     seed: int = 0
     kill_seat: int = -1
@@ -104,16 +109,26 @@ def _live_experts(ep: ElasticEP) -> list[int]:
     return sorted({e for s in ep.members for e in p.seat_experts(s) if e >= 0})
 
 
-def _die(queue: Any, seat: int) -> None:
-    queue.put({"kind": "killed", "seat": seat, "t": time.time()})
-    queue.close()
-    queue.join_thread()
-    os.kill(os.getpid(), signal.SIGKILL)
+def _die(queue: Any, seat: int, sig: int = signal.SIGKILL) -> None:
+    """Report, flush the queue, then SIGKILL (crash) or SIGSTOP (hang) this process."""
+    queue.put(
+        {"kind": "killed" if sig == signal.SIGKILL else "stopped", "seat": seat, "t": time.time()}
+    )
+    if sig == signal.SIGKILL:
+        queue.close()
+        queue.join_thread()
+    else:
+        time.sleep(0.2)  # let the queue's feeder thread flush
+    os.kill(os.getpid(), sig)
 
 
 def run_worker(seat: int, port: int, spec: WorkerSpec, queue: Any) -> None:
     """Body of one EP rank process (target of a ``spawn`` process)."""
     torch.set_num_threads(1)
+    if os.environ.get("MOONCAKE_EP_TEST_LOG"):
+        logging.basicConfig(
+            level=logging.DEBUG, format=f"%(asctime)s seat{seat} %(name)s %(message)s"
+        )
     cfg = spec.config()
     weights = make_expert_weights(spec.num_experts, spec.hidden, spec.ffn, spec.seed)
     held = {} if spec.join else {e: weights[e] for e in range(spec.num_experts)}
@@ -123,12 +138,24 @@ def run_worker(seat: int, port: int, spec: WorkerSpec, queue: Any) -> None:
             ep.join(timeout_s=60.0)
         else:
             ep.start()
-        queue.put({"kind": "up", "seat": seat, "epoch": ep.epoch, "placement": ep.placement.to_list(), "held": ep.bank.held()})
-        join_step = ep.step if spec.join else -1
-        last = spec.steps
+        queue.put(
+            {
+                "kind": "up",
+                "reason": ep.view.reason if ep.view is not None else "",
+                "seat": seat,
+                "epoch": ep.epoch,
+                "placement": ep.placement.to_list(),
+                "held": ep.bank.held(),
+            }
+        )
+        join_step = ep.view.max_step if spec.join and ep.view is not None else -1
+        doomed = seat == spec.kill_seat and not spec.join  # a rejoined process is not killed again
+        last = join_step + spec.steps_after_join if spec.join else spec.steps
         while ep.step < last or (spec.steps_after_join and join_step < 0):
             step = ep.step
-            x, idx, w, logits = make_inputs(spec.seed, seat, step, spec.tokens, spec.hidden, spec.num_experts, spec.top_k)
+            x, idx, w, logits = make_inputs(
+                spec.seed, seat, step, spec.tokens, spec.hidden, spec.num_experts, spec.top_k
+            )
             if step == spec.bad_input_step or step == spec.bad_mask_step:
                 bad_idx, mask = idx, None
                 if step == spec.bad_input_step and seat == 0:
@@ -143,31 +170,61 @@ def run_worker(seat: int, port: int, spec: WorkerSpec, queue: Any) -> None:
                     ep.forward(x, bad_idx, w, logits, active_ranks=mask)
                     queue.put({"kind": "bad", "seat": seat, "step": step, "error": None})
                 except EPError as exc:
-                    queue.put({"kind": "bad", "seat": seat, "step": step, "error": f"{type(exc).__name__}: {exc}", "s": time.monotonic() - t0})
-            if seat == spec.kill_seat and step == spec.kill_step and spec.kill_phase == "before_dispatch":
+                    queue.put(
+                        {
+                            "kind": "bad",
+                            "seat": seat,
+                            "step": step,
+                            "error": f"{type(exc).__name__}: {exc}",
+                            "s": time.monotonic() - t0,
+                        }
+                    )
+            if doomed and step == spec.kill_step and spec.kill_phase == "before_dispatch":
                 _die(queue, seat)
             epoch_before = ep.epoch
-            if seat == spec.kill_seat and step == spec.kill_step and spec.kill_phase == "mid_step":
+            if doomed and step == spec.kill_step and spec.kill_phase == "hang":
+                ep.dispatch(x, idx, w, router_logits=logits)
+                _die(queue, seat, signal.SIGSTOP)  # resumes here after SIGCONT
+            if doomed and step == spec.kill_step and spec.kill_phase == "mid_step":
                 ep.dispatch(x, idx, w, router_logits=logits)
                 _die(queue, seat)
             y = ep.forward(x, idx, w, logits)
-            if spec.steps_after_join and join_step < 0 and len(ep.members) == spec.num_seats and ep.view is not None and ep.view.reason == "join":
-                join_step = ep.step
-                last = ep.step + spec.steps_after_join
-            if spec.join:
+            view = ep.view
+            if spec.steps_after_join and join_step < 0 and view is not None and view.joined:
+                # The view that admitted the joiner (a "join" or a "failure" transition):
+                # everyone counts from its max_step, the step the joiner starts at.
+                join_step = view.max_step
                 last = join_step + spec.steps_after_join
             queue.put(
                 {
-                    "kind": "step", "seat": seat, "step": step, "t": time.time(), "epoch": ep.epoch,
-                    "epoch_changed": ep.epoch != epoch_before, "members": list(ep.members),
-                    "live_experts": _live_experts(ep), "x": x.tolist(), "idx": idx.tolist(), "w": w.tolist(),
-                    "logits": logits.tolist(), "y": y.tolist(),
-                    "placement": ep.placement.to_list(), "stats": dict(ep.stats),
+                    "kind": "step",
+                    "seat": seat,
+                    "step": step,
+                    "t": time.time(),
+                    "epoch": ep.epoch,
+                    "epoch_changed": ep.epoch != epoch_before,
+                    "members": list(ep.members),
+                    "live_experts": _live_experts(ep),
+                    "x": x.tolist(),
+                    "idx": idx.tolist(),
+                    "w": w.tolist(),
+                    "logits": logits.tolist(),
+                    "y": y.tolist(),
+                    "placement": ep.placement.to_list(),
+                    "stats": dict(ep.stats),
                 }
             )
             if spec.step_sleep_s:
                 time.sleep(spec.step_sleep_s)
-        queue.put({"kind": "done", "seat": seat, "epoch": ep.epoch, "placement": ep.placement.to_list(), "held": ep.bank.held()})
+        queue.put(
+            {
+                "kind": "done",
+                "seat": seat,
+                "epoch": ep.epoch,
+                "placement": ep.placement.to_list(),
+                "held": ep.bank.held(),
+            }
+        )
     except Evicted as exc:
         queue.put({"kind": "evicted", "seat": seat, "error": str(exc)})
     except Exception as exc:  # reported to the parent, which fails the test with it

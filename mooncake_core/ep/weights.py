@@ -98,8 +98,12 @@ class LiveReplicaSource(ExpertWeightSource):
                 raise EPError(f"transfer of expert {t.expert} names a seat outside the epoch: {t}")
         numel = ctx.bank.numel
         index = {seat: i for i, seat in enumerate(ctx.members)}
-        outgoing = sorted((t for t in live if t.src_seat == ctx.seat), key=lambda t: (index[t.dst_seat], t.expert))
-        incoming = sorted((t for t in live if t.dst_seat == ctx.seat), key=lambda t: (index[t.src_seat], t.expert))
+        outgoing = sorted(
+            (t for t in live if t.src_seat == ctx.seat), key=lambda t: (index[t.dst_seat], t.expert)
+        )
+        incoming = sorted(
+            (t for t in live if t.dst_seat == ctx.seat), key=lambda t: (index[t.src_seat], t.expert)
+        )
         if not live:
             return {}
         send_splits = [0] * len(ctx.members)
