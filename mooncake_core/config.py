@@ -122,6 +122,7 @@ class StoreConfig:
     put_timeout_s: float = 30.0
     ssd_path: str = ""
     placement: str = "free-ratio-first"
+    rpc_spin_us: float = 100.0  # clients spin this long for a master answer before sleeping
 
 
 @dataclass(frozen=True)
@@ -260,6 +261,8 @@ def _validate(cfg: Any, where: str) -> None:
             raise ConfigError(f"{where}eviction_high_watermark: must be in (0, 1], got {cfg.eviction_high_watermark}")
         if not 0 < cfg.eviction_ratio <= 1:
             raise ConfigError(f"{where}eviction_ratio: must be in (0, 1], got {cfg.eviction_ratio}")
+        if not 0 <= cfg.rpc_spin_us <= 100_000:
+            raise ConfigError(f"{where}rpc_spin_us: must be 0..100000, got {cfg.rpc_spin_us}")
     elif isinstance(cfg, LogConfig):
         if cfg.level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
             raise ConfigError(f"{where}level: unknown log level {cfg.level!r}")

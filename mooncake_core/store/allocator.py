@@ -176,22 +176,21 @@ def place(
     return replicas
 
 
-def _stripe(segs: list[Placeable], used: set[str], size: int) -> list[tuple[Placeable, int, int]] | None:
-    """Spread ``size`` bytes over several unused segments (largest extents first)."""
-    cands = sorted((s for s in segs if s.name not in used), key=lambda s: s.allocator.largest_free(), reverse=True)
-    if sum(s.allocator.largest_free() for s in cands) < size:
+def _stripe(segs: list[Placeable], used: set[str], size: int, max_slices: int = 64) -> list[tuple[Placeable, int, int]] | None:
+    """Spread ``size`` bytes over the largest free extents of unused segments."""
+    cands = [s for s in segs if s.name not in used]
+    if sum(s.allocator.free for s in cands) < size:
         return None
     out: list[tuple[Placeable, int, int]] = []
     left = size
-    for s in cands:
-        if left <= 0:
-            break
+    while left > 0 and len(out) < max_slices:
+        s = max(cands, key=lambda c: c.allocator.largest_free())
         n = min(left, s.allocator.largest_free() & ~(ALIGN - 1))
         if n <= 0:
-            continue
+            break
         off = s.allocator.allocate(n)
         if off is None:  # pragma: no cover - largest_free said it fits
-            continue
+            break
         out.append((s, off, n))
         left -= n
     if left > 0:

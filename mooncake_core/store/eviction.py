@@ -17,11 +17,16 @@ __all__ = ["Evictable", "candidates"]
 
 
 class Evictable(Protocol):
-    complete: bool
-    hard_pin: bool
-    lease_until: float
-    soft_pin_until: float
-    busy: bool
+    @property
+    def complete(self) -> bool: ...
+    @property
+    def hard_pin(self) -> bool: ...
+    @property
+    def lease_until(self) -> float: ...
+    @property
+    def soft_pin_until(self) -> float: ...
+    @property
+    def busy(self) -> bool: ...
 
 
 def candidates(

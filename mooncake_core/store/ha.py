@@ -14,6 +14,8 @@ Layout under ``mooncake-store/<cluster_id>/``:
 - ``leader``: JSON ``{"id", "rpc", "http"}`` of the leader, attached to its etcd lease
   (TTL ``ha_lease_ttl_s``): it disappears when the leader dies.
 - ``oplog/<%016d seq>``: msgpack list of entries (see ``MasterState.apply``).
+- ``snap/latest`` and ``snap/<seq>/<part>``: compaction (:class:`Snapshots`); every
+  ``snapshot_every`` batches the leader writes its state and trims the log below it.
 
 Clients configured with ``master_server_address = "etcd://host:port"`` read ``leader``
 to find the RPC address and re-read it when the connection fails.
@@ -30,7 +32,7 @@ import msgspec
 from mooncake_core.errors import MetadataError
 from mooncake_core.etcd import EtcdClient
 
-__all__ = ["StoreEtcd", "LeaderInfo", "prefix_for", "resolve_leader", "MAX_BATCH_BYTES"]
+__all__ = ["StoreEtcd", "Snapshots", "LeaderInfo", "prefix_for", "resolve_leader", "MAX_BATCH_BYTES"]
 
 logger = logging.getLogger(__name__)
 MAX_BATCH_BYTES = 1 << 20  # etcd's default request limit is 1.5 MiB
@@ -125,6 +127,83 @@ class StoreEtcd(EtcdClient):
             return out
 
         return self._run(f())
+
+
+def _chunks(entries: list[Any]) -> list[bytes]:
+    chunks: list[bytes] = []
+    cur: list[Any] = []
+    size = 0
+    for e in entries:
+        b = len(msgspec.msgpack.encode(e))
+        if cur and size + b > MAX_BATCH_BYTES:
+            chunks.append(msgspec.msgpack.encode(cur))
+            cur, size = [], 0
+        cur.append(e)
+        size += b
+    if cur:
+        chunks.append(msgspec.msgpack.encode(cur))
+    return chunks
+
+
+class Snapshots:
+    """Oplog compaction: the leader writes its whole state as of ``seq`` and trims the log.
+
+    Layout: ``snap/<seq>/<part>`` chunks, then (fenced) ``snap/latest`` = ``seq``; the
+    oplog below ``seq`` and snapshots older than the previous one are then deleted. A
+    standby starts from ``snap/latest`` and tails the log from its seq; one that finds a
+    gap in the log (it fell behind a trim) reloads the snapshot.
+    """
+
+    def __init__(self, etcd: StoreEtcd) -> None:
+        self.etcd = etcd
+        self.prefix = etcd.prefix + "snap/"
+
+    def write(self, me: LeaderInfo, seq: int, entries: list[Any]) -> None:
+        parts = _chunks(entries)
+        for i, body in enumerate(parts):
+            self.etcd.put(f"{self.prefix}{seq:016d}/{i:06d}", body)
+        mine = msgspec.json.encode(me)
+        latest = (self.prefix + "latest").encode()
+        value = msgspec.json.encode({"seq": seq, "parts": len(parts)})
+        etcd = self.etcd
+
+        async def txn() -> bool:
+            c = etcd._client
+            ok, _ = await c.transaction(compare=[c.transactions.value(etcd.leader_key.encode()) == mine],
+                                        success=[c.transactions.put(latest, value)], failure=[])
+            return bool(ok)
+
+        if not etcd._run(txn()):
+            raise MetadataError(f"snapshot at seq {seq} refused: this master is no longer the leader")
+        prev = self.previous(seq)
+
+        async def trim() -> None:
+            c = etcd._client
+            await c.delete_range(etcd._seq_key(0).encode(), etcd._seq_key(seq).encode())
+            if prev is not None:  # keep the newest two snapshots
+                await c.delete_range(self.prefix.encode(), f"{self.prefix}{prev:016d}".encode())
+
+        etcd._run(trim())
+
+    def previous(self, seq: int) -> int | None:
+        seqs = sorted({int(k[len(self.prefix):].split("/")[0]) for k in self.etcd.get_prefix(self.prefix)
+                       if k[len(self.prefix):].split("/")[0].isdigit()})
+        older = [s for s in seqs if s < seq]
+        return older[-1] if older else None
+
+    def load(self) -> tuple[int, list[Any]] | None:
+        raw = self.etcd.get(self.prefix + "latest")
+        if raw is None:
+            return None
+        meta = msgspec.json.decode(raw)
+        seq, parts = int(meta["seq"]), int(meta["parts"])
+        got = self.etcd.get_prefix(f"{self.prefix}{seq:016d}/")
+        if len(got) != parts:
+            raise MetadataError(f"snapshot {seq} has {len(got)} of {parts} parts")
+        entries: list[Any] = []
+        for k in sorted(got):
+            entries.extend(msgspec.msgpack.decode(got[k]))
+        return seq, entries
 
 
 def resolve_leader(url: str, cluster_id: str = "default", timeout: float = 3.0) -> LeaderInfo | None:

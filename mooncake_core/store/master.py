@@ -56,11 +56,10 @@ class _Conn(asyncio.Protocol):
     def __init__(self, server: MasterServer) -> None:
         self.server = server
         self.buf = bytearray()
-        self.transport: asyncio.Transport | None = None
+        self.transport: Any = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport  # uvloop's transports are not asyncio.Transport subclasses
         sock = transport.get_extra_info("socket")
         if sock is not None:
             import socket
@@ -90,6 +89,15 @@ class _Conn(asyncio.Protocol):
             self.server.handle(self, req)
         if pos:
             del buf[:pos]
+
+    def pause_writing(self) -> None:
+        # the peer is not reading its answers: stop reading its requests (bounded memory)
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
 
     def _bad(self, why: str) -> None:
         self.server.metrics.bad_frames += 1
@@ -136,6 +144,7 @@ class MasterServer:
         serve_metadata: bool = True,
         tick_s: float = 0.2,
         ha_lease_ttl_s: float = 2.0,
+        snapshot_every: int = 2000,
     ) -> None:
         self.cfg = cfg or StoreConfig()
         self.state = MasterState(self.cfg)
@@ -148,6 +157,9 @@ class MasterServer:
         self.serve_metadata = serve_metadata
         self.tick_s = tick_s
         self.ha_lease_ttl_s = ha_lease_ttl_s
+        self.snapshot_every = snapshot_every
+        self._snap_seq = 0
+        self._snapshotting = False
         self.id = uuid.uuid4().hex[:12]
         self.role = "starting"
         self.leader_hint = ""
@@ -284,11 +296,15 @@ class MasterServer:
             self._flush_wake.clear()
             if not self._flush_waiters:
                 continue
-            entries, self._log = self._log, []
+            entries = self._log[:]  # on_change is bound to this list: copy and clear in place
+            self._log.clear()
             waiters, self._flush_waiters = self._flush_waiters, []
             try:
                 if entries:
                     self._seq = await loop.run_in_executor(None, self._etcd.append, self._me, self._seq, entries)
+                    if self._seq - self._snap_seq >= self.snapshot_every and not self._snapshotting:
+                        self._snapshotting = True
+                        asyncio.ensure_future(self._snapshot())
                 for w in waiters:
                     if not w.done():
                         w.set_result(None)
@@ -297,6 +313,35 @@ class MasterServer:
                     if not w.done():
                         w.set_exception(exc)
                 self._step_down(str(exc))
+
+    async def _snapshot(self) -> None:
+        """Write the state as of the current seq and trim the oplog below it."""
+        from mooncake_core.store.ha import Snapshots
+
+        seq, entries = self._seq, self.state.export()  # consistent: taken in one loop step
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, Snapshots(self._etcd).write, self._me, seq, entries)
+            self._snap_seq = seq
+            logger.info("oplog compacted: snapshot at seq %d (%d entries)", seq, len(entries))
+        except MetadataError as exc:
+            logger.warning("snapshot at seq %d failed: %s", seq, exc)
+        finally:
+            self._snapshotting = False
+
+    async def _load_snapshot(self) -> None:
+        """(Standby) replace the state with the latest snapshot, if there is one."""
+        from mooncake_core.store.ha import Snapshots
+
+        snap = await asyncio.get_running_loop().run_in_executor(None, Snapshots(self._etcd).load)
+        if snap is None:
+            return
+        seq, entries = snap
+        self.state = MasterState(self.cfg)
+        self.state.on_task = self._wake_poller
+        self._handlers = self._make_handlers()
+        self._apply([(seq - 1, entries)])
+        self._snap_seq = seq
+        logger.info("loaded snapshot at seq %d (%d entries)", seq, len(entries))
 
     async def _poll(self, conn: _Conn, req: P.Request, t0: float) -> None:
         try:
@@ -364,19 +409,26 @@ class MasterServer:
         loop = asyncio.get_running_loop()
         etcd = self._etcd
         lease = await loop.run_in_executor(None, etcd.grant_lease, self.ha_lease_ttl_s)
+        loaded = False
         while True:
-            if self.role != "leader":
-                batches = await loop.run_in_executor(None, etcd.read_log, self._seq)
-                self._apply(batches)
-                if len(batches) >= 512:
+            try:
+                if not loaded:
+                    await self._load_snapshot()
+                    loaded = True
+                if self.role == "leader":
+                    await asyncio.sleep(max(0.2, self.ha_lease_ttl_s / 4))
+                    if not await loop.run_in_executor(None, etcd.still_leader, self._me):
+                        self._step_down("the leader key in etcd is no longer ours")
+                        return
                     continue
+                if await self._catch_up() >= 512:
+                    continue  # more to read before campaigning
                 won = await loop.run_in_executor(None, etcd.campaign, self._me, lease)
+                if not won:  # we may already hold the key (a takeover interrupted by an error)
+                    won = await loop.run_in_executor(None, etcd.still_leader, self._me)
                 if won:
-                    while True:  # read the log to its end before serving
-                        batches = await loop.run_in_executor(None, etcd.read_log, self._seq)
-                        if not batches:
-                            break
-                        self._apply(batches)
+                    while await self._catch_up():  # read the log to its end before serving
+                        pass
                     self.state.on_takeover(time.monotonic())
                     self.role = "leader"
                     self.leader_hint = self._me.rpc
@@ -386,16 +438,22 @@ class MasterServer:
                 cur = await loop.run_in_executor(None, etcd.leader)
                 self.leader_hint = cur.rpc if cur is not None else ""
                 await asyncio.sleep(0.1)
-            else:
-                await asyncio.sleep(max(0.2, self.ha_lease_ttl_s / 4))
-                try:
-                    mine = await loop.run_in_executor(None, etcd.still_leader, self._me)
-                except MetadataError as exc:
-                    logger.warning("cannot confirm leadership: %s", exc)
-                    continue
-                if not mine:
-                    self._step_down("the leader key in etcd is no longer ours")
-                    return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # etcd hiccups must not end the HA loop
+                logger.warning("HA loop: %s: %s; retrying", type(exc).__name__, exc)
+                await asyncio.sleep(0.2)
+
+    async def _catch_up(self) -> int:
+        """Apply the next oplog batches (reloading the snapshot across a trim); returns how many."""
+        batches = await asyncio.get_running_loop().run_in_executor(None, self._etcd.read_log, self._seq)
+        if batches and batches[0][0] != self._seq:  # we fell behind a trim
+            logger.warning("oplog gap (have seq %d, log starts at %d): reloading the snapshot",
+                           self._seq, batches[0][0])
+            await self._load_snapshot()
+            return 1
+        self._apply(batches)
+        return len(batches)
 
     def _apply(self, batches: list[tuple[int, list[Any]]]) -> None:
         now = time.monotonic()

@@ -170,7 +170,7 @@ class ReplicaCfg(msgspec.Struct, array_like=True, frozen=True):
 
 
 # ---------------------------------------------------------------------- method params
-class _A(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+class _A(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     pass
 
 
@@ -310,7 +310,7 @@ def encode_response(req_id: int, code: int, result: Any) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
-def decode_request(frame: bytes | memoryview) -> Request:
+def decode_request(frame: bytes | bytearray | memoryview) -> Request:
     """Decode a request envelope; raises ``msgspec.DecodeError`` on a malformed frame."""
     return _req_dec.decode(frame)
 
@@ -327,7 +327,7 @@ def decode_params(method: str, raw: msgspec.Raw) -> msgspec.Struct:
     return out
 
 
-def decode_response(frame: bytes | memoryview) -> Response:
+def decode_response(frame: bytes | bytearray | memoryview) -> Response:
     return _resp_dec.decode(frame)
 
 

@@ -10,6 +10,7 @@ raise the matching :mod:`mooncake_core.errors` class.
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import threading
 import time
@@ -26,42 +27,89 @@ logger = logging.getLogger(__name__)
 
 
 class _Sock:
-    __slots__ = ("sock", "addr", "hdr", "next_id")
+    """One connection to the master: non-blocking fd, a short spin before sleeping in poll().
 
-    def __init__(self, addr: str, timeout: float) -> None:
+    Spinning for the answer (``spin_s``, default 100 us) avoids a scheduler wake-up per
+    RPC; on virtual machines that wake-up alone costs tens of microseconds.
+    """
+
+    __slots__ = ("sock", "addr", "buf", "next_id", "poller", "spin_s")
+
+    def __init__(self, addr: str, timeout: float, spin_s: float = 100e-6) -> None:
         host, _, port = addr.rpartition(":")
         if not host or not port.isdigit():
             raise ConfigError(f"master_server_address: {addr!r} is not host:port or etcd://host:port")
         self.addr = addr
         self.sock = socket.create_connection((host, int(port)), timeout=timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.hdr = bytearray(4)
+        self.sock.setblocking(False)
+        self.poller = select.poll()
+        self.poller.register(self.sock.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+        self.buf = bytearray(65536)
         self.next_id = 0
+        self.spin_s = spin_s
+
+    def _wait(self, deadline: float | None, events: int = select.POLLIN) -> None:
+        timeout_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000) + 1)
+        if deadline is not None and deadline <= time.monotonic():
+            raise TimeoutError("master did not answer within the timeout")
+        if events != select.POLLIN:
+            p = select.poll()
+            p.register(self.sock.fileno(), events)
+            p.poll(timeout_ms)
+        else:
+            self.poller.poll(timeout_ms)
+
+    def _send(self, data: bytes, deadline: float | None) -> None:
+        view = memoryview(data)
+        while view:
+            try:
+                k = self.sock.send(view)
+            except BlockingIOError:
+                self._wait(deadline, select.POLLOUT)
+                continue
+            view = view[k:]
+
+    def _recv(self, view: memoryview, deadline: float | None, spin_until: float) -> int:
+        while True:
+            try:
+                k = self.sock.recv_into(view)
+            except BlockingIOError:
+                if time.perf_counter() < spin_until:
+                    continue
+                self._wait(deadline)
+                continue
+            if not k:
+                raise ConnectionError("master closed the connection")
+            return k
 
     def roundtrip(self, method: str, params: Any, timeout: float | None) -> P.Response:
         self.next_id += 1
         rid = self.next_id
-        self.sock.settimeout(timeout)
-        self.sock.sendall(P.encode_request(rid, method, params))
-        hdr = memoryview(self.hdr)
-        got = 0
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._send(P.encode_request(rid, method, params), deadline)
+        spin_until = time.perf_counter() + self.spin_s
+        # one recv usually brings the whole (small) answer; large ones continue below
+        buf = self.buf
+        mv = memoryview(buf)
+        got = self._recv(mv, deadline, spin_until)
         while got < 4:
-            k = self.sock.recv_into(hdr[got:])
-            if not k:
-                raise ConnectionError("master closed the connection")
-            got += k
-        (n,) = P.HEADER.unpack(self.hdr)
+            got += self._recv(mv[got:], deadline, spin_until)
+        (n,) = P.HEADER.unpack_from(buf)
         if n > P.MAX_FRAME:
             raise ConnectionError(f"master sent a {n}-byte frame")
-        body = bytearray(n)
-        view = memoryview(body)
-        got = 0
-        while got < n:
-            k = self.sock.recv_into(view[got:])
-            if not k:
-                raise ConnectionError("master closed the connection mid-frame")
-            got += k
-        resp = P.decode_response(body)
+        if got > 4 + n:
+            raise ConnectionError("master sent more than one answer")
+        if got == 4 + n:
+            resp = P.decode_response(bytes(buf[4:got]))  # Raw results must not alias the reused buffer
+        else:
+            body = bytearray(n)
+            view = memoryview(body)
+            view[: got - 4] = mv[4:got]
+            got -= 4
+            while got < n:
+                got += self._recv(view[got:], deadline, 0.0)
+            resp = P.decode_response(body)
         if resp.id != rid:
             raise ConnectionError(f"answer id {resp.id} does not match request {rid}")
         return resp
@@ -84,11 +132,12 @@ class MasterRPC:
     """
 
     def __init__(self, address: str, *, cluster_id: str = "default", timeout_s: float = 30.0,
-                 failover_timeout_s: float = 15.0) -> None:
+                 failover_timeout_s: float = 15.0, spin_us: float = 100.0) -> None:
         self.address = address
         self.cluster_id = cluster_id
         self.timeout_s = timeout_s
         self.failover_timeout_s = failover_timeout_s
+        self.spin_s = max(0.0, spin_us) * 1e-6
         self._lock = threading.Lock()
         self._idle: list[_Sock] = []
         self._target = "" if address.startswith("etcd://") else address
@@ -128,7 +177,7 @@ class MasterRPC:
             with self._lock:
                 self._target = target
         try:
-            return _Sock(target, min(self.timeout_s, 5.0))
+            return _Sock(target, min(self.timeout_s, 5.0), self.spin_s)
         except OSError as exc:
             raise ConnectionError(f"cannot connect to master {target}: {exc.strerror or exc}") from exc
 

@@ -100,6 +100,7 @@ class Obj:
     hard_pin: bool = False
     disk: str = ""  # client id holding an SSD copy
     offloading: int = 0  # token of an offload in flight
+    offload_seg: str = ""
     promoting: int = 0  # token of a promotion in flight
     promo_replica: list[SliceT] | None = None
 
@@ -119,6 +120,7 @@ class MasterState:
         self.objects: dict[str, Obj] = {}
         self.lru: OrderedDict[str, None] = OrderedDict()
         self._token = 0
+        self.offload_pending: dict[str, int] = {}  # segment -> bytes queued for SSD offload
         self.on_change: Callable[[tuple[Any, ...]], None] | None = None
         self.on_task: Callable[[str], None] | None = None
         self.counters: dict[str, int] = {"evictions": 0, "evicted_bytes": 0, "offloads": 0, "promotions": 0,
@@ -128,6 +130,9 @@ class MasterState:
     def _emit(self, *entry: Any) -> None:
         if self.on_change is not None:
             self.on_change(entry)
+
+    def _get_obj(self, key: str) -> Obj | None:
+        return self.objects.get(key)
 
     def _next_token(self) -> int:
         self._token += 1
@@ -162,6 +167,9 @@ class MasterState:
             self.segments[name].keys.add(key)
 
     def _drop_object(self, o: Obj, *, emit: bool = True) -> None:
+        if o.offloading:
+            self._settle_offload(o)
+            o.offloading = 0
         for rep in o.replicas:
             self._free_replica(o.key, rep)
         if o.promo_replica:
@@ -176,6 +184,14 @@ class MasterState:
                 self._push(c, {"kind": "delete_disk", "key": o.key, "token": 0})
         if emit and o.complete:
             self._emit("del", o.key)
+
+    def _settle_offload(self, o: Obj) -> None:
+        left = self.offload_pending.get(o.offload_seg, 0) - o.size
+        if left > 0:
+            self.offload_pending[o.offload_seg] = left
+        else:
+            self.offload_pending.pop(o.offload_seg, None)
+        o.offload_seg = ""
 
     def _push(self, c: ClientInfo, task: dict[str, Any]) -> None:
         c.tasks.append(task)
@@ -243,6 +259,7 @@ class MasterState:
             if not o.replicas and not o.disk:
                 self._drop_object(o, emit=False)
         self.segments.pop(s.name, None)
+        self.offload_pending.pop(s.name, None)
         self._emit("unseg", s.name)
         logger.info("unmounted segment %s of client %s", s.name, s.client_id)
 
@@ -303,7 +320,8 @@ class MasterState:
         reps = self._place(key, size, cfg, strategy, client_id)
         if not reps:
             self._reclaim_zombies(now)
-            self.evict_for(size, now)
+            reps = self._place(key, size, cfg, strategy, client_id)
+        while not reps and self.evict_for(size, now) > 0:  # fragmentation may need more than one round
             reps = self._place(key, size, cfg, strategy, client_id)
         if not reps:
             if any(o.offloading for o in self.objects.values()):
@@ -403,11 +421,11 @@ class MasterState:
     def remove(self, key: str, force: bool, now: float) -> None:
         o = self._complete(key)
         if not force:
+            if o.hard_pin:
+                raise ObjectBusy(f"remove {key!r}: the object is hard-pinned; use force")
             if o.lease_until > now:
                 raise ObjectBusy(f"remove {key!r}: the object is leased for {o.lease_until - now:.1f}s more "
                                  f"(a reader holds it); retry later or force")
-            if o.hard_pin:
-                raise ObjectBusy(f"remove {key!r}: the object is hard-pinned; use force")
         self._drop_object(o)
 
     def batch_remove(self, keys: list[str], force: bool, now: float) -> list[int]:
@@ -462,27 +480,30 @@ class MasterState:
         freed = 0
         hw, ratio = self.cfg.eviction_high_watermark, self.cfg.eviction_ratio
         for s in list(self.segments.values()):
-            if s.allocator.used >= hw * s.size:
+            used = s.allocator.used - self.offload_pending.get(s.name, 0)
+            if used >= hw * s.size:
                 target = int(max(0.0, hw - ratio) * s.size)
-                freed += self._evict(s.allocator.used - target, now, s.name)
+                freed += self._evict(used - target, now, s.name)
         return freed
 
     def _evict(self, goal: int, now: float, segment: str | None) -> int:
+        """Drop (or queue for SSD offload) LRU replicas worth ``goal`` bytes; returns bytes freed now."""
         freed = 0
 
         def on_seg(key: str, o: Any) -> bool:
             return segment is None or any(x[0] == segment for rep in o.replicas for x in rep)
 
-        for key in candidates(self.lru, self.objects.get, now, allow_soft=True, accept=on_seg):
-            if freed >= goal:
+        queued = 0
+        for key in candidates(self.lru, self._get_obj, now, allow_soft=True, accept=on_seg):
+            if freed + queued >= goal:
                 break
             o = self.objects.get(key)
             if o is None or not o.replicas:
                 continue
             rep = next((r for r in o.replicas if segment is None or any(x[0] == segment for x in r)), o.replicas[0])
             nbytes = sum(x[2] for x in rep)
-            if self._offload(o, rep):
-                freed += nbytes
+            if self._offload(o, rep):  # counts toward the goal; memory is freed when it lands
+                queued += nbytes
                 continue
             o.replicas.remove(rep)
             self._free_replica(key, rep)
@@ -507,6 +528,8 @@ class MasterState:
         if c is None or not c.ssd or s is None:
             return False
         o.offloading = self._next_token()
+        o.offload_seg = s.name
+        self.offload_pending[s.name] = self.offload_pending.get(s.name, 0) + rep[0][2]
         self._push(c, {"kind": "offload", "key": o.key, "token": o.offloading,
                        "offset": rep[0][1], "length": rep[0][2], "segment": s.name})
         return True
@@ -524,6 +547,10 @@ class MasterState:
                 self.evict_for(o.size, now)
                 reps = self._place(o.key, o.size, cfg, "local-first", c.client_id)
             if not reps:
+                if any(x.offloading or (x.replicas and not x.hard_pin and x.lease_until > now)
+                       for x in self.objects.values()):
+                    raise RetryLater(f"get {o.key!r}: waiting for leases to expire or offloads to finish to free "
+                                     f"memory for its promotion")
                 raise NoSpace(f"get {o.key!r}: no memory to promote it from SSD ({format_size(o.size)})")
             o.promoting = self._next_token()
             o.promo_replica = reps[0]
@@ -537,6 +564,8 @@ class MasterState:
         c = self._client(client_id, now)
         o = self.objects.get(key)
         if kind == "offload":
+            if o is not None and o.offloading == token:
+                self._settle_offload(o)
             if o is None or o.offloading != token:
                 if ok:
                     self._push(c, {"kind": "delete_disk", "key": key, "token": 0})
@@ -655,14 +684,21 @@ class MasterState:
                 self.objects.pop(key, None)
                 self.lru.pop(key, None)
         elif kind == "del":
-            o = self.objects.get(entry[1])
-            if o is not None:
-                for rep in o.replicas:
-                    self._free_replica(o.key, rep)
-                self.objects.pop(o.key, None)
-                self.lru.pop(o.key, None)
+            gone = self.objects.get(entry[1])
+            if gone is not None:
+                for rep in gone.replicas:
+                    self._free_replica(gone.key, rep)
+                self.objects.pop(gone.key, None)
+                self.lru.pop(gone.key, None)
         else:
             raise InvalidArgument(f"unknown oplog entry kind {kind!r}")
+
+    def export(self) -> list[tuple[Any, ...]]:
+        """Entries that rebuild the replicated state with :meth:`apply` (a snapshot)."""
+        out: list[tuple[Any, ...]] = [("client", c.client_id, c.host, c.peer, c.ssd) for c in self.clients.values()]
+        out += [("seg", s.client_id, s.name, s.peer, s.base, s.size, s.host) for s in self.segments.values()]
+        out += [self._obj_entry(o) for o in self.objects.values() if o.complete]
+        return out
 
     def on_takeover(self, now: float) -> None:
         """A new leader: every client gets a fresh liveness period, every object a lease."""

@@ -1,0 +1,408 @@
+"""``mooncake-core bench store``: our store across processes, with raw-TCP and memcpy references.
+
+Processes (all on loopback): a master (``mooncake-core master``), one *holder* that lends
+a pre-faulted segment and also runs a plain Python socket server for the raw-TCP
+reference, and this process, the *reader*, which contributes no memory. Every object is
+placed on the holder's segment, so each put and get really crosses processes (over TCP,
+or over shared memory with ``--transport shm``).
+
+Figures (medians over rounds; each round runs the references next to the store so
+machine drift hits both): put/get GB/s at 64 KiB, 1 MiB, 16 MiB, 64 MiB (``put_from`` /
+``get_into``, zero-copy); batches of 32 x 1 MiB; 64 KiB ``get_into`` p50/p99; metadata
+ops/s (``batch_exists`` over 10k keys, plus single ``exists``). With ``--json`` the last
+line is one JSON object.
+
+``--compare-mooncake PYTHON`` uses the hook :func:`run_mooncake`, which runs the same
+workload on the published Mooncake store through
+``mooncake_core.bench.mooncake_peer.run_mooncake_store_bench(python, quick)`` when that
+module exists; ours and theirs alternate round by round, and the JSON adds
+``mooncake_<key>`` and ``<key>_ratio_vs_mooncake`` (ours / theirs; for the latency keys
+lower is better) for each figure both report. Comparisons should use ``--transport tcp``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+SIZES = [64 << 10, 1 << 20, 16 << 20, 64 << 20]
+BATCH_N, BATCH_SZ = 32, 1 << 20
+
+
+def _mv(a: np.ndarray) -> memoryview:
+    """A flat byte view of a numpy array (typed for mypy)."""
+    return memoryview(a.data).cast("B")
+
+
+def _label(n: int) -> str:
+    return f"{n >> 20}m" if n >= 1 << 20 else f"{n >> 10}k"
+
+
+# ---------------------------------------------------------------------- holder process
+def _raw_server(sock: socket.socket, buf: np.ndarray) -> None:
+    mv = _mv(buf)
+    while True:
+        try:
+            conn, _ = sock.accept()
+        except OSError:
+            return
+        threading.Thread(target=_raw_conn, args=(conn, mv), daemon=True).start()
+
+
+def _raw_conn(conn: socket.socket, mv: memoryview) -> None:
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    hdr = bytearray(9)
+    try:
+        while True:
+            got = 0
+            while got < 9:
+                k = conn.recv_into(memoryview(hdr)[got:])
+                if not k:
+                    return
+                got += k
+            op, n = struct.unpack("<BQ", hdr)
+            if op == 1:
+                got = 0
+                while got < n:
+                    k = conn.recv_into(mv[got:n], n - got)
+                    if not k:
+                        return
+                    got += k
+                conn.sendall(b"k")
+            else:
+                conn.sendall(mv[:n])
+    except OSError:
+        return
+    finally:
+        conn.close()
+
+
+def _holder(master: str, segment_size: int, ready: str) -> int:
+    from mooncake_core.store import StoreClient
+
+    with StoreClient(master=master, segment_size=segment_size, prefault=True) as client:
+        raw = np.ones(64 << 20, dtype=np.uint8)
+        lsock = socket.socket()
+        lsock.bind(("127.0.0.1", 0))
+        lsock.listen(4)
+        threading.Thread(target=_raw_server, args=(lsock, raw), daemon=True).start()
+        with open(ready + ".tmp", "w") as f:
+            json.dump({"segment": client.segment_names[0], "raw_port": lsock.getsockname()[1]}, f)
+        os.replace(ready + ".tmp", ready)
+        try:
+            sys.stdin.read()  # until the parent closes our stdin
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+# ---------------------------------------------------------------------- references
+class _Raw:
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.ack = bytearray(1)
+
+    def write(self, mv: memoryview) -> None:
+        self.sock.sendall(struct.pack("<BQ", 1, len(mv)))
+        self.sock.sendall(mv)
+        self.sock.recv_into(self.ack)
+
+    def read(self, mv: memoryview) -> None:
+        self.sock.sendall(struct.pack("<BQ", 2, len(mv)))
+        got, n = 0, len(mv)
+        while got < n:
+            got += self.sock.recv_into(mv[got:], n - got)
+
+
+def _cold_memcpy(big: np.ndarray, dst: np.ndarray) -> float:
+    """memcpy of 16 MiB chunks rotating over a 256 MiB source (cache-cold, like reading many objects)."""
+    n = 16 << 20
+    chunks = len(big) // n
+    t0 = time.perf_counter()
+    for i in range(2 * chunks):
+        np.copyto(dst[:n], big[(i % chunks) * n:(i % chunks + 1) * n])
+    return 2 * chunks * n / (time.perf_counter() - t0) / 1e9
+
+
+def _gbps(nbytes: int, fn: Callable[[], None], reps: int) -> float:
+    fn()  # warm
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return nbytes * reps / (time.perf_counter() - t0) / 1e9
+
+
+# ---------------------------------------------------------------------- store rounds
+def _store_round(client: Any, seg: str, src: np.ndarray, dst: np.ndarray, quick: bool, rnd: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    budget = (48 << 20) if quick else (192 << 20)
+    for size in SIZES:
+        n = max(3, min(300 if not quick else 100, budget // size))
+        keys = [f"r{rnd}/s{size}/{i}" for i in range(n)]
+        sv, dv = _mv(src)[:size], _mv(dst)[:size]
+        client.put_from(f"r{rnd}/warm{size}", sv, preferred_segment=seg)  # connections, mappings
+        client.get_into(f"r{rnd}/warm{size}", dv)
+        client.remove(f"r{rnd}/warm{size}", force=True)
+        t0 = time.perf_counter()
+        for k in keys:
+            client.put_from(k, sv, preferred_segment=seg)
+        out[f"put_gbps_{_label(size)}"] = size * n / (time.perf_counter() - t0) / 1e9
+        reads = max(1, 12 // n)  # large objects: read each a few times for a stable figure
+        t0 = time.perf_counter()
+        for _ in range(reads):
+            for k in keys:
+                client.get_into(k, dv)
+        out[f"get_gbps_{_label(size)}"] = size * n * reads / (time.perf_counter() - t0) / 1e9
+        if rnd == 0 and size == 1 << 20 and not np.array_equal(src[:size], dst[:size]):
+            raise AssertionError("store bench read back wrong bytes")
+        client.remove_by_regex(f"^r{rnd}/s{size}/", force=True)
+    reps = 3 if quick else 8
+    bviews = [_mv(src)[i * BATCH_SZ:(i + 1) * BATCH_SZ] for i in range(BATCH_N)]
+    dviews = [_mv(dst)[i * BATCH_SZ:(i + 1) * BATCH_SZ] for i in range(BATCH_N)]
+    tput = tget = 0.0
+    for r in range(reps):
+        keys = [f"r{rnd}/b{r}/{i}" for i in range(BATCH_N)]
+        t0 = time.perf_counter()
+        res = client.batch_put_from(keys, bviews, preferred_segment=seg)
+        tput += time.perf_counter() - t0
+        if any(x is not None for x in res):
+            raise AssertionError(f"batch put failed: {next(x for x in res if x is not None)}")
+        t0 = time.perf_counter()
+        got = client.batch_get_into(keys, dviews)
+        tget += time.perf_counter() - t0
+        if any(not isinstance(x, int) for x in got):
+            raise AssertionError(f"batch get failed: {next(x for x in got if not isinstance(x, int))}")
+    out["batch_put_gbps_32x1m"] = BATCH_N * BATCH_SZ * reps / tput / 1e9
+    out["batch_get_gbps_32x1m"] = BATCH_N * BATCH_SZ * reps / tget / 1e9
+    client.remove_by_regex(f"^r{rnd}/b", force=True)
+    # 64 KiB get latency
+    lk = [f"r{rnd}/lat/{i}" for i in range(16)]
+    for k in lk:
+        client.put_from(k, _mv(src)[: 64 << 10], preferred_segment=seg)
+    lat = []
+    dv = _mv(dst)[: 64 << 10]
+    for i in range(400 if quick else 2000):
+        t0 = time.perf_counter()
+        client.get_into(lk[i % 16], dv)
+        lat.append(time.perf_counter() - t0)
+    lat.sort()
+    out["get64k_p50_us"] = lat[len(lat) // 2] * 1e6
+    out["get64k_p99_us"] = lat[int(len(lat) * 0.99)] * 1e6
+    out["get64k_ops_per_s"] = len(lat) / sum(lat)
+    client.remove_by_regex(f"^r{rnd}/lat/", force=True)
+    return out
+
+
+def _meta(client: Any, seg: str, quick: bool) -> dict[str, float]:
+    keys = [f"meta/{i}" for i in range(10_000)]
+    tiny = memoryview(bytearray(64))
+    for i in range(0, len(keys), 1000):
+        res = client.batch_put_from(keys[i:i + 1000], [tiny] * 1000, preferred_segment=seg)
+        if any(x is not None for x in res):
+            raise AssertionError(f"meta put failed: {next(x for x in res if x is not None)}")
+    reps = 3 if quick else 10
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        ok = client.batch_exists(keys)
+    batch_rate = len(keys) * reps / (time.perf_counter() - t0)
+    if not all(ok):
+        raise AssertionError("batch_exists missed keys")
+    n = 500 if quick else 2000
+    t0 = time.perf_counter()
+    for i in range(n):
+        client.exists(keys[i])
+    single = n / (time.perf_counter() - t0)
+    client.remove_by_regex("^meta/", force=True)
+    return {"meta_ops_per_s": batch_rate, "meta_single_ops_per_s": single}
+
+
+# ---------------------------------------------------------------------- --compare-mooncake hook
+def run_mooncake(python: str, quick: bool) -> dict[str, Any]:
+    """HOOK for ``--compare-mooncake PYTHON``: one run of the same workload on the published store.
+
+    Calls ``mooncake_core.bench.mooncake_peer.run_mooncake_store_bench(python, quick)``
+    (written separately; it starts the published ``mooncake_master`` with its embedded
+    HTTP metadata server, a holder and a reader over TCP) and returns its figures, which
+    use our key names. On failure returns ``{"mooncake_error": "..."}``.
+    """
+    try:
+        from mooncake_core.bench import mooncake_peer
+    except ImportError as exc:
+        return {"mooncake_error": f"mooncake_core.bench.mooncake_peer is not available: {exc}"}
+    runner = getattr(mooncake_peer, "run_mooncake_store_bench", None)
+    if runner is None:
+        return {"mooncake_error": "mooncake_peer has no run_mooncake_store_bench(python, quick)"}
+    if os.sep in python:
+        python = os.path.abspath(python)  # the runner starts processes in other directories
+    try:
+        return dict(runner(python, quick))
+    except Exception as exc:  # report, do not lose our own figures
+        return {"mooncake_error": f"{type(exc).__name__}: {exc}"}
+
+
+def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
+    """``mooncake_<key>`` and ``<key>_ratio_vs_mooncake`` (ours / theirs; lower is better for latencies)."""
+    out: dict[str, Any] = {}
+    for k, v in theirs.items():
+        out[f"mooncake_{k}"] = v
+        mine = ours.get(k)
+        if k not in ("rounds", "wall_s") and isinstance(mine, (int, float)) and isinstance(v, (int, float)) and v:
+            out[f"{k}_ratio_vs_mooncake"] = round(mine / v, 3)
+    return out
+
+
+def compare_with_mooncake(python: str, quick: bool, ours: dict[str, Any]) -> dict[str, Any]:
+    """Single-shot hook: run the published store once and return the keys to merge into ``ours``."""
+    theirs = run_mooncake(python, quick)
+    return theirs if "mooncake_error" in theirs else ratios(ours, theirs)
+
+
+def _median_dicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in rows[0].items():
+        vals = [r[k] for r in rows if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)]
+        out[k] = round(statistics.median(vals), 3) if vals and len(vals) == len(rows) else v
+    return out
+
+
+# ---------------------------------------------------------------------- driver
+def _wait_file(path: str, proc: subprocess.Popen[Any], what: str, timeout: float = 60.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.path.exists(path):
+            with open(path) as f:
+                data: dict[str, Any] = json.load(f)
+            return data
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with status {proc.returncode} before it was ready")
+        time.sleep(0.05)
+    raise RuntimeError(f"{what} was not ready within {timeout:.0f}s")
+
+
+def run_bench(quick: bool, transport: str, rounds: int) -> dict[str, Any]:
+    from mooncake_core.store import StoreClient
+
+    tmp = tempfile.mkdtemp(prefix="mc-bench-store-")
+    env = dict(os.environ, MOONCAKE_LOG_LEVEL="WARNING")
+    procs: list[subprocess.Popen[Any]] = []
+    try:
+        mready = os.path.join(tmp, "master.json")
+        master = subprocess.Popen([sys.executable, "-m", "mooncake_core", "--log-level", "WARNING", "master",
+                                   "--rpc-port", "0", "--http-port", "-1", "--ready-file", mready], env=env)
+        procs.append(master)
+        addr = f"127.0.0.1:{_wait_file(mready, master, 'master')['rpc_port']}"
+        hready = os.path.join(tmp, "holder.json")
+        seg_size = (256 << 20) if quick else (768 << 20)
+        holder = subprocess.Popen([sys.executable, "-m", "mooncake_core.bench.store", "--role", "holder",
+                                   "--master", addr, "--segment-size", str(seg_size), "--ready-file", hready],
+                                  env=env, stdin=subprocess.PIPE)
+        procs.append(holder)
+        info = _wait_file(hready, holder, "holder")
+        seg = str(info["segment"])
+        src = np.random.default_rng(1).integers(0, 255, 64 << 20, dtype=np.uint8)
+        dst = np.ones(64 << 20, dtype=np.uint8)
+        a = np.ones(64 << 20, dtype=np.uint8)
+        big = np.ones(256 << 20, dtype=np.uint8)
+        raw = _Raw(int(info["raw_port"]))
+        rows: list[dict[str, float]] = []
+        with StoreClient(master=addr, segment_size=0, transport=transport) as client:
+            for rnd in range(rounds):
+                row: dict[str, float] = {}
+                for size in (1 << 20, 16 << 20):
+                    reps = max(2, (64 << 20) // size // (2 if quick else 1))
+                    sv, dv = _mv(src)[:size], _mv(dst)[:size]
+                    row[f"raw_tcp_put_gbps_{_label(size)}"] = _gbps(size, functools.partial(raw.write, sv), reps)
+                    row[f"raw_tcp_get_gbps_{_label(size)}"] = _gbps(size, functools.partial(raw.read, dv), reps)
+                row.update(_store_round(client, seg, src, dst, quick, rnd))
+                row["memcpy_gbps_16m"] = _gbps(16 << 20, lambda: np.copyto(a[: 16 << 20], src[: 16 << 20]), 8)
+                row["memcpy_cold_gbps_16m"] = _cold_memcpy(big, a)
+                row["memcpy_gbps_64m"] = _gbps(64 << 20, lambda: np.copyto(a, src), 4)
+                rows.append(row)
+            meta = _meta(client, seg, quick)
+        result: dict[str, Any] = {k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]}
+        result.update({k: round(v, 1) for k, v in meta.items()})
+        result["get_vs_memcpy_16m"] = round(result["get_gbps_16m"] / result["memcpy_gbps_16m"], 3)
+        result["get_vs_memcpy_cold_16m"] = round(result["get_gbps_16m"] / result["memcpy_cold_gbps_16m"], 3)
+        result["get_vs_raw_tcp_16m"] = round(result["get_gbps_16m"] / result["raw_tcp_get_gbps_16m"], 3)
+        result["transport"] = transport
+        result["rounds"] = rounds
+        return result
+    finally:
+        for p in reversed(procs):
+            if p.stdin is not None:
+                p.stdin.close()
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="mooncake-core bench store", description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--quick", action="store_true", help="fewer iterations and rounds")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    ap.add_argument("--transport", choices=["tcp", "shm"], default="tcp", help="path between holder and reader")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds (default 3, quick 2)")
+    ap.add_argument("--compare-mooncake", metavar="PYTHON", default=None,
+                    help="a Python with mooncake-transfer-engine-non-cuda installed: also run the published store")
+    ap.add_argument("--role", default="reader", help=argparse.SUPPRESS)
+    ap.add_argument("--master", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--segment-size", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--ready-file", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.role == "holder":
+        return _holder(args.master, args.segment_size, args.ready_file)
+    rounds = args.rounds or (2 if args.quick else 3)
+    if not args.compare_mooncake:
+        res = run_bench(args.quick, args.transport, rounds)
+    else:  # alternate ours and theirs, one round each, so machine drift hits both
+        mine: list[dict[str, Any]] = []
+        theirs: list[dict[str, Any]] = []
+        for _ in range(rounds):
+            mine.append(run_bench(args.quick, args.transport, 1))
+            t = run_mooncake(args.compare_mooncake, args.quick)
+            if "mooncake_error" in t:
+                theirs = [t]
+                break
+            theirs.append(t)
+        res = _median_dicts(mine)
+        res["rounds"] = len(mine)
+        res.update(theirs[0] if "mooncake_error" in theirs[0] else ratios(res, _median_dicts(theirs)))
+    print(f"store bench ({res['transport']}, reader and holder in separate processes, median of {rounds} rounds)")
+    for size in SIZES:
+        lb = _label(size)
+        print(f"  {lb:>4}: put {res[f'put_gbps_{lb}']:7.2f} GB/s   get {res[f'get_gbps_{lb}']:7.2f} GB/s")
+    print(f"  batch 32x1m: put {res['batch_put_gbps_32x1m']:.2f} GB/s   get {res['batch_get_gbps_32x1m']:.2f} GB/s")
+    print(f"  get 64k: p50 {res['get64k_p50_us']:.0f} us  p99 {res['get64k_p99_us']:.0f} us  "
+          f"({res['get64k_ops_per_s']:.0f} ops/s)")
+    print(f"  exists: {res['meta_ops_per_s']:.0f} keys/s batched, {res['meta_single_ops_per_s']:.0f} ops/s single")
+    print(f"  references: raw TCP get 16m {res['raw_tcp_get_gbps_16m']:.2f} GB/s, put 16m "
+          f"{res['raw_tcp_put_gbps_16m']:.2f} GB/s; memcpy 16m {res['memcpy_gbps_16m']:.2f} GB/s")
+    print(f"  get 16m vs memcpy {res['get_vs_memcpy_16m']:.2f}x (same buffer), "
+          f"{res['get_vs_memcpy_cold_16m']:.2f}x (cold: {res['memcpy_cold_gbps_16m']:.2f} GB/s); "
+          f"vs raw TCP {res['get_vs_raw_tcp_16m']:.2f}x")
+    if args.json:
+        print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,742 @@
+"""``StoreClient``: the Pythonic store client, which also lends its memory to the pool.
+
+Contract (every method is *Blocking* and *Thread-safe*):
+
+- Bytes: :meth:`put` / :meth:`get`; any buffer (bytes, bytearray, memoryview, numpy
+  array, CPU torch tensor) is stored as its raw bytes.
+- Zero-copy: :meth:`put_from` / :meth:`get_into` move bytes straight between the
+  caller's buffer (or an address inside memory registered with
+  :meth:`register_buffer`) and the holders' segments: no staging copy.
+- Batches: :meth:`put_batch`, :meth:`get_batch`, :meth:`batch_put_from`,
+  :meth:`batch_get_into` issue one master RPC per phase and one transfer batch; they
+  return one entry per key (``None``/bytes/int on success, the exception otherwise).
+- Typed: :meth:`put_array` / :meth:`get_array` (numpy), :meth:`put_tensor` /
+  :meth:`get_tensor` (torch) keep dtype and shape in a small header.
+- Metadata: :meth:`exists`, :meth:`batch_exists`, :meth:`get_size`, :meth:`remove`,
+  :meth:`remove_by_regex`, :meth:`remove_all`, :meth:`query`.
+
+Put is ``put_start`` (master allocates replicas) -> writes through the transfer engine
+into the holders' segments -> ``put_end``; a failed write revokes. Get asks the master
+for the replica list (granting a read lease), reads from the best replica (own segment
+by memcpy, same host by shared memory, else TCP) and fails with ``LeaseExpired`` if the
+read outlived the lease. Errors are :mod:`mooncake_core.errors` classes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from mooncake_core.config import MooncakeConfig, load_config
+from mooncake_core.errors import (
+    LeaseExpired,
+    SegmentError,
+    StoreError,
+    TransportError,
+)
+from mooncake_core.store import protocol as P
+from mooncake_core.store.protocol import ReplicaCfg
+from mooncake_core.store.rpc import MasterRPC
+from mooncake_core.store.ssd import SsdTier
+from mooncake_core.transfer import TransferEngine, TransferRequest
+from mooncake_core.transfer.memory import ManagedBuffer, Region, buffer_address, host_view, memmove
+
+__all__ = ["StoreClient", "ReplicaCfg"]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_TMAGIC = b"MCT1"
+_THDR = struct.Struct("<4sI")
+SliceW = tuple[str, str, int, int, str]  # segment, peer, absolute addr, length, host
+
+
+def _as_view(obj: Any, writable: bool) -> tuple[memoryview, Any]:
+    """A flat byte memoryview of ``obj`` (plus an object to keep alive)."""
+    if isinstance(obj, memoryview):
+        mv = obj
+    elif isinstance(obj, (bytes, bytearray)):
+        mv = memoryview(obj)
+    else:
+        try:
+            addr, n, kind = buffer_address(obj, writable=writable)
+        except SegmentError as exc:
+            raise P.InvalidArgument(str(exc)) from None
+        if kind != "host":
+            raise P.InvalidArgument("device memory is not supported by the store client; copy it to the host first")
+        return host_view(addr, n), obj
+    if mv.readonly and writable:
+        raise P.InvalidArgument(f"{type(obj).__name__} is read-only; get_into needs a writable buffer")
+    if not mv.contiguous:
+        raise P.InvalidArgument("buffer must be contiguous")
+    if mv.ndim != 1 or mv.format not in ("B", "b", "c"):
+        mv = mv.cast("B")
+    return mv, obj
+
+
+class _Local:
+    """The local side of one object: a memoryview or an address in registered memory."""
+
+    __slots__ = ("view", "addr", "length", "keep", "_a")
+
+    def __init__(self, obj: Any, size: int | None, writable: bool) -> None:
+        self.keep: Any = obj
+        if isinstance(obj, int) and not isinstance(obj, bool):
+            if size is None or size <= 0:
+                raise P.InvalidArgument(f"an address needs a positive size, got {size!r}")
+            self.view: memoryview | None = None
+            self.addr = obj
+            self.length = size
+            return
+        mv, self.keep = _as_view(obj, writable)
+        if size is not None:
+            if size <= 0 or size > len(mv):
+                raise P.InvalidArgument(f"size {size} must be 1..{len(mv)} (the buffer's length)")
+            mv = mv[:size]
+        self.view = mv
+        self.addr = 0
+        self.length = len(mv)
+
+    def part(self, off: int, n: int) -> Any:
+        return self.view[off : off + n] if self.view is not None else self.addr + off
+
+    def address(self) -> int:
+        if self.view is None:
+            return self.addr
+        a: int = getattr(self, "_a", 0)
+        if not a:
+            a = self._a = buffer_address(self.view, writable=False)[0]
+        return a
+
+
+class StoreClient:
+    """A store client (see module doc).
+
+    Args:
+        config: configuration (defaults to :func:`load_config`).
+        master: master address ``host:port`` or ``etcd://host:port`` (default
+            ``config.master_server_address``).
+        segment_size: bytes of memory to contribute (default ``config.global_segment_size``;
+            0 contributes none).
+        engine: a started or unstarted :class:`TransferEngine` to use (not closed by us).
+        ssd_path: directory for the SSD tier (default ``config.store.ssd_path``; "" = off).
+        transport: force ``"tcp"`` or ``"shm"`` for transfers (default: best available).
+        cluster_id: HA namespace in etcd.
+        failover_timeout_s: how long calls keep retrying while no master answers.
+    """
+
+    def __init__(
+        self,
+        config: MooncakeConfig | None = None,
+        *,
+        master: str | None = None,
+        segment_size: int | None = None,
+        engine: TransferEngine | None = None,
+        ssd_path: str | None = None,
+        transport: str | None = None,
+        cluster_id: str = "default",
+        failover_timeout_s: float = 15.0,
+        prefault: bool = False,
+        **overrides: Any,
+    ) -> None:
+        self.config = config if config is not None else load_config(**overrides)
+        if config is not None and overrides:
+            self.config = config.replace(**overrides)
+        self.master_address = master or self.config.master_server_address
+        self.segment_size = int(self.config.global_segment_size if segment_size is None else segment_size)
+        if self.segment_size < 0:
+            raise P.InvalidArgument(f"segment_size must not be negative, got {self.segment_size}")
+        if transport not in (None, "tcp", "shm"):
+            raise P.InvalidArgument(f"transport must be 'tcp' or 'shm', got {transport!r}")
+        self.transport = transport
+        self.client_id = uuid.uuid4().hex
+        self._own_engine = engine is None
+        self.engine = engine if engine is not None else TransferEngine(self.config)
+        path = self.config.store.ssd_path if ssd_path is None else ssd_path
+        self.ssd = SsdTier(path) if path else None
+        self.rpc = MasterRPC(self.master_address, cluster_id=cluster_id, timeout_s=self.config.transfer.timeout_s,
+                             failover_timeout_s=failover_timeout_s, spin_us=self.config.store.rpc_spin_us)
+        self._prefault = prefault
+        self._segments: dict[str, ManagedBuffer] = {}
+        self._seg_names: list[str] = []
+        self._started = False
+        self._closed = False
+        self._stop = threading.Event()
+        self._poller: threading.Thread | None = None
+        self._mount_lock = threading.Lock()
+        self.lease_ttl_s = self.config.store.lease_ttl_s
+        self.heartbeat_s = self.config.store.heartbeat_interval_s
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> StoreClient:
+        """Start the engine, register with the master, mount the segment. Idempotent."""
+        if self._started:
+            return self
+        self.engine.start()
+        try:
+            self._register()
+            if self.segment_size > 0:
+                self.mount_segment(self.segment_size)
+        except BaseException:
+            self.close()
+            raise
+        self._started = True
+        self._poller = threading.Thread(target=self._poll_loop, name="mc-store-poll", daemon=True)
+        self._poller.start()
+        return self
+
+    def __enter__(self) -> StoreClient:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _register(self) -> None:
+        info = self.rpc.call("register_client", (self.client_id, self.engine.host_id, self.engine.name,
+                                                 self.ssd is not None))
+        self.lease_ttl_s = float(info.get("lease_ttl_s", self.lease_ttl_s))
+        self.heartbeat_s = float(info.get("heartbeat_s", self.heartbeat_s))
+
+    def _remount(self) -> None:
+        """After the master forgot us (expiry): register again and re-mount our segments."""
+        with self._mount_lock:
+            self._register()
+            for name in self._seg_names:
+                buf = self._segments[name]
+                try:
+                    self.rpc.call("mount", (self.client_id, name, self.engine.name, buf.addr, buf.length,
+                                            self.engine.host_id))
+                except P.InvalidArgument as exc:
+                    logger.warning("re-mounting %s failed: %s", name, exc)
+
+    def _call(self, method: str, params: Any, typ: Any = Any) -> Any:
+        try:
+            return self.rpc.call(method, params, typ=typ)
+        except P.UnknownClient:
+            if self._closed:
+                raise
+            logger.warning("the master forgot client %s; registering again", self.client_id)
+            self._remount()
+            return self.rpc.call(method, params, typ=typ)
+
+    def mount_segment(self, size: int) -> str:
+        """Allocate ``size`` bytes of shared memory and lend them to the pool; returns its name."""
+        if size <= 0:
+            raise P.InvalidArgument(f"segment size must be positive, got {size}")
+        with self._mount_lock:
+            name = self.engine.name if not self._seg_names else f"{self.engine.name}#{len(self._seg_names)}"
+            buf = self.engine.allocate(size, name=f"store-{len(self._seg_names)}", prefault=self._prefault)
+            try:
+                self.rpc.call("mount", (self.client_id, name, self.engine.name, buf.addr, size, self.engine.host_id))
+            except BaseException:
+                self.engine.free(buf)
+                raise
+            self._segments[name] = buf
+            self._seg_names.append(name)
+        return name
+
+    def unmount_segment(self, name: str) -> None:
+        """Withdraw a segment: objects with no other replica disappear."""
+        with self._mount_lock:
+            buf = self._segments.get(name)
+            if buf is None:
+                raise P.InvalidArgument(f"this client has no segment {name!r}")
+            self._call("unmount", (self.client_id, name))
+            self._seg_names.remove(name)
+            del self._segments[name]
+            self.engine.free(buf)
+
+    @property
+    def segment_names(self) -> list[str]:
+        return list(self._seg_names)
+
+    def close(self) -> None:
+        """Unmount our segments, stop the engine (if ours), drop master connections."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._started:
+            for name in list(self._seg_names):
+                try:
+                    self.rpc.call("unmount", (self.client_id, name), timeout=2.0)
+                except (StoreError, OSError) as exc:
+                    logger.debug("unmount %s at close: %s", name, exc)
+        self.rpc.close()
+        if self._poller is not None:
+            self._poller.join(timeout=2 * self.heartbeat_s + 1)
+        if self._own_engine:
+            self.engine.close()
+        else:
+            for buf in self._segments.values():
+                self.engine.free(buf)
+        self._segments.clear()
+
+    # ------------------------------------------------------------------ heartbeat and tasks
+    def _poll_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                tasks = self.rpc.call("poll", (self.client_id, self.heartbeat_s), timeout=self.heartbeat_s + 10)
+            except P.UnknownClient:
+                try:
+                    self._remount()
+                except (StoreError, OSError) as exc:
+                    logger.warning("re-registering failed: %s", exc)
+                    self._stop.wait(self.heartbeat_s)
+                continue
+            except (StoreError, OSError) as exc:
+                if not self._stop.is_set():
+                    logger.debug("heartbeat failed: %s", exc)
+                    self._stop.wait(min(self.heartbeat_s, 0.5))
+                continue
+            for t in tasks:
+                try:
+                    self._run_task(t)
+                except Exception as exc:  # a task must never kill the heartbeat
+                    logger.warning("store task %s for %r failed: %s", t.get("kind"), t.get("key"), exc)
+
+    def _run_task(self, t: dict[str, Any]) -> None:
+        kind, key, token = str(t["kind"]), str(t["key"]), int(t["token"])
+        if kind == "delete_disk":
+            if self.ssd is not None:
+                self.ssd.delete(key)
+            return
+        if self.ssd is None:
+            self._call("task_done", (self.client_id, kind, key, token, False, "no SSD tier on this client"))
+            return
+        if kind == "offload":
+            buf = self._segments.get(str(t["segment"]))
+            if buf is None:
+                self._call("task_done", (self.client_id, kind, key, token, False, "segment gone"))
+                return
+            off, n = int(t["offset"]), int(t["length"])
+            self.ssd.write(key, buf.view[off : off + n])
+            self._call("task_done", (self.client_id, kind, key, token, True, ""))
+        elif kind == "promote":
+            slices: list[SliceW] = [tuple(s) for s in t["slices"]]
+            size = sum(s[3] for s in slices)
+            staging = bytearray(size)
+            if not self.ssd.read_into(key, memoryview(staging)):
+                self._call("task_done", (self.client_id, kind, key, token, False, "SSD copy missing"))
+                return
+            try:
+                self._move("write", [(_Local(staging, None, False), slices)])
+            except (TransportError, StoreError) as exc:
+                self._call("task_done", (self.client_id, kind, key, token, False, str(exc)))
+                return
+            self._call("task_done", (self.client_id, kind, key, token, True, ""))
+
+    # ------------------------------------------------------------------ data movement
+    def _own(self, s: SliceW) -> ManagedBuffer | None:
+        buf = self._segments.get(s[0])
+        if buf is not None and buf.addr <= s[2] and s[2] + s[3] <= buf.addr + buf.length:
+            return buf
+        return None
+
+    def _move(self, op: str, jobs: Sequence[tuple[_Local, Sequence[SliceW]]]) -> None:
+        """Move each local object to/from its replica slices; raises on any failure."""
+        reqs = self._requests(op, jobs)
+        if reqs:
+            self.engine.transfer(reqs)
+
+    def _requests(self, op: str, jobs: Sequence[tuple[_Local, Sequence[SliceW]]]) -> list[TransferRequest]:
+        reqs: list[TransferRequest] = []
+        for local, slices in jobs:
+            off = 0
+            for s in slices:
+                n = s[3]
+                if self._own(s) is not None:
+                    la = local.address() + off
+                    if op == "read":
+                        memmove(la, s[2], n)
+                    else:
+                        memmove(s[2], la, n)
+                else:
+                    reqs.append(TransferRequest(op, s[1], local.part(off, n), n, s[2], transport=self.transport))
+                off += n
+        return reqs
+
+    def _rank(self, replicas: list[list[SliceW]]) -> list[list[SliceW]]:
+        host = self.engine.host_id
+
+        def score(rep: list[SliceW]) -> tuple[int, float]:
+            if all(self._own(s) is not None for s in rep):
+                return (0, 0.0)
+            if all(s[4] == host for s in rep):
+                return (1, random.random())
+            return (2, random.random())
+
+        return sorted(replicas, key=score)
+
+    # ------------------------------------------------------------------ put
+    def _cfg(self, replica_num: int | None, preferred_segment: str, hard_pin: bool, soft_pin_ttl_s: float,
+             strategy: str) -> ReplicaCfg:
+        return ReplicaCfg(replica_num=self.config.store.replica_num if replica_num is None else replica_num,
+                          preferred_segment=preferred_segment, hard_pin=hard_pin, soft_pin_ttl_s=soft_pin_ttl_s,
+                          strategy=strategy)
+
+    def _retrying(self, fn: Callable[[], T], what: str, timeout: float = 10.0) -> T:
+        deadline = time.monotonic() + timeout
+        delay = 0.001
+        while True:
+            try:
+                return fn()
+            except P.RetryLater:
+                if time.monotonic() > deadline:
+                    raise StoreError(f"{what}: the master kept asking to retry for {timeout:.0f}s") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+
+    def _put_local(self, key: str, local: _Local, cfg: ReplicaCfg) -> None:
+        try:
+            self._put_once(key, local, cfg)
+        except _PutLost:
+            logger.info("put %r was lost in a leader change; putting it again", key)
+            self._put_once(key, local, cfg)
+
+    def _put_once(self, key: str, local: _Local, cfg: ReplicaCfg) -> None:
+        P_ = (self.client_id, key, local.length, cfg)
+        token, reps = self._retrying(lambda: self._call("put_start", P_), f"put {key!r}")
+        try:
+            self._move("write", [(local, [tuple(s) for s in rep]) for rep in reps])
+        except BaseException:
+            try:
+                self._call("put_revoke", (self.client_id, key, token))
+            except (StoreError, OSError):
+                pass
+            raise
+        try:
+            self._call("put_end", (self.client_id, key, token))
+        except P.InvalidArgument as exc:
+            # the leader changed after our write: if the old leader committed it, it is there
+            if self._call("exists", (key,)):
+                return
+            raise _PutLost(str(exc)) from exc
+
+    def put(self, key: str, value: Any, *, replica_num: int | None = None, preferred_segment: str = "",
+            hard_pin: bool = False, soft_pin_ttl_s: float = 0.0, strategy: str = "") -> None:
+        """Store ``value`` (any buffer) under ``key``; ``ObjectExists`` if the key exists."""
+        self.put_from(key, value, None, replica_num=replica_num, preferred_segment=preferred_segment,
+                      hard_pin=hard_pin, soft_pin_ttl_s=soft_pin_ttl_s, strategy=strategy)
+
+    def put_from(self, key: str, buf: Any, size: int | None = None, *, replica_num: int | None = None,
+                 preferred_segment: str = "", hard_pin: bool = False, soft_pin_ttl_s: float = 0.0,
+                 strategy: str = "") -> None:
+        """Zero-copy put from a buffer or an address in registered memory (``size`` bytes)."""
+        local = _Local(buf, size, writable=False)
+        self._put_local(key, local, self._cfg(replica_num, preferred_segment, hard_pin, soft_pin_ttl_s, strategy))
+
+    def put_parts(self, key: str, *parts: Any, replica_num: int | None = None) -> None:
+        """Store the concatenation of ``parts`` (one staging copy)."""
+        views = [_as_view(p, False)[0] for p in parts]
+        if not views:
+            raise P.InvalidArgument("put_parts needs at least one part")
+        self.put(key, b"".join(views), replica_num=replica_num)
+
+    def batch_put_from(self, keys: Sequence[str], bufs: Sequence[Any], sizes: Sequence[int] | None = None, *,
+                       replica_num: int | None = None, preferred_segment: str = "", hard_pin: bool = False,
+                       soft_pin_ttl_s: float = 0.0, strategy: str = "") -> list[BaseException | None]:
+        """Put many objects: one ``batch_put_start``, one transfer batch, one ``batch_put_end``.
+
+        Returns one entry per key: None on success, else the exception for that key.
+        """
+        if len(keys) != len(bufs) or (sizes is not None and len(sizes) != len(keys)):
+            raise P.InvalidArgument("keys, buffers and sizes must have the same length")
+        if not keys:
+            return []
+        locals_ = [_Local(b, None if sizes is None else sizes[i], writable=False) for i, b in enumerate(bufs)]
+        cfg = self._cfg(replica_num, preferred_segment, hard_pin, soft_pin_ttl_s, strategy)
+        res = self._retrying(lambda: self._call("batch_put_start", (self.client_id, list(keys),
+                                                                    [x.length for x in locals_], cfg)),
+                             "batch_put_start")
+        out: list[BaseException | None] = [None] * len(keys)
+        jobs: list[tuple[int, _Local, list[SliceW]]] = []
+        for i, (code, tok, reps) in enumerate(res):
+            if code != 0:
+                out[i] = _error(code, str(tok))
+                continue
+            for rep in reps:
+                jobs.append((i, locals_[i], [tuple(s) for s in rep]))
+        ok = [out[i] is None for i in range(len(keys))]
+        reqs: list[TransferRequest] = []
+        owner: list[int] = []
+        for i, local, slices in jobs:
+            r = self._requests("write", [(local, slices)])
+            reqs.extend(r)
+            owner.extend([i] * len(r))
+        if reqs:
+            batch = self.engine.submit(reqs)
+            try:
+                batch.wait()
+            except (TransportError, OSError):
+                for j, st in enumerate(batch.statuses):
+                    if st.state != "completed":
+                        i = owner[j]
+                        ok[i] = False
+                        out[i] = out[i] or st.error or TransportError("transfer failed")
+        started = [i for i in range(len(keys)) if res[i][0] == 0]
+        if started:
+            ends = self._call("batch_put_end", (self.client_id, [keys[i] for i in started],
+                                                [int(res[i][1]) for i in started], [ok[i] for i in started]))
+            for i, (code, msg) in zip(started, ends, strict=True):
+                if code != 0 and out[i] is None:
+                    out[i] = _error(code, msg)
+        return out
+
+    def put_batch(self, keys: Sequence[str], values: Sequence[Any], *, replica_num: int | None = None,
+                  **kw: Any) -> list[BaseException | None]:
+        """Put many buffers; one entry per key: None on success, else the exception."""
+        return self.batch_put_from(keys, values, None, replica_num=replica_num, **kw)
+
+    # ------------------------------------------------------------------ get
+    def _replicas(self, key: str) -> tuple[int, list[list[SliceW]], float, float]:
+        """(size, replicas, lease ttl, time the granting request was sent)."""
+        sent = [0.0]
+
+        def once() -> Any:
+            sent[0] = time.monotonic()
+            return self._call("get_replica_list", (key,))
+
+        size, reps, ttl = self._retrying(once, f"get {key!r}")
+        return int(size), [[tuple(s) for s in rep] for rep in reps], float(ttl), sent[0]
+
+    def _read(self, key: str, local_for: Callable[[int], _Local]) -> int:
+        last: BaseException | None = None
+        for _attempt in range(2):
+            size, reps, ttl, t0 = self._replicas(key)
+            local = local_for(size)
+            for rep in self._rank(reps):
+                try:
+                    self._move("read", [(local, rep)])
+                except TransportError as exc:
+                    last = exc
+                    logger.debug("reading %r from %s failed: %s", key, rep[0][1], exc)
+                    continue
+                if time.monotonic() - t0 > ttl:
+                    raise LeaseExpired(f"get {key!r}: the read took longer than the {ttl:.1f}s lease; retry")
+                return size
+            time.sleep(0.05)  # the master may be about to drop the dead holder's replicas
+        raise TransportError(f"get {key!r}: every replica failed: {last}") from last
+
+    def get(self, key: str) -> bytes:
+        """The object's bytes (``ObjectNotFound`` if missing)."""
+        holder: list[bytearray] = []
+
+        def mk(size: int) -> _Local:
+            holder.append(bytearray(size))
+            return _Local(holder[-1], None, True)
+
+        self._read(key, mk)
+        return bytes(holder[-1])
+
+    def get_into(self, key: str, buf: Any, size: int | None = None) -> int:
+        """Read the object into ``buf`` (or an address in registered memory); returns its size."""
+        probe = _Local(buf, size, writable=True)
+
+        def mk(n: int) -> _Local:
+            if n > probe.length:
+                raise P.InvalidArgument(f"get_into {key!r}: object is {n} bytes but the buffer holds {probe.length}")
+            if n == probe.length:
+                return probe
+            return _Local(buf, n, writable=True) if probe.view is not None else _Local(probe.addr, n, True)
+
+        return self._read(key, mk)
+
+    def batch_get_into(self, keys: Sequence[str], bufs: Sequence[Any],
+                       sizes: Sequence[int] | None = None) -> list[int | BaseException]:
+        """Read many objects into buffers; one entry per key: bytes read, or the exception."""
+        if len(keys) != len(bufs) or (sizes is not None and len(sizes) != len(keys)):
+            raise P.InvalidArgument("keys, buffers and sizes must have the same length")
+        if not keys:
+            return []
+        t0 = time.monotonic()
+        res = self._call("batch_get_replica_list", (list(keys),))
+        out: list[int | BaseException] = [0] * len(keys)
+        reqs: list[TransferRequest] = []
+        owner: list[int] = []
+        chosen: dict[int, tuple[_Local, list[list[SliceW]]]] = {}
+        ttl = self.lease_ttl_s
+        for i, (code, size, reps, lttl) in enumerate(res):
+            if code != 0:
+                if code == P.Code.RETRY:
+                    try:
+                        out[i] = self.get_into(keys[i], bufs[i], None if sizes is None else sizes[i])
+                    except (StoreError, TransportError) as exc:
+                        out[i] = exc
+                    continue
+                out[i] = _error(code, str(size))
+                continue
+            ttl = min(ttl, float(lttl))
+            try:
+                local = _Local(bufs[i], None if sizes is None else sizes[i], writable=True)
+                if size > local.length:
+                    raise P.InvalidArgument(f"get {keys[i]!r}: object is {size} bytes but the buffer holds "
+                                            f"{local.length}")
+                local = _Local(bufs[i] if local.view is not None else local.addr, size, True)
+            except StoreError as exc:
+                out[i] = exc
+                continue
+            ranked = self._rank([[tuple(s) for s in rep] for rep in reps])
+            chosen[i] = (local, ranked)
+            out[i] = int(size)
+            r = self._requests("read", [(local, ranked[0])])
+            reqs.extend(r)
+            owner.extend([i] * len(r))
+        failed: set[int] = set()
+        if reqs:
+            batch = self.engine.submit(reqs)
+            try:
+                batch.wait()
+            except (TransportError, OSError):
+                failed = {owner[j] for j, st in enumerate(batch.statuses) if st.state != "completed"}
+        for i in failed:  # fall back to the other replicas, one key at a time
+            local, ranked = chosen[i]
+            for rep in ranked[1:]:
+                try:
+                    self._move("read", [(local, rep)])
+                    break
+                except TransportError as exc:
+                    out[i] = exc
+            else:
+                if len(ranked) == 1:
+                    out[i] = TransportError(f"get {keys[i]!r}: its only replica could not be read")
+        if time.monotonic() - t0 > ttl:
+            return [LeaseExpired(f"batch get: the reads took longer than the {ttl:.1f}s lease; retry")
+                    if isinstance(x, int) else x for x in out]
+        return out
+
+    def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The objects' bytes; None for keys that are missing or failed."""
+        if not keys:
+            return []
+        sizes = self._call("batch_get_replica_list", (list(keys),))
+        bufs = [bytearray(int(s[1]) if s[0] == 0 else 1) for s in sizes]
+        res = self.batch_get_into(keys, bufs)
+        return [bytes(b[: r]) if isinstance(r, int) and not isinstance(r, bool) else None
+                for b, r in zip(bufs, res, strict=True)]
+
+    # ------------------------------------------------------------------ typed values
+    def put_array(self, key: str, arr: Any, **kw: Any) -> None:
+        """Store a numpy array with its dtype and shape (read back with :meth:`get_array`)."""
+        import numpy as np
+
+        a = np.ascontiguousarray(arr)
+        self._put_typed(key, {"kind": "numpy", "dtype": a.dtype.str, "shape": list(a.shape)}, a, **kw)
+
+    def get_array(self, key: str) -> Any:
+        import numpy as np
+
+        meta, data = self._get_typed(key)
+        return np.frombuffer(data, dtype=np.dtype(meta["dtype"])).reshape(meta["shape"])
+
+    def put_tensor(self, key: str, tensor: Any, **kw: Any) -> None:
+        """Store a torch tensor (moved to the CPU if needed) with its dtype and shape."""
+        t = tensor.detach().contiguous().cpu()
+        meta = {"kind": "torch", "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+        self._put_typed(key, meta, t, **kw)
+
+    def get_tensor(self, key: str) -> Any:
+        import torch
+
+        meta, data = self._get_typed(key)
+        dtype = getattr(torch, str(meta["dtype"]))
+        if not data:
+            return torch.empty(meta["shape"], dtype=dtype)
+        return torch.frombuffer(data, dtype=dtype).reshape(meta["shape"])
+
+    def _put_typed(self, key: str, meta: dict[str, Any], data: Any, **kw: Any) -> None:
+        head = json.dumps(meta).encode()
+        hdr = _THDR.pack(_TMAGIC, len(head)) + head
+        nbytes = len(_as_view(data, False)[0]) if _nbytes(data) else 0
+        buf = bytearray(len(hdr) + nbytes)
+        buf[: len(hdr)] = hdr
+        if nbytes:
+            mv = _as_view(data, False)[0]
+            buf[len(hdr):] = mv
+        self.put(key, buf, **kw)
+
+    def _get_typed(self, key: str) -> tuple[dict[str, Any], bytearray]:
+        raw = bytearray(self.get(key))
+        if len(raw) < _THDR.size or raw[:4] != _TMAGIC:
+            raise P.InvalidArgument(f"{key!r} was not stored with put_array/put_tensor")
+        _, n = _THDR.unpack_from(raw)
+        meta = json.loads(bytes(raw[_THDR.size : _THDR.size + n]))
+        return meta, raw[_THDR.size + n :]
+
+    # ------------------------------------------------------------------ metadata
+    def exists(self, key: str) -> bool:
+        return bool(self._call("exists", (key,)))
+
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        return list(self._call("batch_exists", (list(keys),)))
+
+    def get_size(self, key: str) -> int:
+        return int(self._call("get_size", (key,)))
+
+    def remove(self, key: str, *, force: bool = False) -> None:
+        """Remove ``key``; ``ObjectBusy`` while it is leased or hard-pinned unless ``force``."""
+        self._call("remove", (key, force))
+
+    def batch_remove(self, keys: Sequence[str], *, force: bool = False) -> list[BaseException | None]:
+        codes = self._call("batch_remove", (list(keys), force))
+        return [None if c == 0 else _error(c, f"remove {k!r} failed") for k, c in zip(keys, codes, strict=True)]
+
+    def remove_by_regex(self, pattern: str, *, force: bool = False) -> int:
+        """Remove every key matching ``pattern`` (``re.search``); returns how many."""
+        return int(self._call("remove_by_regex", (pattern, force)))
+
+    def keys_by_regex(self, pattern: str) -> list[str]:
+        return list(self._call("keys_by_regex", (pattern, False)))
+
+    def remove_all(self, *, force: bool = False) -> int:
+        return int(self._call("remove_all", (force,)))
+
+    def query(self, key: str) -> dict[str, Any]:
+        """The master's view of ``key``: size, replicas (segment, client, offset), pins, lease."""
+        return dict(self._call("query_key", (key,)))
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._call("stats", ()))
+
+    # ------------------------------------------------------------------ registered memory
+    def register_buffer(self, buf: Any, size: int | None = None) -> Region:
+        """Register a buffer (or ``addr`` + ``size``) so zero-copy calls may use addresses in it."""
+        if isinstance(buf, int) and not isinstance(buf, bool):
+            if size is None:
+                raise P.InvalidArgument("register_buffer(addr) needs a size")
+            return self.engine.register_memory(buf, size)
+        return self.engine.register(buf)
+
+    def unregister_buffer(self, buf: Any) -> None:
+        self.engine.unregister(buf)
+
+    @property
+    def hostname(self) -> str:
+        return self.engine.name
+
+
+class _PutLost(P.InvalidArgument):
+    """put_end found no pending put (a new leader never saw put_start): put again."""
+
+
+def _nbytes(obj: Any) -> int:
+    n = getattr(obj, "nbytes", None)
+    if n is None and hasattr(obj, "element_size"):
+        n = obj.numel() * obj.element_size()
+    return int(n) if n is not None else len(memoryview(obj).cast("B"))
+
+
+def _error(code: int, msg: str) -> BaseException:
+    try:
+        P.raise_for(code, msg)
+    except StoreError as exc:
+        return exc
+    return StoreError(msg)
+

@@ -1,0 +1,82 @@
+"""Holder failure, client expiry and concurrent writers/readers, across processes."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from store_support import Agent, Master
+
+pytestmark = [pytest.mark.slow]
+
+
+@pytest.mark.timeout(90)
+def test_killed_holder_loses_nothing_with_two_replicas(tmp_path: Path) -> None:
+    m = Master(tmp_path, "--client-ttl", "1.5")
+    agents: list[Agent] = []
+    try:
+        agents = [Agent(m.address, segment_size=24 << 20, log=tmp_path / f"a{i}.log") for i in range(4)]
+        writer, reader, h1, h2 = agents
+        sizes = [1000, 70_000, 1 << 20, 3 << 20]
+        keys = [f"k/{i}" for i in range(24)]
+        for i, k in enumerate(keys):
+            writer.call("put", key=k, size=sizes[i % 4], replica_num=2)
+        # which keys have a replica on h1?
+        on_h1 = [k for k in keys if any(s["segment"] == h1.segment
+                                        for rep in reader.call("call", method="query", args=[k])["replicas"]
+                                        for s in rep)]
+        assert on_h1, "placement never used the holder we are about to kill"
+        h1.kill()
+        # immediately (before the master notices): reads fail over to the surviving replica
+        for i, k in enumerate(keys):
+            assert reader.call("get", key=k) == {"size": sizes[i % 4], "match": True}, k
+        # after the client TTL the master drops the dead segment; objects keep one replica
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            segs = json.loads(m.http("/segments")[1])
+            if h1.segment not in [s["name"] for s in segs]:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the master did not unmount the dead holder's segment")
+        for i, k in enumerate(keys):
+            q = reader.call("call", method="query", args=[k])
+            assert all(s["segment"] != h1.segment for rep in q["replicas"] for s in rep)
+            assert h2.call("get", key=k) == {"size": sizes[i % 4], "match": True}
+        # single-replica objects that lived only on a dead holder disappear
+        writer.call("put", key="solo", size=5000, preferred_segment=h2.segment)
+        h2.kill()
+        deadline = time.monotonic() + 10
+        while reader.call("call", method="exists", args=["solo"]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert reader.call("call", method="exists", args=["solo"]) is False
+        assert m.alive()
+    finally:
+        for a in agents:
+            a.stop()
+        m.stop()
+
+
+@pytest.mark.timeout(90)
+def test_concurrent_writers_and_readers_never_see_torn_objects(tmp_path: Path) -> None:
+    m = Master(tmp_path, "--default-kv-lease-ttl", "0.3")
+    agents: list[Agent] = []
+    try:
+        agents = [Agent(m.address, segment_size=32 << 20, log=tmp_path / f"a{i}.log") for i in range(2)]
+        keys = [f"hot/{i}" for i in range(24)]
+        with ThreadPoolExecutor(2) as ex:
+            futs = [ex.submit(a.call, "stress", keys=keys, seconds=4.0, writers=4, readers=4, name=f"p{i}")
+                    for i, a in enumerate(agents)]
+            results = [f.result(timeout=60) for f in futs]
+        total = {k: sum(r[k] for r in results) for k in ("puts", "gets", "torn", "removes", "errors")}
+        assert total["torn"] == 0, json.dumps(results)
+        assert total["errors"] == 0, json.dumps(results)
+        assert total["puts"] > 20 and total["gets"] > 50 and total["removes"] > 5, results
+        assert m.alive()
+    finally:
+        for a in agents:
+            a.stop()
+        m.stop()

@@ -1,0 +1,152 @@
+"""Store round trips across processes: a real master and separate client processes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from store_support import Agent, AgentError, Master
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Master, Agent, Agent, Agent]]:
+    tmp = tmp_path_factory.mktemp("store-rt")
+    m = Master(tmp)
+    agents: list[Agent] = []
+    try:
+        agents = [Agent(m.address, segment_size=24 << 20, log=tmp / f"agent{i}.log") for i in range(3)]
+        yield m, agents[0], agents[1], agents[2]
+    finally:
+        for a in agents:
+            a.stop()
+        m.stop()
+
+
+@pytest.mark.parametrize("size", [1, 4097, 1 << 20, (5 << 20) + 3])
+def test_put_get_byte_exact_across_processes(cluster: tuple[Master, Agent, Agent, Agent], size: int) -> None:
+    _m, a, b, _c = cluster
+    key = f"rt/{size}"
+    a.call("put", key=key, size=size, preferred_segment=b.segment)
+    assert b.call("get", key=key) == {"size": size, "match": True}
+    assert a.call("get", key=key) == {"size": size, "match": True}
+    assert b.call("get_into", key=key, cap=size + 100) == {"size": size, "match": True}
+    assert b.call("call", method="get_size", args=[key]) == size
+
+
+def test_zero_copy_registered_addresses(cluster: tuple[Master, Agent, Agent, Agent]) -> None:
+    _m, a, b, c = cluster
+    a.call("put_from_registered", key="zc/1", size=3 << 20, preferred_segment=c.segment)
+    assert b.call("get_into_registered", key="zc/1") == {"size": 3 << 20, "match": True}
+
+
+def test_batches(cluster: tuple[Master, Agent, Agent, Agent]) -> None:
+    _m, a, b, _c = cluster
+    keys = [f"batch/{i}" for i in range(20)]
+    assert a.call("put_batch", keys=keys, size=70_000) == [None] * 20
+    assert b.call("get_batch", keys=keys + ["batch/missing"]) == [True] * 20 + [None]
+    got = b.call("batch_get_into", keys=keys[:5] + ["batch/missing"], cap=80_000)
+    assert got[:5] == [True] * 5 and got[5] == "ObjectNotFound"
+    # a second put of the same keys: every key reports ObjectExists, nothing changes
+    assert a.call("put_batch", keys=keys[:3], size=10) == ["ObjectExists"] * 3
+    assert b.call("call", method="batch_exists", args=[keys[:2] + ["nope"]]) == [True, True, False]
+
+
+def test_typed_values(cluster: tuple[Master, Agent, Agent, Agent]) -> None:
+    _m, a, b, _c = cluster
+    a.call("put_array", key="np/1", n=24, dtype="<f4", shape=[2, 3, 4])
+    assert b.call("get_array", key="np/1") == {"dtype": "<f4", "shape": [2, 3, 4], "sum": float(sum(range(24)))}
+    a.call("put_tensor", key="pt/1", n=12, shape=[3, 4])
+    assert b.call("get_tensor", key="pt/1") == {"dtype": "torch.bfloat16", "shape": [3, 4], "sum": 66.0}
+
+
+def test_replicas_land_on_distinct_segments(cluster: tuple[Master, Agent, Agent, Agent]) -> None:
+    _m, a, b, _c = cluster
+    for i in range(10):
+        a.call("put", key=f"rep/{i}", size=100_000, replica_num=3)
+        q = b.call("call", method="query", args=[f"rep/{i}"])
+        segs = [s["segment"] for rep in q["replicas"] for s in rep]
+        assert len(q["replicas"]) == 3 and len(set(segs)) == 3
+
+
+def test_striping_across_segments(cluster: tuple[Master, Agent, Agent, Agent]) -> None:
+    _m, a, b, _c = cluster
+    size = 30 << 20  # larger than any one 24 MiB segment
+    a.call("put", key="stripe/1", size=size)
+    q = b.call("call", method="query", args=["stripe/1"])
+    assert len(q["replicas"]) == 1 and len(q["replicas"][0]) >= 2
+    assert b.call("get", key="stripe/1") == {"size": size, "match": True}
+    a.call("call", method="remove", args=["stripe/1"], kwargs={"force": True})
+
+
+def test_remove_regex_and_leases(cluster: tuple[Master, Agent, Agent, Agent]) -> None:
+    _m, a, b, _c = cluster
+    for i in range(6):
+        a.call("put", key=f"rx/keep{i}" if i % 2 else f"rx/drop{i}", size=1000)
+    assert sorted(b.call("call", method="keys_by_regex", args=["^rx/drop"])) == ["rx/drop0", "rx/drop2", "rx/drop4"]
+    # reading grants a lease: a plain remove is refused, a forced one works
+    b.call("get", key="rx/drop0")
+    with pytest.raises(AgentError) as ei:
+        a.call("call", method="remove", args=["rx/drop0"])
+    assert ei.value.type == "ObjectBusy" and "leased" in ei.value.msg
+    assert a.call("call", method="remove_by_regex", args=["^rx/drop"]) == 2  # the leased one is skipped
+    assert a.call("call", method="remove_by_regex", args=["^rx/drop"], kwargs={"force": True}) == 1
+    assert b.call("call", method="batch_exists", args=[[f"rx/drop{i}" for i in (0, 2, 4)]]) == [False] * 3
+    assert b.call("call", method="exists", args=["rx/keep1"]) is True
+
+
+def test_http_metrics_health_and_query(cluster: tuple[Master, Agent, Agent, Agent]) -> None:
+    m, a, _b, _c = cluster
+    a.call("put", key="http/1", size=5000, replica_num=2)
+    status, body = m.http("/health")
+    assert status == 200 and json.loads(body)["role"] == "leader"
+    status, text = m.http("/metrics")
+    assert status == 200
+    for name in ("mooncake_master_objects", "mooncake_master_segment_used_bytes", "mooncake_master_evictions_total",
+                 "mooncake_master_leased_objects", 'mooncake_master_request_seconds_bucket{method="put_start"'):
+        assert name in text
+    status, body = m.http("/query_key?key=http/1")
+    q = json.loads(body)
+    assert status == 200 and q["size"] == 5000 and len(q["replicas"]) == 2
+    assert m.http("/query_key?key=none")[0] == 404
+    # the embedded HTTP metadata server
+    import urllib.request
+
+    req = urllib.request.Request(f"http://127.0.0.1:{m.http_port}/metadata?key=k", data=b"v", method="PUT")
+    urllib.request.urlopen(req, timeout=5).close()
+    assert m.http("/metadata?key=k") == (200, "v")
+
+
+def test_master_log_has_no_tracebacks(cluster: tuple[Master, Agent, Agent, Agent], tmp_path: Path) -> None:
+    m, *_ = cluster
+    log = Path(m.log.name).read_text()
+    assert "Traceback" not in log
+
+
+def test_store_node_command_contributes_memory(cluster: tuple[Master, Agent, Agent, Agent], tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    m, a, b, _c = cluster
+    ready = tmp_path / "node.json"
+    node = subprocess.Popen([sys.executable, "-m", "mooncake_core", "store", "--master", m.address,
+                             "--segment-size", "8MB", "--ready-file", str(ready)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline and node.poll() is None:
+            time.sleep(0.05)
+        seg = json.loads(ready.read_text())["segments"][0]
+        a.call("put", key="node/1", size=3 << 20, preferred_segment=seg)
+        q = b.call("call", method="query", args=["node/1"])
+        assert q["replicas"][0][0]["segment"] == seg
+        assert b.call("get", key="node/1") == {"size": 3 << 20, "match": True}
+        assert any(s["name"] == seg and s["size"] == 8 << 20 for s in json.loads(m.http("/segments")[1]))
+    finally:
+        node.terminate()
+        assert node.wait(timeout=15) == 0
+    assert b.call("call", method="exists", args=["node/1"]) is False  # its segment left with it
