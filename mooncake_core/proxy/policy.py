@@ -1,0 +1,243 @@
+"""Instance choice for the PD proxy: a small policy interface and its implementations.
+
+Contract: the proxy builds one policy over its prefill and decode :class:`Instance`
+lists, then per request calls :meth:`RoutingPolicy.choose` once, :meth:`prefill_done`
+after the prefill answered, and :meth:`finished` when the request ended (also on
+errors). Policies may read and must not change the instances' counters (the proxy
+updates them).
+
+Policies (``--policy``): ``least-load`` (default), ``round-robin``, ``global-cache``
+(the KV-cache-aware :class:`~mooncake_core.conductor.Conductor`). New ones go into
+:data:`POLICIES` as ``"module:factory"``; they are imported on first use.
+
+Thread-safety: none; the proxy calls from its event loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import itertools
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mooncake_core.errors import ConfigError
+
+__all__ = [
+    "Instance",
+    "Job",
+    "Placement",
+    "RoutingPolicy",
+    "LeastLoadPolicy",
+    "RoundRobinPolicy",
+    "GlobalCachePolicy",
+    "POLICIES",
+    "make_policy",
+    "prefix_blocks",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Instance:
+    """One upstream vLLM server and its live load, as the proxy sees it.
+
+    Attributes:
+        url: base URL (``http://127.0.0.1:8100``).
+        role: ``"prefill"`` or ``"decode"``.
+        index: position in its role's list.
+        in_flight: requests sent and not yet answered in full.
+        tokens_in_flight: estimated prompt tokens of those requests.
+        served: requests answered.
+        errors: requests that failed upstream.
+    """
+
+    url: str
+    role: str
+    index: int
+    in_flight: int = 0
+    tokens_in_flight: int = 0
+    served: int = 0
+    errors: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"url": self.url, "role": self.role, "in_flight": self.in_flight,
+                "tokens_in_flight": self.tokens_in_flight, "served": self.served, "errors": self.errors}
+
+
+@dataclass
+class Job:
+    """What a policy knows about one request.
+
+    Attributes:
+        rid: proxy-local request number.
+        prompt_tokens: prompt length (exact for token-id prompts, else estimated).
+        prompt_key: the prompt as given (token ids or text), for cache-aware policies.
+        max_tokens: tokens to generate.
+    """
+
+    rid: int
+    prompt_tokens: int
+    prompt_key: Sequence[int] | str
+    max_tokens: int = 16
+    arrival: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Placement:
+    """A policy's answer: where the request's prefill and decode run."""
+
+    prefill: Instance
+    decode: Instance
+    detail: Any = None
+
+
+class RoutingPolicy(ABC):
+    """Chooses a prefill and a decode instance per request.
+
+    Args:
+        prefill: prefill instances (at least one).
+        decode: decode instances (at least one).
+    """
+
+    name = "abstract"
+
+    def __init__(self, prefill: Sequence[Instance], decode: Sequence[Instance]) -> None:
+        if not prefill or not decode:
+            raise ConfigError("the proxy needs at least one --prefill and one --decode URL")
+        self.prefill = list(prefill)
+        self.decode = list(decode)
+
+    @abstractmethod
+    def choose(self, job: Job) -> Placement:
+        """Return where ``job`` runs. Called once per request; must not block."""
+
+    def prefill_done(self, job: Job, placement: Placement) -> None:
+        """The prefill instance answered (its KV is now held there)."""
+        return None
+
+    def finished(self, job: Job, placement: Placement, ok: bool) -> None:
+        """The request ended (``ok`` False on upstream errors)."""
+        return None
+
+
+class RoundRobinPolicy(RoutingPolicy):
+    """Cycle through the instances of each role."""
+
+    name = "round-robin"
+
+    def __init__(self, prefill: Sequence[Instance], decode: Sequence[Instance]) -> None:
+        super().__init__(prefill, decode)
+        self._p = itertools.cycle(self.prefill)
+        self._d = itertools.cycle(self.decode)
+
+    def choose(self, job: Job) -> Placement:
+        return Placement(next(self._p), next(self._d))
+
+
+class LeastLoadPolicy(RoutingPolicy):
+    """Prefill: fewest prompt tokens in flight; decode: fewest requests in flight.
+
+    Ties go round-robin, so an idle cluster spreads requests evenly.
+    """
+
+    name = "least-load"
+
+    def __init__(self, prefill: Sequence[Instance], decode: Sequence[Instance]) -> None:
+        super().__init__(prefill, decode)
+        self._turn = {"prefill": 0, "decode": 0}
+
+    def _pick(self, pool: list[Instance], key: Callable[[Instance], tuple[int, int]]) -> Instance:
+        role = pool[0].role
+        self._turn[role] = turn = self._turn.get(role, 0) + 1
+        n = len(pool)
+        return min((pool[(turn + i) % n] for i in range(n)), key=key)
+
+    def choose(self, job: Job) -> Placement:
+        p = self._pick(self.prefill, lambda i: (i.tokens_in_flight, i.in_flight))
+        d = self._pick(self.decode, lambda i: (i.in_flight, i.tokens_in_flight))
+        return Placement(p, d)
+
+
+def prefix_blocks(prompt: Sequence[int] | str, block_tokens: int = 32) -> tuple[int, ...]:
+    """Chained hashes of a prompt's full blocks (text prompts: 4 characters ~ 1 token)."""
+    if isinstance(prompt, str):
+        unit = prompt.encode()
+        step = block_tokens * 4
+        chunks = [unit[i : i + step] for i in range(0, len(unit) - step + 1, step)]
+    else:
+        toks = list(prompt)
+        chunks = [",".join(map(str, toks[i : i + block_tokens])).encode()
+                  for i in range(0, len(toks) - block_tokens + 1, block_tokens)]
+    out: list[int] = []
+    h = b""
+    for c in chunks:
+        h = hashlib.blake2b(h + c, digest_size=8).digest()
+        out.append(int.from_bytes(h, "little") & ((1 << 62) - 1))
+    return tuple(out)
+
+
+class GlobalCachePolicy(RoutingPolicy):
+    """The conductor's KV-cache-aware choice (``global-cache``), fed by the proxy.
+
+    Prompt blocks are hashed by :func:`prefix_blocks`; after a prefill the instance is
+    recorded as holding them, so later requests sharing the prefix go where it lies
+    (unless the predicted TTFT says another instance is better).
+    """
+
+    name = "global-cache"
+
+    def __init__(self, prefill: Sequence[Instance], decode: Sequence[Instance], block_tokens: int = 32) -> None:
+        super().__init__(prefill, decode)
+        from mooncake_core.conductor import Conductor, ConductorConfig
+
+        self.block_tokens = block_tokens
+        self.conductor = Conductor(ConductorConfig(n_prefill=len(self.prefill), n_decode=len(self.decode),
+                                                   policy="global-cache"))
+        self._t0 = time.monotonic()
+
+    def _now(self) -> float:
+        return time.monotonic() - self._t0
+
+    def choose(self, job: Job) -> Placement:
+        from mooncake_core.conductor import Request
+
+        blocks = prefix_blocks(job.prompt_key, self.block_tokens)
+        req = Request(rid=job.rid, arrival_s=self._now(), input_len=max(1, job.prompt_tokens),
+                      output_len=max(1, job.max_tokens), blocks=blocks)
+        d = self.conductor.decide(req, now=req.arrival_s)
+        dec = d.decode if 0 <= d.decode < len(self.decode) else 0
+        return Placement(self.prefill[d.prefill], self.decode[dec], detail=(d, blocks))
+
+    def prefill_done(self, job: Job, placement: Placement) -> None:
+        d, blocks = placement.detail
+        self.conductor.prefill_done(d, blocks, self._now())
+
+    def finished(self, job: Job, placement: Placement, ok: bool) -> None:
+        self.conductor.decode_done(job.rid, self._now())
+
+
+# name -> "module:factory"; factories take (prefill, decode)
+POLICIES: dict[str, str] = {
+    "least-load": "mooncake_core.proxy.policy:LeastLoadPolicy",
+    "round-robin": "mooncake_core.proxy.policy:RoundRobinPolicy",
+    "global-cache": "mooncake_core.proxy.policy:GlobalCachePolicy",
+}
+
+
+def make_policy(name: str, prefill: Sequence[Instance], decode: Sequence[Instance]) -> RoutingPolicy:
+    """Build the policy called ``name``; unknown names raise :class:`ConfigError`."""
+    target = POLICIES.get(name)
+    if target is None:
+        raise ConfigError(f"unknown proxy policy {name!r}; choose one of {', '.join(sorted(POLICIES))}")
+    mod, _, attr = target.partition(":")
+    factory = getattr(importlib.import_module(mod), attr)
+    policy = factory(prefill, decode)
+    if not isinstance(policy, RoutingPolicy):
+        raise ConfigError(f"policy {name!r} ({target}) did not build a RoutingPolicy")
+    return policy

@@ -1,0 +1,337 @@
+"""The PD proxy: an OpenAI-compatible front over prefill and decode vLLM instances.
+
+Per request (``POST /v1/completions`` or ``/v1/chat/completions``, streaming or not):
+
+1. the policy picks a prefill and a decode instance;
+2. the prefill instance gets the request with ``max_tokens=1``, ``stream=false`` and
+   ``kv_transfer_params={"do_remote_decode": true, "do_remote_prefill": false}``;
+3. the decode instance gets the original request plus the ``kv_transfer_params`` the
+   prefill answered with, and its answer (a JSON body or an SSE stream) goes back to the
+   client as it arrives.
+
+Failures never hang: connecting, the prefill answer, and every streamed chunk have
+timeouts. Upstream trouble becomes a JSON error ``{"error": {"message", "type",
+"code"}}`` with 502 (bad or no answer), 504 (timeout), or the upstream's own 4xx
+(the client's request was bad). A stream that breaks after it started ends with an
+SSE ``error`` event and ``[DONE]``.
+
+Also served: ``GET /health``, ``GET /v1/models`` (from a decode instance) and
+``GET /proxy/stats`` (per-instance load and counters).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from mooncake_core.proxy.policy import Instance, Job, Placement, RoutingPolicy, make_policy
+
+__all__ = ["ProxyConfig", "ProxyServer", "UpstreamError"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Proxy settings.
+
+    Attributes:
+        prefill: prefill instance base URLs.
+        decode: decode instance base URLs.
+        host: listen address (loopback by default).
+        port: listen port (0: any free port).
+        policy: instance-choice policy name.
+        connect_timeout_s: TCP connect timeout to an instance.
+        prefill_timeout_s: whole prefill answer.
+        read_timeout_s: longest silence of a decode answer (per chunk when streaming).
+    """
+
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: str = "least-load"
+    connect_timeout_s: float = 5.0
+    prefill_timeout_s: float = 300.0
+    read_timeout_s: float = 300.0
+
+
+class UpstreamError(Exception):
+    """An instance answered badly or not at all; carries the HTTP answer to give."""
+
+    def __init__(self, status: int, message: str, kind: str = "upstream_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+
+    def response(self) -> web.Response:
+        return _error(self.status, self.message, self.kind)
+
+
+def _error(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+def _prompt_of(body: dict[str, Any], chat: bool) -> tuple[Sequence[int] | str, int]:
+    """(prompt key, token estimate) of a request body."""
+    if chat:
+        msgs = body.get("messages") or []
+        text = "\n".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
+        return text, max(1, len(text) // 4)
+    p = body.get("prompt", "")
+    if isinstance(p, list) and p and all(isinstance(t, int) for t in p):
+        return [int(t) for t in p], len(p)
+    if isinstance(p, list):
+        text = "".join(str(x) for x in p)
+        return text, max(1, len(text) // 4)
+    return str(p), max(1, len(str(p)) // 4)
+
+
+class ProxyServer:
+    """Runs the proxy's aiohttp application (see the module docstring)."""
+
+    def __init__(self, config: ProxyConfig, policy: RoutingPolicy | None = None) -> None:
+        self.config = config
+        self.prefill = [Instance(u.rstrip("/"), "prefill", i) for i, u in enumerate(config.prefill)]
+        self.decode = [Instance(u.rstrip("/"), "decode", i) for i, u in enumerate(config.decode)]
+        self.policy = policy or make_policy(config.policy, self.prefill, self.decode)
+        self._ids = itertools.count(1)
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self.port = config.port
+        self.stats: dict[str, float] = {"requests": 0, "errors": 0, "prefill_s": 0.0}
+        self.app = web.Application(client_max_size=64 << 20)
+        self.app.router.add_post("/v1/completions", self._completions)
+        self.app.router.add_post("/v1/chat/completions", self._chat)
+        self.app.router.add_get("/v1/models", self._models)
+        self.app.router.add_get("/health", self._health)
+        self.app.router.add_get("/proxy/stats", self._stats)
+        self.app.on_cleanup.append(self._close_session)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> str:
+        """Start listening; returns the base URL."""
+        self._runner = web.AppRunner(self.app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        server = getattr(site, "_server", None)
+        sockets = getattr(server, "sockets", None) or []
+        if sockets:
+            self.port = int(sockets[0].getsockname()[1])
+        url = f"http://{self.config.host}:{self.port}"
+        logger.info("PD proxy on %s: prefill %s; decode %s; policy %s", url,
+                    ", ".join(i.url for i in self.prefill), ", ".join(i.url for i in self.decode), self.policy.name)
+        return url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def run_in_thread(self) -> tuple[str, threading.Event]:
+        """Serve from a daemon thread with its own event loop (demos, benchmarks).
+
+        Returns the base URL and an event; set it to stop the proxy.
+        """
+        stop = threading.Event()
+        ready: list[str] = []
+        started = threading.Event()
+        errors: list[BaseException] = []
+
+        async def main() -> None:
+            try:
+                ready.append(await self.start())
+            except BaseException as exc:
+                errors.append(exc)
+                started.set()
+                return
+            started.set()
+            while not stop.is_set():
+                await asyncio.sleep(0.1)
+            await self.stop()
+
+        threading.Thread(target=lambda: asyncio.run(main()), name="mc-proxy", daemon=True).start()
+        started.wait(30)
+        if errors:
+            raise errors[0]
+        if not ready:
+            raise TimeoutError("the proxy did not start within 30 s")
+        return ready[0], stop
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
+                total=None, connect=self.config.connect_timeout_s, sock_connect=self.config.connect_timeout_s))
+        return self._session
+
+    async def _close_session(self, app: web.Application) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    # ------------------------------------------------------------------ small routes
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        return web.json_response({"policy": self.policy.name, **self.stats,
+                                  "prefill": [i.as_dict() for i in self.prefill],
+                                  "decode": [i.as_dict() for i in self.decode]})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        inst = self.decode[0]
+        try:
+            async with self.session().get(inst.url + "/v1/models",
+                                          timeout=aiohttp.ClientTimeout(total=self.config.connect_timeout_s * 2)) as r:
+                return web.Response(body=await r.read(), status=r.status, content_type="application/json")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return _error(502, f"decode instance {inst.url} did not list its models: {exc!r}", "upstream_error")
+
+    # ------------------------------------------------------------------ main path
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "/v1/completions", chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "/v1/chat/completions", chat=True)
+
+    async def _handle(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "request body is not valid JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            return _error(400, "request body must be a JSON object", "invalid_request_error")
+        key, n_tokens = _prompt_of(body, chat)
+        max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
+        job = Job(next(self._ids), n_tokens, key, max_tokens)
+        self.stats["requests"] += 1
+        place = self.policy.choose(job)
+        ok = False
+        try:
+            params = await self._prefill(place.prefill, path, body, job)
+            self.policy.prefill_done(job, place)
+            dbody = dict(body)
+            dbody["kv_transfer_params"] = params
+            resp = await self._decode(request, place, path, dbody, job, stream=bool(body.get("stream")))
+            ok = True
+            return resp
+        except UpstreamError as exc:
+            self.stats["errors"] += 1
+            logger.warning("request %d failed: %s", job.rid, exc.message)
+            return exc.response()
+        finally:
+            self.policy.finished(job, place, ok)
+
+    async def _prefill(self, inst: Instance, path: str, body: dict[str, Any], job: Job) -> dict[str, Any]:
+        pbody = dict(body)
+        pbody["max_tokens"] = 1
+        if "max_completion_tokens" in pbody:
+            pbody["max_completion_tokens"] = 1
+        pbody["stream"] = False
+        pbody.pop("stream_options", None)
+        pbody["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
+        t0 = time.monotonic()
+        inst.in_flight += 1
+        inst.tokens_in_flight += job.prompt_tokens
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s, connect=self.config.connect_timeout_s)
+            async with self.session().post(inst.url + path, json=pbody, timeout=timeout) as r:
+                raw = await r.read()
+                if r.status != 200:
+                    inst.errors += 1
+                    raise UpstreamError(r.status if 400 <= r.status < 500 else 502,
+                                        f"prefill instance {inst.url} answered {r.status}: {_snippet(raw)}")
+            try:
+                answer = json.loads(raw)
+            except ValueError:
+                inst.errors += 1
+                raise UpstreamError(502, f"prefill instance {inst.url} answered with invalid JSON: {_snippet(raw)}") from None
+        except asyncio.TimeoutError:
+            inst.errors += 1
+            raise UpstreamError(504, f"prefill instance {inst.url} did not answer within "
+                                     f"{self.config.prefill_timeout_s:.0f} s", "timeout") from None
+        except aiohttp.ClientError as exc:
+            inst.errors += 1
+            raise UpstreamError(502, f"prefill instance {inst.url} unreachable: {exc}") from None
+        finally:
+            inst.in_flight -= 1
+            inst.tokens_in_flight -= job.prompt_tokens
+        self.stats["prefill_s"] += time.monotonic() - t0
+        params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        if not isinstance(params, dict):
+            inst.errors += 1
+            raise UpstreamError(502, f"prefill instance {inst.url} returned no kv_transfer_params; start it with "
+                                     "--kv-transfer-config '{\"kv_connector\":\"MooncakeCoreConnector\","
+                                     "\"kv_role\":\"kv_producer\"}'")
+        inst.served += 1
+        return params
+
+    async def _decode(self, request: web.Request, place: Placement, path: str, body: dict[str, Any],
+                      job: Job, stream: bool) -> web.StreamResponse:
+        inst = place.decode
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s,
+                                        sock_read=self.config.read_timeout_s)
+        inst.in_flight += 1
+        inst.tokens_in_flight += job.prompt_tokens
+        out: web.StreamResponse | None = None
+        try:
+            async with self.session().post(inst.url + path, json=body, timeout=timeout) as r:
+                if r.status != 200 or not stream:
+                    raw = await r.read()
+                    if r.status != 200:
+                        inst.errors += 1
+                        raise UpstreamError(r.status if 400 <= r.status < 500 else 502,
+                                            f"decode instance {inst.url} answered {r.status}: {_snippet(raw)}")
+                    inst.served += 1
+                    return web.Response(body=raw, status=200, content_type="application/json")
+                out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
+                                                              "Cache-Control": "no-cache"})
+                await out.prepare(request)
+                async for chunk in r.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+                inst.served += 1
+                return out
+        except asyncio.TimeoutError:
+            inst.errors += 1
+            msg = f"decode instance {inst.url} was silent for {self.config.read_timeout_s:.0f} s"
+            if out is None:
+                raise UpstreamError(504, msg, "timeout") from None
+            return await _end_stream(out, msg)
+        except aiohttp.ClientError as exc:
+            inst.errors += 1
+            msg = f"decode instance {inst.url} failed: {exc}"
+            if out is None:
+                raise UpstreamError(502, msg) from None
+            return await _end_stream(out, msg)
+        finally:
+            inst.in_flight -= 1
+            inst.tokens_in_flight -= job.prompt_tokens
+
+
+async def _end_stream(out: web.StreamResponse, message: str) -> web.StreamResponse:
+    """Close a started SSE stream with an error event (the status line is already sent)."""
+    logger.warning("stream broken: %s", message)
+    event = json.dumps({"error": {"message": message, "type": "upstream_error", "code": 502}})
+    try:
+        await out.write(f"data: {event}\n\ndata: [DONE]\n\n".encode())
+        await out.write_eof()
+    except (ConnectionError, RuntimeError):
+        pass
+    return out
+
+
+def _snippet(raw: bytes, n: int = 300) -> str:
+    text = raw.decode(errors="replace").strip()
+    return text if len(text) <= n else text[:n] + "..."

@@ -1,0 +1,482 @@
+"""``MooncakeCoreStoreConnector``: a KV-cache pool shared by vLLM instances (``kv_both``).
+
+Select it with::
+
+    --kv-transfer-config '{"kv_connector":"MooncakeCoreStoreConnector","kv_role":"kv_both",
+                           "kv_connector_extra_config":{"mooncake":{"master_server_address":"127.0.0.1:50051"}}}'
+
+Keys: one object per (page, layer), ``mcv/<model>/tp<rank>/<chain>/L<layer>`` where
+``chain`` is a prefix hash chained over the page tokens and seeded with the model, dtype
+and page size; a page is ``block_size`` prompt tokens (only full pages are stored).
+
+Scheduler side (EngineCore process):
+
+- ``get_num_new_matched_tokens``: asks the store (``batch_exists``) how many consecutive
+  pages past the local prefix-cache hit it holds; at least one prompt token is left to
+  compute. A failing master counts as a miss (one log line; lookups pause for a while).
+- ``update_state_after_alloc``: plans a load of those pages into the allocated blocks.
+- ``build_connector_meta``: loads planned this step, and saves of prompt pages that this
+  step completes (pages that were loaded are not saved again).
+- ``request_finished``: keeps the blocks while the request's saves are in flight.
+
+Worker side (worker process): ``start_load_kv`` submits one batch per layer in layer
+order; ``wait_for_layer_load`` waits for that layer only (the forward overlaps the rest);
+``wait_for_save`` hands this step's saves to a background thread (zero-copy from the KV
+cache into the pool); ``get_transfer_results`` reports requests whose saves finished;
+``get_block_ids_with_load_errors`` reports pages that failed to load (vLLM's
+``kv_load_failure_policy`` then recomputes or fails them).
+
+Options (``kv_connector_extra_config``): ``mooncake`` (config overrides, e.g.
+``master_server_address``), ``segment_size`` (memory this instance lends to the pool,
+default the config's ``global_segment_size``; ``0`` lends none), ``stats_dir``,
+``lookup_timeout_s`` (2), ``retry_after_s`` (10).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from mooncake_vllm.common import TEST_CORRUPT_ENV, Counters, config_from_engine, option
+
+__all__ = ["MooncakeCoreStoreConnector", "page_chain"]
+
+logger = logging.getLogger(__name__)
+
+
+def page_chain(seed: str, tokens: list[int], page: int, n_pages: int) -> list[str]:
+    """Hex prefix hashes of the first ``n_pages`` full pages of ``tokens``."""
+    h = hashlib.blake2b(seed.encode(), digest_size=16).digest()
+    out = []
+    for i in range(n_pages):
+        chunk = tokens[i * page : (i + 1) * page]
+        h = hashlib.blake2b(h + b"".join(int(t).to_bytes(4, "little", signed=True) for t in chunk),
+                            digest_size=16).digest()
+        out.append(h.hex())
+    return out
+
+
+@dataclass
+class PageJob:
+    """Pages of one request to move: page hashes and the local blocks that hold them."""
+
+    request_id: str
+    pages: list[str]
+    block_ids: list[int]
+    corrupt: bool = False
+
+
+@dataclass
+class StoreMetadata(KVConnectorMetadata):
+    loads: list[PageJob] = field(default_factory=list)
+    saves: list[PageJob] = field(default_factory=list)
+
+
+@dataclass
+class _Req:
+    request: Any
+    pages: list[str]
+    blocks: list[int] = field(default_factory=list)
+    local_hit: int = 0
+    looked_up: int = -1  # num_computed_tokens of the last lookup
+    hit_pages: int = 0  # pages the store will load (after the local hit)
+    saved_upto: int = 0  # pages [0, saved_upto) need no save
+    saving: bool = False
+
+
+def _seed(vllm_config: Any, block_size: int) -> str:
+    mc = vllm_config.model_config
+    return f"{getattr(mc, 'model', '?')}|{getattr(mc, 'dtype', '?')}|{block_size}"
+
+
+def _key_prefix(vllm_config: Any) -> str:
+    name = os.path.basename(str(getattr(vllm_config.model_config, "model", "model")).rstrip("/")) or "model"
+    return "mcv/" + "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
+class _StoreScheduler:
+    def __init__(self, vllm_config: Any, extra: dict[str, Any], engine_id: str) -> None:
+        from mooncake_core.store.client import StoreClient
+
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.seed = _seed(vllm_config, self.block_size)
+        self.prefix = _key_prefix(vllm_config) + "/tp0/"
+        self.layer0 = "L0"
+        self.retry_after_s = float(option(extra, "retry_after_s", 10.0))
+        self.counters = Counters(f"store-sched-{engine_id}", option(extra, "stats_dir", None))
+        self._make_client: Any = lambda: StoreClient(config_from_engine(extra), segment_size=0,
+                                                     failover_timeout_s=float(option(extra, "lookup_timeout_s", 2.0)))
+        self.client: Any = None
+        self._down_until = 0.0
+        self.reqs: dict[str, _Req] = {}
+        self._loads: list[PageJob] = []
+        self._saves: list[PageJob] = []
+
+    def _lookup(self, pages: list[str]) -> int:
+        """How many of ``pages`` (in order) the store holds; 0 while the master is down."""
+        if not pages or time.monotonic() < self._down_until:
+            return 0
+        try:
+            if self.client is None:
+                client = self._make_client()
+                client.start()  # closes itself when it fails
+                self.client = client
+            found = self.client.batch_exists([self.prefix + p + "/" + self.layer0 for p in pages])
+        except Exception as exc:
+            self._down_until = time.monotonic() + self.retry_after_s
+            self.counters.add(lookup_failures=1)
+            logger.warning("mooncake_vllm: KV store lookup failed (%s); computing prompts locally, "
+                           "next try in %.0f s", exc, self.retry_after_s)
+            return 0
+        n = 0
+        for ok in found:
+            if not ok:
+                break
+            n += 1
+        return n
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        rid = request.request_id
+        prompt = list(request.prompt_token_ids or [])
+        bs = self.block_size
+        st = self.reqs.get(rid)
+        if st is None:
+            st = _Req(request, page_chain(self.seed, prompt, bs, len(prompt) // bs))
+            self.reqs[rid] = st
+        # leave at least one prompt token to compute
+        max_pages = max(0, (len(prompt) - 1) // bs)
+        start = num_computed_tokens // bs
+        if st.looked_up == num_computed_tokens:  # asked again (e.g. no free blocks yet)
+            return max(0, (start + st.hit_pages) * bs - num_computed_tokens), False
+        st.local_hit = num_computed_tokens
+        st.looked_up = num_computed_tokens
+        st.hit_pages = 0
+        if start >= max_pages:
+            return 0, False
+        hit = self._lookup(st.pages[start:max_pages])
+        self.counters.add(lookup_requests=1, lookup_pages=max_pages - start)
+        st.hit_pages = hit
+        tokens = (start + hit) * bs - num_computed_tokens
+        return max(0, tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        st = self.reqs.get(request.request_id)
+        if st is None:
+            return
+        ids = blocks.get_block_ids()
+        ids = list(ids[0]) if ids and isinstance(ids[0], (list, tuple)) else list(ids or [])
+        start = st.local_hit // self.block_size
+        if num_external_tokens > 0 and st.hit_pages:
+            n = st.hit_pages
+            self.counters.add(hit_requests=1, hit_pages=n)
+            p = request.kv_transfer_params or {}
+            self._loads.append(PageJob(request.request_id, st.pages[start : start + n], ids[start : start + n],
+                                       corrupt=bool(p.get("mooncake_test_corrupt_kv"))))
+        # local prefix hits and store hits are not saved again
+        st.saved_upto = start + (st.hit_pages if num_external_tokens > 0 else 0)
+
+    def build_connector_meta(self, so: Any) -> StoreMetadata:
+        bs = self.block_size
+        done: dict[str, int] = {}
+        for nr in so.scheduled_new_reqs:
+            st = self.reqs.get(nr.req_id)
+            if st is None:
+                continue
+            b = nr.block_ids
+            st.blocks = list(b[0]) if b and isinstance(b[0], (list, tuple)) else list(b or [])
+            done[nr.req_id] = nr.num_computed_tokens + so.num_scheduled_tokens.get(nr.req_id, 0)
+        cached = so.scheduled_cached_reqs
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, rid in enumerate(cached.req_ids):
+            st = self.reqs.get(rid)
+            if st is None:
+                continue
+            nb = cached.new_block_ids[i]
+            if nb is not None:
+                new = list(nb[0]) if nb and isinstance(nb[0], (list, tuple)) else list(nb)
+                st.blocks = new if rid in resumed else st.blocks + new
+            done[rid] = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0)
+        for rid, computed in done.items():
+            st = self.reqs[rid]
+            upto = min(computed // bs, len(st.pages), len(st.blocks))
+            if upto > st.saved_upto:
+                self._saves.append(PageJob(rid, st.pages[st.saved_upto : upto], st.blocks[st.saved_upto : upto]))
+                st.saved_upto = upto
+                st.saving = True
+        meta = StoreMetadata(loads=self._loads, saves=self._saves)
+        self._loads, self._saves = [], []
+        return meta
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        st = self.reqs.pop(request.request_id, None)
+        return (st is not None and st.saving), None
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+
+class _StoreWorker:
+    def __init__(self, vllm_config: Any, extra: dict[str, Any], engine_id: str, tp_rank: int) -> None:
+        self.extra = extra
+        self.prefix = _key_prefix(vllm_config) + f"/tp{tp_rank}/"
+        self.counters = Counters(f"store-worker-{engine_id}-tp{tp_rank}", option(extra, "stats_dir", None))
+        self.client: Any = None
+        self.layers: list[tuple[str, Any]] = []
+        self.block_bytes = 0
+        self._loading: dict[str, list[tuple[Any, list[int]]]] = {}  # layer -> [(batch, block ids)]
+        self._load_errors: set[int] = set()
+        self._save_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mc-vllm-save")
+        self._saves: dict[str, list[Future[None]]] = {}
+        self._finished_waiting: set[str] = set()
+        self._lock = threading.Lock()
+        self._save_down_logged = False
+        self._save_down_until = 0.0
+        self.retry_timeout_s = float(option(extra, "lookup_timeout_s", 2.0))
+        self.retry_after_s = float(option(extra, "retry_after_s", 10.0))
+        self._corrupt_mode = os.environ.get(TEST_CORRUPT_ENV, "")
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        from mooncake_core.config import parse_size
+        from mooncake_core.store.client import StoreClient
+
+        cfg = config_from_engine(self.extra)
+        seg = self.extra.get("segment_size")
+        size = int(cfg.global_segment_size) if seg is None else int(parse_size(seg))
+        try:
+            self.client = StoreClient(cfg, segment_size=size, failover_timeout_s=self.retry_timeout_s).start()
+        except Exception as exc:  # serve without the pool rather than not at all
+            logger.warning("mooncake_vllm: cannot reach the KV store master %s (%s); this instance runs "
+                           "without the shared KV pool", cfg.master_server_address, exc)
+            self.client = None
+            return
+        for name, t in kv_caches.items():
+            self.client.register_buffer(t)
+            self.layers.append((name, t))
+            self.block_bytes = int(t.stride(0)) * int(t.element_size())
+        logger.info("mooncake_vllm: store worker on %s, %d layers x %d bytes per page, lends %d bytes",
+                    self.client.hostname, len(self.layers), self.block_bytes, size)
+
+    def _keys(self, pages: list[str], layer: int) -> list[str]:
+        return [f"{self.prefix}{p}/L{layer}" for p in pages]
+
+    # ------------------------------------------------------------------ loads
+    def start_load(self, meta: StoreMetadata) -> None:
+        if not meta.loads or self.client is None:
+            return
+        bb = self.block_bytes
+        for li, (name, t) in enumerate(self.layers):
+            base = int(t.data_ptr())
+            for job in meta.loads:
+                keys = self._keys(job.pages, li)
+                addrs = [base + b * bb for b in job.block_ids]
+                fut = self._save_pool_free_load(keys, addrs)
+                self._loading.setdefault(name, []).append((fut, list(job.block_ids)))
+        self.counters.add(load_requests=len(meta.loads), load_pages=sum(len(j.pages) for j in meta.loads),
+                          load_bytes=sum(len(j.pages) for j in meta.loads) * bb * len(self.layers))
+        self._pending_corrupt = [j for j in meta.loads if self._corrupt_mode == "1"
+                                 or (self._corrupt_mode == "param" and j.corrupt)]
+
+    def _save_pool_free_load(self, keys: list[str], addrs: list[int]) -> Future[list[Any]]:
+        """Start one layer's reads on a short-lived thread (the save thread may be busy)."""
+        fut: Future[list[Any]] = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(self.client.batch_get_into(keys, addrs, [self.block_bytes] * len(keys)))
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+        threading.Thread(target=run, name="mc-vllm-load", daemon=True).start()
+        return fut
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        jobs = self._loading.pop(layer_name, None)
+        if not jobs:
+            return
+        for fut, blocks in jobs:
+            try:
+                res = fut.result()
+                bad = [b for b, r in zip(blocks, res, strict=True) if isinstance(r, BaseException)]
+                first = next((r for r in res if isinstance(r, BaseException)), None)
+            except BaseException as exc:
+                bad, first = list(blocks), exc
+            if bad:
+                self._load_errors.update(bad)
+                self.counters.add(load_failures=1)
+                logger.warning("mooncake_vllm: loading %d KV page(s) of layer %s from the store failed (%s); "
+                               "vLLM's kv_load_failure_policy decides (recompute: computed here)",
+                               len(bad), layer_name, first)
+
+    def finish_loads(self) -> None:
+        for name in list(self._loading):
+            self.wait_for_layer_load(name)
+        pending = getattr(self, "_pending_corrupt", None)
+        if pending:
+            import torch
+
+            for job in pending:
+                idx = torch.tensor(job.block_ids, dtype=torch.long)
+                for _, t in self.layers:
+                    t.index_fill_(0, idx, 0)
+                self.counters.add(test_corrupted_requests=1)
+            self._pending_corrupt = []
+
+    def load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    # ------------------------------------------------------------------ saves
+    def submit_saves(self, meta: StoreMetadata) -> None:
+        if not meta.saves or self.client is None:
+            return
+        bb = self.block_bytes
+        for job in meta.saves:
+            keys: list[str] = []
+            addrs: list[int] = []
+            for li, (_, t) in enumerate(self.layers):
+                base = int(t.data_ptr())
+                keys += self._keys(job.pages, li)
+                addrs += [base + b * bb for b in job.block_ids]
+            fut = self._save_pool.submit(self._save, keys, addrs)
+            with self._lock:
+                self._saves.setdefault(job.request_id, []).append(fut)
+
+    def _save(self, keys: list[str], addrs: list[int]) -> None:
+        t0 = time.monotonic()
+        if t0 < self._save_down_until:  # the store failed recently: drop, do not queue up
+            self.counters.add(save_skipped=len(keys))
+            return
+        try:
+            res = self.client.batch_put_from(keys, addrs, [self.block_bytes] * len(keys))
+        except Exception as exc:
+            res = [exc] * len(keys)
+        errs = [r for r in res if r is not None and type(r).__name__ != "ObjectExists"]
+        stored = sum(1 for r in res if r is None)
+        self.counters.add(save_objects=stored, save_bytes=stored * self.block_bytes,
+                          save_seconds=time.monotonic() - t0, save_failures=1 if errs else 0)
+        if errs:
+            self._save_down_until = time.monotonic() + self.retry_after_s
+        if errs and not self._save_down_logged:
+            self._save_down_logged = True
+            logger.warning("mooncake_vllm: saving KV pages to the store failed (%s); serving continues "
+                           "without saving", errs[0])
+        elif not errs:
+            self._save_down_logged = False
+
+    def finished_saves(self, finished_req_ids: set[str]) -> set[str]:
+        out: set[str] = set()
+        with self._lock:
+            self._finished_waiting |= {r for r in finished_req_ids if r in self._saves}
+            for rid in list(self._finished_waiting):
+                futs = self._saves.get(rid, [])
+                if all(f.done() for f in futs):
+                    out.add(rid)
+                    self._finished_waiting.discard(rid)
+                    self._saves.pop(rid, None)
+        return out
+
+    def close(self) -> None:
+        self._save_pool.shutdown(wait=True)
+        if self.client is not None:
+            self.client.close()
+
+
+class MooncakeCoreStoreConnector(KVConnectorBase_V1):
+    """Saves prompt KV pages into the mooncake-core store and loads them on prefix hits."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = self._kv_transfer_config
+        extra = dict(ktc.kv_connector_extra_config or {})
+        engine_id = str(ktc.engine_id)
+        self.sched: _StoreScheduler | None = None
+        self.worker: _StoreWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.sched = _StoreScheduler(vllm_config, extra, engine_id)
+        else:
+            from mooncake_vllm.connector import _tp_rank
+
+            self.worker = _StoreWorker(vllm_config, extra, engine_id, _tp_rank())
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a dropped save is only a future miss
+
+    # ============================== scheduler side
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.sched is not None
+        return self.sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self.sched is not None
+        self.sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self.sched is not None
+        return self.sched.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        assert self.sched is not None
+        return self.sched.request_finished(request, block_ids)
+
+    # ============================== worker side
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self.worker is not None
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self.worker is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if isinstance(meta, StoreMetadata):
+            self.worker.start_load(meta)
+            if self.worker._corrupt_mode:
+                self.worker.finish_loads()  # test hook: corrupt before the forward reads the pages
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.worker is not None:
+            self.worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # pages are saved after the forward, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        if self.worker is None or not self.has_connector_metadata():
+            return
+        self.worker.finish_loads()
+        meta = self._get_connector_metadata()
+        if isinstance(meta, StoreMetadata):
+            self.worker.submit_saves(meta)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self.worker is None:
+            return KVConnectorTransferResults()
+        return KVConnectorTransferResults(finished_sending=self.worker.finished_saves(finished_req_ids))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.load_errors() if self.worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+        if self.sched is not None:
+            self.sched.close()
