@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+from typing import Any
 
+from mooncake_core.errors import ConfigError
 from mooncake_core.proxy import POLICIES, ProxyConfig, ProxyServer
 
 __all__ = ["add_arguments", "run"]
@@ -24,6 +26,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="listen port (default 8000; 0 = any)")
     p.add_argument("--policy", default="least-load", choices=sorted(POLICIES), help="instance choice (default least-load)")
+    g = p.add_argument_group("global-cache policy (the conductor)")
+    g.add_argument("--reject", action=argparse.BooleanOptionalAction, default=False,
+                   help="early rejection: answer 429 when the predicted TTFT/TBT misses the SLO (default off)")
+    g.add_argument("--slo-ttft", type=float, default=None, metavar="S", help="TTFT target in seconds (default 10)")
+    g.add_argument("--slo-tbt", type=float, default=None, metavar="S", help="time-between-tokens target in seconds (default 0.1)")
+    g.add_argument("--profile", default=None, metavar="FILE",
+                   help="cost-model profile JSON from 'mooncake-core conductor fit' (default: shipped profile)")
+    g.add_argument("--block-tokens", type=int, default=32, help="tokens per KV block of the engines (default 32)")
     p.add_argument("--prefill-timeout", type=float, default=300.0, help="seconds to wait for a prefill answer")
     p.add_argument("--read-timeout", type=float, default=300.0, help="longest silence of a decode answer, seconds")
     p.add_argument("--connect-timeout", type=float, default=5.0, help="connect timeout to an instance, seconds")
@@ -44,8 +54,14 @@ async def _serve(cfg: ProxyConfig) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    opts: dict[str, Any] = {}
+    if args.policy == "global-cache":
+        opts = {"reject": args.reject, "slo_ttft_s": args.slo_ttft, "slo_tbt_s": args.slo_tbt,
+                "profile": args.profile, "block_tokens": args.block_tokens}
+    elif args.reject or args.profile or args.slo_ttft or args.slo_tbt:
+        raise ConfigError(f"--reject, --slo-*, --profile need --policy global-cache (got --policy {args.policy})")
     cfg = ProxyConfig(prefill=tuple(args.prefill), decode=tuple(args.decode), host=args.host, port=args.port,
-                      policy=args.policy, connect_timeout_s=args.connect_timeout,
+                      policy=args.policy, policy_options=tuple(opts.items()), connect_timeout_s=args.connect_timeout,
                       prefill_timeout_s=args.prefill_timeout, read_timeout_s=args.read_timeout)
     asyncio.run(_serve(cfg))
     return 0

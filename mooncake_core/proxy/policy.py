@@ -35,6 +35,7 @@ __all__ = [
     "LeastLoadPolicy",
     "RoundRobinPolicy",
     "GlobalCachePolicy",
+    "RequestRejected",
     "POLICIES",
     "make_policy",
     "prefix_blocks",
@@ -182,23 +183,48 @@ def prefix_blocks(prompt: Sequence[int] | str, block_tokens: int = 32) -> tuple[
     return tuple(out)
 
 
+class RequestRejected(Exception):
+    """Early rejection: the predicted TTFT or TBT misses the SLO (the proxy answers 429)."""
+
+
 class GlobalCachePolicy(RoutingPolicy):
     """The conductor's KV-cache-aware choice (``global-cache``), fed by the proxy.
 
     Prompt blocks are hashed by :func:`prefix_blocks`; after a prefill the instance is
     recorded as holding them, so later requests sharing the prefix go where it lies
-    (unless the predicted TTFT says another instance is better).
+    (unless the predicted TTFT says another instance is better). With ``reject`` the
+    conductor's early rejection is on: :meth:`choose` raises :class:`RequestRejected`.
+
+    Args:
+        block_tokens: tokens per hashed block (the engines' KV block size).
+        reject: early rejection on/off.
+        slo_ttft_s / slo_tbt_s: the latency targets early rejection protects.
+        profile: cost-model profile (a JSON file from ``mooncake-core conductor fit``);
+            default: the shipped profile with ``block_tokens`` blocks.
     """
 
     name = "global-cache"
 
-    def __init__(self, prefill: Sequence[Instance], decode: Sequence[Instance], block_tokens: int = 32) -> None:
+    def __init__(self, prefill: Sequence[Instance], decode: Sequence[Instance], block_tokens: int = 32,
+                 reject: bool = False, slo_ttft_s: float | None = None, slo_tbt_s: float | None = None,
+                 profile: str | None = None) -> None:
         super().__init__(prefill, decode)
-        from mooncake_core.conductor import Conductor, ConductorConfig
+        import dataclasses
 
-        self.block_tokens = block_tokens
-        self.conductor = Conductor(ConductorConfig(n_prefill=len(self.prefill), n_decode=len(self.decode),
-                                                   policy="global-cache"))
+        from mooncake_core.conductor import (
+            DEFAULT_PROFILE,
+            Conductor,
+            ConductorConfig,
+            load_profile,
+        )
+        from mooncake_core.conductor.scheduler import DEFAULT_SLO_TBT_S, DEFAULT_SLO_TTFT_S
+
+        prof = load_profile(profile) if profile else dataclasses.replace(DEFAULT_PROFILE, block_tokens=block_tokens)
+        self.block_tokens = prof.block_tokens
+        self.conductor = Conductor(ConductorConfig(
+            n_prefill=len(self.prefill), n_decode=len(self.decode), policy="global-cache", reject=reject,
+            slo_ttft_s=DEFAULT_SLO_TTFT_S if slo_ttft_s is None else slo_ttft_s,
+            slo_tbt_s=DEFAULT_SLO_TBT_S if slo_tbt_s is None else slo_tbt_s), prof)
         self._t0 = time.monotonic()
 
     def _now(self) -> float:
@@ -211,6 +237,8 @@ class GlobalCachePolicy(RoutingPolicy):
         req = Request(rid=job.rid, arrival_s=self._now(), input_len=max(1, job.prompt_tokens),
                       output_len=max(1, job.max_tokens), blocks=blocks)
         d = self.conductor.decide(req, now=req.arrival_s)
+        if d.rejected:
+            raise RequestRejected(f"rejected early: {d.reason} (predicted TTFT {d.ttft_s:.2f} s, TBT {d.tbt_s * 1e3:.0f} ms)")
         dec = d.decode if 0 <= d.decode < len(self.decode) else 0
         return Placement(self.prefill[d.prefill], self.decode[dec], detail=(d, blocks))
 
@@ -230,14 +258,17 @@ POLICIES: dict[str, str] = {
 }
 
 
-def make_policy(name: str, prefill: Sequence[Instance], decode: Sequence[Instance]) -> RoutingPolicy:
-    """Build the policy called ``name``; unknown names raise :class:`ConfigError`."""
+def make_policy(name: str, prefill: Sequence[Instance], decode: Sequence[Instance], **options: Any) -> RoutingPolicy:
+    """Build the policy called ``name`` with ``options``; bad names or options raise :class:`ConfigError`."""
     target = POLICIES.get(name)
     if target is None:
         raise ConfigError(f"unknown proxy policy {name!r}; choose one of {', '.join(sorted(POLICIES))}")
     mod, _, attr = target.partition(":")
     factory = getattr(importlib.import_module(mod), attr)
-    policy = factory(prefill, decode)
+    try:
+        policy = factory(prefill, decode, **options)
+    except TypeError as exc:
+        raise ConfigError(f"policy {name!r} does not take options {sorted(options)}: {exc}") from None
     if not isinstance(policy, RoutingPolicy):
         raise ConfigError(f"policy {name!r} ({target}) did not build a RoutingPolicy")
     return policy

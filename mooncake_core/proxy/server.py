@@ -34,7 +34,14 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from mooncake_core.proxy.policy import Instance, Job, Placement, RoutingPolicy, make_policy
+from mooncake_core.proxy.policy import (
+    Instance,
+    Job,
+    Placement,
+    RequestRejected,
+    RoutingPolicy,
+    make_policy,
+)
 
 __all__ = ["ProxyConfig", "ProxyServer", "UpstreamError"]
 
@@ -51,6 +58,8 @@ class ProxyConfig:
         host: listen address (loopback by default).
         port: listen port (0: any free port).
         policy: instance-choice policy name.
+        policy_options: keyword options of that policy (``global-cache``: reject, slo_ttft_s,
+            slo_tbt_s, profile, block_tokens).
         connect_timeout_s: TCP connect timeout to an instance.
         prefill_timeout_s: whole prefill answer.
         read_timeout_s: longest silence of a decode answer (per chunk when streaming).
@@ -61,6 +70,7 @@ class ProxyConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     policy: str = "least-load"
+    policy_options: tuple[tuple[str, Any], ...] = ()
     connect_timeout_s: float = 5.0
     prefill_timeout_s: float = 300.0
     read_timeout_s: float = 300.0
@@ -105,12 +115,12 @@ class ProxyServer:
         self.config = config
         self.prefill = [Instance(u.rstrip("/"), "prefill", i) for i, u in enumerate(config.prefill)]
         self.decode = [Instance(u.rstrip("/"), "decode", i) for i, u in enumerate(config.decode)]
-        self.policy = policy or make_policy(config.policy, self.prefill, self.decode)
+        self.policy = policy or make_policy(config.policy, self.prefill, self.decode, **dict(config.policy_options))
         self._ids = itertools.count(1)
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self.port = config.port
-        self.stats: dict[str, float] = {"requests": 0, "errors": 0, "prefill_s": 0.0}
+        self.stats: dict[str, float] = {"requests": 0, "errors": 0, "rejected": 0, "prefill_s": 0.0}
         self.app = web.Application(client_max_size=64 << 20)
         self.app.router.add_post("/v1/completions", self._completions)
         self.app.router.add_post("/v1/chat/completions", self._chat)
@@ -216,7 +226,12 @@ class ProxyServer:
         max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
         job = Job(next(self._ids), n_tokens, key, max_tokens)
         self.stats["requests"] += 1
-        place = self.policy.choose(job)
+        try:
+            place = self.policy.choose(job)
+        except RequestRejected as exc:
+            self.stats["rejected"] += 1
+            logger.info("request %d %s", job.rid, exc)
+            return _error(429, str(exc), "rate_limit_exceeded")
         ok = False
         try:
             params = await self._prefill(place.prefill, path, body, job)
@@ -232,6 +247,11 @@ class ProxyServer:
             return exc.response()
         finally:
             self.policy.finished(job, place, ok)
+
+    @staticmethod
+    def _route_headers(place: Placement) -> dict[str, str]:
+        """Where the request ran (operators' debugging; tests of the routing policies)."""
+        return {"X-Mooncake-Prefill": place.prefill.url, "X-Mooncake-Decode": place.decode.url}
 
     async def _prefill(self, inst: Instance, path: str, body: dict[str, Any], job: Job) -> dict[str, Any]:
         pbody = dict(body)
@@ -294,9 +314,10 @@ class ProxyServer:
                         raise UpstreamError(r.status if 400 <= r.status < 500 else 502,
                                             f"decode instance {inst.url} answered {r.status}: {_snippet(raw)}")
                     inst.served += 1
-                    return web.Response(body=raw, status=200, content_type="application/json")
+                    return web.Response(body=raw, status=200, content_type="application/json",
+                                        headers=self._route_headers(place))
                 out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
-                                                              "Cache-Control": "no-cache"})
+                                                              "Cache-Control": "no-cache", **self._route_headers(place)})
                 await out.prepare(request)
                 async for chunk in r.content.iter_any():
                     await out.write(chunk)

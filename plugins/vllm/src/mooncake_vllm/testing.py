@@ -124,12 +124,13 @@ class VLLMServer:
         env: extra environment variables.
         log_path: where stdout/stderr go (a file, so a full pipe never blocks the server).
         args: extra command-line arguments.
+        log_stats: keep vLLM's statistics on (its /metrics counters need them).
     """
 
     def __init__(self, model: str | os.PathLike[str], *, kv_transfer_config: dict[str, Any] | None = None,
                  env: dict[str, str] | None = None, log_path: str | os.PathLike[str] | None = None,
                  block_size: int = 32, kv_cache_bytes: str = "64M", max_model_len: int = 2048,
-                 args: list[str] | None = None, name: str = "vllm") -> None:
+                 args: list[str] | None = None, name: str = "vllm", log_stats: bool = False) -> None:
         self.model = str(model)
         self.name = name
         self.port = free_port()
@@ -138,7 +139,9 @@ class VLLMServer:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
                "--dtype", "float32", "--block-size", str(block_size), "--kv-cache-memory-bytes", kv_cache_bytes,
-               "--max-model-len", str(max_model_len), "--seed", "0", "--disable-log-stats"]
+               "--max-model-len", str(max_model_len), "--seed", "0"]
+        if not log_stats:  # stats also feed /metrics (prefix-cache hit counters)
+            cmd.append("--disable-log-stats")
         if kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         cmd += list(args or [])

@@ -240,3 +240,40 @@ def test_global_cache_policy_follows_the_prefix() -> None:
 def test_unknown_policy_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="least-load"):
         make_policy("nope", [Instance("u", "prefill", 0)], [Instance("v", "decode", 0)])
+
+
+def test_early_rejection_answers_429_before_any_prefill() -> None:
+    pseen: list[dict[str, Any]] = []
+    dseen: list[dict[str, Any]] = []
+
+    async def client(url: str, proxy: ProxyServer) -> None:
+        # a 2k-token prompt cannot meet a 1 ms TTFT target on the shipped profile
+        st, body = await _post(url + "/v1/completions", {"model": "m", "prompt": list(range(2048)), "max_tokens": 4})
+        assert st == 429, body
+        assert body["error"]["type"] == "rate_limit_exceeded" and "rejected early" in body["error"]["message"]
+        assert "TTFT" in body["error"]["message"]
+        assert pseen == [] and dseen == []  # no prefill work was spent on it
+        async with aiohttp.ClientSession() as s, s.get(url + "/proxy/stats") as r:
+            assert (await r.json())["rejected"] == 1
+
+    opts = (("reject", True), ("slo_ttft_s", 0.001), ("slo_tbt_s", 10.0))
+    asyncio.run(_run([_prefill_ok(pseen)], [_decode_ok(dseen)], client, policy="global-cache", policy_options=opts))
+
+
+def test_rejection_triggers_exactly_at_the_predicted_ttft() -> None:
+    from mooncake_core.conductor import Request
+    from mooncake_core.proxy import RequestRejected
+
+    p = [Instance("http://p0", "prefill", 0)]
+    d = [Instance("http://d0", "decode", 0)]
+    prompt = list(range(1024))
+    probe = make_policy("global-cache", p, d)
+    req = Request(rid=1, arrival_s=0.0, input_len=len(prompt), output_len=4, blocks=())
+    predicted = probe.conductor.decide(req, now=0.0, commit=False).ttft_s
+    ok = make_policy("global-cache", p, d, reject=True, slo_ttft_s=predicted * 1.01, slo_tbt_s=10.0)
+    ok.choose(Job(1, len(prompt), [7] * 5 + prompt[5:], 4))  # accepted
+    tight = make_policy("global-cache", p, d, reject=True, slo_ttft_s=predicted * 0.99, slo_tbt_s=10.0)
+    with pytest.raises(RequestRejected, match="rejected early"):
+        tight.choose(Job(2, len(prompt), [9] * 5 + prompt[5:], 4))
+    with pytest.raises(ConfigError, match="does not take options"):
+        make_policy("least-load", p, d, reject=True)
