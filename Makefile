@@ -1,11 +1,14 @@
 # Quick start:  make demo   (main job)     make test   (whole test suite)
-.PHONY: setup demo test test-quick lint types bench mooncake-peer
+.PHONY: setup demo demo-transfer test test-quick lint types bench mooncake-peer
 PY := .venv/bin/python
 
 setup:
 	@bash scripts/setup.sh
 
 demo: setup
+	$(PY) -m mooncake_core pd-demo
+
+demo-transfer: setup
 	$(PY) -m mooncake_core demo
 
 test: setup lint mooncake-peer

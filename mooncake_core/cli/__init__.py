@@ -19,7 +19,8 @@ __all__ = ["main", "COMMANDS"]
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("mooncake_core.cli.demo", "run the demo (two processes moving tensors over loopback)"),
+    "demo": ("mooncake_core.cli.demo", "transfer-engine demo: two processes move KV tensors over loopback"),
+    "pd-demo": ("mooncake_core.cli.pd_demo", "prefill/decode demo on a real vLLM (the README's main job)"),
     "bench": ("mooncake_core.cli.bench", "run a benchmark: transfer, store, conductor, ep, ..."),
     "plugins": ("mooncake_core.cli.plugins_cmd", "list discovered transports, metadata backends and adapters"),
     "metadata-server": ("mooncake_core.cli.metadata_server", "run the HTTP metadata server"),
