@@ -34,6 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--profile", default=None, metavar="FILE",
                    help="cost-model profile JSON from 'mooncake-core conductor fit' (default: shipped profile)")
     g.add_argument("--block-tokens", type=int, default=32, help="tokens per KV block of the engines (default 32)")
+    g.add_argument("--kv-events", nargs="+", default=None, metavar="ENDPOINT",
+                   help="one ZMQ endpoint per prefill instance, e.g. tcp://127.0.0.1:5557, bound here; start each "
+                        "vLLM with --kv-events-config '{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\","
+                        "\"endpoint\":\"<its ENDPOINT>\"}'")
     p.add_argument("--prefill-timeout", type=float, default=300.0, help="seconds to wait for a prefill answer")
     p.add_argument("--read-timeout", type=float, default=300.0, help="longest silence of a decode answer, seconds")
     p.add_argument("--connect-timeout", type=float, default=5.0, help="connect timeout to an instance, seconds")
@@ -57,9 +61,9 @@ def run(args: argparse.Namespace) -> int:
     opts: dict[str, Any] = {}
     if args.policy == "global-cache":
         opts = {"reject": args.reject, "slo_ttft_s": args.slo_ttft, "slo_tbt_s": args.slo_tbt,
-                "profile": args.profile, "block_tokens": args.block_tokens}
-    elif args.reject or args.profile or args.slo_ttft or args.slo_tbt:
-        raise ConfigError(f"--reject, --slo-*, --profile need --policy global-cache (got --policy {args.policy})")
+                "profile": args.profile, "block_tokens": args.block_tokens, "kv_events": args.kv_events}
+    elif args.reject or args.profile or args.slo_ttft or args.slo_tbt or args.kv_events:
+        raise ConfigError(f"--reject, --slo-*, --profile, --kv-events need --policy global-cache (got --policy {args.policy})")
     cfg = ProxyConfig(prefill=tuple(args.prefill), decode=tuple(args.decode), host=args.host, port=args.port,
                       policy=args.policy, policy_options=tuple(opts.items()), connect_timeout_s=args.connect_timeout,
                       prefill_timeout_s=args.prefill_timeout, read_timeout_s=args.read_timeout)

@@ -15,6 +15,7 @@ Thread-safety: none; the proxy calls from its event loop.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import importlib
 import itertools
@@ -126,6 +127,14 @@ class RoutingPolicy(ABC):
         """The request ended (``ok`` False on upstream errors)."""
         return None
 
+    async def start(self) -> None:
+        """The proxy is listening (called on its event loop): start background work."""
+        return None
+
+    def close(self) -> None:
+        """The proxy is stopping."""
+        return None
+
 
 class RoundRobinPolicy(RoutingPolicy):
     """Cycle through the instances of each role."""
@@ -201,14 +210,23 @@ class GlobalCachePolicy(RoutingPolicy):
         slo_ttft_s / slo_tbt_s: the latency targets early rejection protects.
         profile: cost-model profile (a JSON file from ``mooncake-core conductor fit``);
             default: the shipped profile with ``block_tokens`` blocks.
+        kv_events: one ZMQ endpoint per prefill instance (``tcp://127.0.0.1:PORT``) that
+            the proxy binds and the instance's vLLM KV-event publisher connects to; the
+            instances' stored/removed blocks then update the conductor's view, including
+            prefixes computed for requests this proxy did not route (token-id prompts).
     """
 
     name = "global-cache"
 
     def __init__(self, prefill: Sequence[Instance], decode: Sequence[Instance], block_tokens: int = 32,
                  reject: bool = False, slo_ttft_s: float | None = None, slo_tbt_s: float | None = None,
-                 profile: str | None = None) -> None:
+                 profile: str | None = None, kv_events: Sequence[str] | None = None) -> None:
         super().__init__(prefill, decode)
+        if kv_events and len(kv_events) != len(self.prefill):
+            raise ConfigError(f"give one KV-event endpoint per prefill instance: {len(kv_events)} for "
+                              f"{len(self.prefill)} instances")
+        self.kv_event_endpoints = list(kv_events or [])
+        self.kv_listener: Any = None
         import dataclasses
 
         from mooncake_core.conductor import (
@@ -241,6 +259,20 @@ class GlobalCachePolicy(RoutingPolicy):
             raise RequestRejected(f"rejected early: {d.reason} (predicted TTFT {d.ttft_s:.2f} s, TBT {d.tbt_s * 1e3:.0f} ms)")
         dec = d.decode if 0 <= d.decode < len(self.decode) else 0
         return Placement(self.prefill[d.prefill], self.decode[dec], detail=(d, blocks))
+
+    async def start(self) -> None:
+        if self.kv_event_endpoints and self.kv_listener is None:
+            from mooncake_core.proxy.kvevents import KVEventListener
+
+            self.kv_listener = KVEventListener(self.kv_event_endpoints, self.block_tokens,
+                                               self.conductor.kv_stored, self.conductor.kv_removed,
+                                               asyncio.get_running_loop())
+            logger.info("listening for vLLM KV events on %s", ", ".join(self.kv_event_endpoints))
+
+    def close(self) -> None:
+        if self.kv_listener is not None:
+            self.kv_listener.close()
+            self.kv_listener = None
 
     def prefill_done(self, job: Job, placement: Placement) -> None:
         d, blocks = placement.detail

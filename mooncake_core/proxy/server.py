@@ -59,7 +59,7 @@ class ProxyConfig:
         port: listen port (0: any free port).
         policy: instance-choice policy name.
         policy_options: keyword options of that policy (``global-cache``: reject, slo_ttft_s,
-            slo_tbt_s, profile, block_tokens).
+            slo_tbt_s, profile, block_tokens, kv_events).
         connect_timeout_s: TCP connect timeout to an instance.
         prefill_timeout_s: whole prefill answer.
         read_timeout_s: longest silence of a decode answer (per chunk when streaming).
@@ -143,9 +143,11 @@ class ProxyServer:
         url = f"http://{self.config.host}:{self.port}"
         logger.info("PD proxy on %s: prefill %s; decode %s; policy %s", url,
                     ", ".join(i.url for i in self.prefill), ", ".join(i.url for i in self.decode), self.policy.name)
+        await self.policy.start()
         return url
 
     async def stop(self) -> None:
+        self.policy.close()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

@@ -4,6 +4,8 @@ Two prefill instances (``kv_producer``), one decode instance (``kv_consumer``) a
 ``mooncake-core proxy --policy global-cache``. Two long prompts arrive together, so the
 conductor spreads them over both prefill instances; later requests that extend either
 prompt must go to the instance that holds its prefix, where vLLM's prefix cache hits.
+The prefill instances also publish their KV events to the proxy, so a prefix computed by
+a request that never went through the proxy is found too.
 """
 
 from __future__ import annotations
@@ -11,13 +13,14 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from mooncake_vllm.testing import VLLMServer
+from mooncake_vllm.testing import VLLMServer, free_port
 from vllm_helpers import BLOCK, ProxyProcess, needs_vllm, token_prompt
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, needs_vllm, pytest.mark.timeout(900)]
@@ -34,8 +37,12 @@ def _pd(role: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[VLLMServer], ProxyProcess]]:
     base = tmp_path_factory.mktemp("conductor")
+    events = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]  # bound by the proxy, vLLM connects
     servers = [VLLMServer(tiny_model, name=f"prefill{i}", log_path=base / f"prefill{i}.log", block_size=BLOCK,
-                          kv_transfer_config=_pd("kv_producer"), log_stats=True) for i in range(2)]
+                          kv_transfer_config=_pd("kv_producer"), log_stats=True,
+                          args=["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                                  "endpoint": events[i]})])
+               for i in range(2)]
     servers.append(VLLMServer(tiny_model, name="decode", log_path=base / "decode.log", block_size=BLOCK,
                               kv_transfer_config=_pd("kv_consumer")))
     proxy: ProxyProcess | None = None
@@ -45,7 +52,7 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         for s in servers:
             s.wait_ready(600)
         proxy = ProxyProcess([servers[0].url, servers[1].url], [servers[2].url], base / "proxy.log",
-                             "--policy", "global-cache", "--block-tokens", str(BLOCK))
+                             "--policy", "global-cache", "--block-tokens", str(BLOCK), "--kv-events", *events)
         yield servers, proxy
     finally:
         if proxy is not None:
@@ -100,3 +107,17 @@ def test_requests_follow_the_instance_that_holds_their_prefix(cluster: tuple[lis
             assert went == holders[k], f"prompt {k}: extension {extra} went to {went}, its prefix is on {holders[k]}"
             # and vLLM really reused the prefix there
             assert _prefix_hits(by_url[went]) >= hits + 11 * BLOCK, "no prefix-cache hit on the holder"
+
+
+def test_kv_events_reveal_prefixes_the_proxy_did_not_route(cluster: tuple[list[VLLMServer], ProxyProcess]) -> None:
+    servers, proxy = cluster
+    prompt = token_prompt(10 * BLOCK, salt=404)
+    for target in (servers[1], servers[0]):  # both orders: the proxy cannot be guessing
+        p = prompt + token_prompt(2 * BLOCK, salt=500 + target.port % 97)
+        # computed on `target` directly, bypassing the proxy: only its KV events tell
+        req = urllib.request.Request(target.url + "/v1/completions", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"model": "tiny", "prompt": p, "max_tokens": 1}).encode())
+        urllib.request.urlopen(req, timeout=120).read()
+        time.sleep(1.0)  # events are published asynchronously
+        went = _complete(proxy, p + token_prompt(BLOCK, salt=600))
+        assert went == target.url, f"prefix computed on {target.url} but the proxy chose {went}"
