@@ -650,7 +650,24 @@ class TransferEngine:
         return out
 
     def _rdma_connect(self, peer: PeerInfo, info: dict[str, Any], deadline: float) -> dict[str, Any]:
-        raise TransportError("RDMA queue-pair exchange needs an RDMA device on both ends")
+        """Client side of the RDMA queue-pair exchange, over the peer's TCP listener."""
+        import json
+
+        tcp = self._transports["tcp"]
+        assert isinstance(tcp, TCPTransport)
+        status, body = tcp.control(peer, Op.RDMA_CONNECT, deadline, payload=json.dumps(info).encode())
+        if status != Status.OK:
+            raise TransportError(f"peer {peer.name!r} refused the RDMA connection: {body.decode(errors='replace')}")
+        answer: dict[str, Any] = json.loads(body)
+        return answer
+
+    def _rdma_accept(self, info: dict[str, Any]) -> dict[str, Any]:
+        """Server side of the queue-pair exchange (called by the listener)."""
+        rdma = self._transports.get("rdma")
+        if rdma is None or not getattr(rdma, "available", False):
+            raise TransportError(f"RDMA is not available on engine {self.name!r} (no RDMA device)")
+        answer: dict[str, Any] = rdma.accept(info)  # type: ignore[attr-defined]
+        return answer
 
 
 def wait_all(batches: Iterable[Batch], timeout: float | None = None) -> None:

@@ -50,6 +50,7 @@ class Op:
     TENSOR = 5
     NOTIFY = 6
     PING = 7
+    RDMA_CONNECT = 8  # queue-pair exchange (JSON both ways) for the RDMA transport
 
 
 class Status:

@@ -15,7 +15,7 @@ import socket
 import threading
 from typing import TYPE_CHECKING, Any
 
-from mooncake_core.errors import InvalidRequest
+from mooncake_core.errors import InvalidRequest, MooncakeError
 from mooncake_core.transfer.net import recv_exact, send_parts, tune_socket
 from mooncake_core.transfer.protocol import (
     FLAG_SECRET_REQUIRED,
@@ -182,6 +182,14 @@ class TransferServer:
                 self._reply(conn, Status.OK, req_id, json.dumps(self.engine.describe()).encode())
             elif op == Op.PING:
                 self._reply(conn, Status.OK, req_id)
+            elif op == Op.RDMA_CONNECT:
+                body = self._recv_control(conn, length, req_id)
+                try:
+                    answer = self.engine._rdma_accept(json.loads(bytes(body)))
+                except (ValueError, TypeError, KeyError, MooncakeError) as exc:
+                    self._reply(conn, Status.BAD_REQUEST, req_id, str(exc).encode()[:1024])
+                    continue
+                self._reply(conn, Status.OK, req_id, json.dumps(answer).encode())
             elif op == Op.NOTIFY:
                 body = self._recv_control(conn, length, req_id)
                 try:

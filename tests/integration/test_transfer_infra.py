@@ -257,3 +257,16 @@ def test_striping_one_peer_over_two_interfaces(two_hosts_two_links: Any, spawn_p
     assert client.call("digest", addr=laddr, length=size)["sha"] == server.call("digest", addr=raddr, length=size)["sha"]
     # both links carried a real share of the 16 MiB
     assert min(sent) > size // 4, sent
+
+
+def test_rdma_queue_pair_exchange_is_refused_clearly_without_a_device(spawn_peer: Any) -> None:
+    if detect_devices():
+        pytest.skip("this machine has RDMA devices")
+    from mooncake_core.errors import TransportError
+
+    peer = spawn_peer()
+    with TransferEngine() as eng:
+        info = eng.peer(peer.name)
+        with pytest.raises(TransportError, match="refused the RDMA connection: RDMA is not available on engine"):
+            eng._rdma_connect(info, {"qpn": 1, "lid": 0, "gid": "::", "psn": 0}, time.monotonic() + 5)
+        assert eng.ping(peer.name)  # the listener still serves
