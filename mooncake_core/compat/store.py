@@ -48,6 +48,7 @@ from mooncake_core.errors import (
 from mooncake_core.store import StoreClient
 from mooncake_core.store.protocol import InvalidArgument, ObjectBusy
 from mooncake_core.transfer.engine import TransferEngine as _Engine
+from mooncake_core.transfer.memory import host_view
 
 __all__ = [
     "MooncakeDistributedStore",
@@ -450,6 +451,86 @@ class MooncakeDistributedStore:
         if isinstance(res, int):
             return [res] * len(keys)
         return [r if isinstance(r, int) else _code(r) for r in res]
+
+    def batch_put_from_multi_buffers(self, keys: list[str], all_buffer_ptrs: list[list[int]],
+                                     all_sizes: list[list[int]], config: ReplicateConfig | None = None) -> list[int]:
+        """Store each key as the concatenation of its parts ``(all_buffer_ptrs[i][j],
+        all_sizes[i][j])`` in registered memory (vLLM's MooncakeStoreConnector saves a KV
+        page of several layers this way). Per key: 0 or a negative code. Gathers by copy."""
+        if not (len(keys) == len(all_buffer_ptrs) == len(all_sizes)):
+            logger.error("batch_put_from_multi_buffers: keys, buffer_ptrs and sizes differ in length")
+            return [INVALID_PARAMS] * len(keys)
+        if self._client is None:
+            logger.error("batch_put_from_multi_buffers: the store is not set up (call setup() first)")
+            return [INVALID_PARAMS] * len(keys)
+        out: list[int] = [0] * len(keys)
+        todo_keys: list[str] = []
+        todo_vals: list[bytes] = []
+        todo_idx: list[int] = []
+        for i, (ptrs, sizes) in enumerate(zip(all_buffer_ptrs, all_sizes, strict=True)):
+            try:
+                todo_vals.append(self._gather(ptrs, sizes))
+            except (MooncakeError, ValueError) as exc:
+                logger.error("batch_put_from_multi_buffers %r: %s", keys[i], exc)
+                out[i] = _code(exc)
+                continue
+            todo_keys.append(keys[i])
+            todo_idx.append(i)
+        if todo_keys:
+            res = self._run("batch_put_from_multi_buffers",
+                            lambda c: c.put_batch(todo_keys, todo_vals, **self._kw(config)))
+            for n, i in enumerate(todo_idx):
+                if isinstance(res, int):
+                    out[i] = res
+                else:
+                    err = res[n]
+                    out[i] = 0 if err is None or isinstance(err, ObjectExists) else _code(err)
+        return out
+
+    def batch_get_into_multi_buffers(self, keys: list[str], all_buffer_ptrs: list[list[int]],
+                                     all_sizes: list[list[int]], prefer_same_node: bool = True) -> list[int]:
+        """Read each key and scatter its bytes over its parts in registered memory (the
+        parts' sizes must add up to the object's size). Per key: bytes read or a negative
+        code (-704 missing)."""
+        if not (len(keys) == len(all_buffer_ptrs) == len(all_sizes)):
+            logger.error("batch_get_into_multi_buffers: keys, buffer_ptrs and sizes differ in length")
+            return [INVALID_PARAMS] * len(keys)
+        res = self._run("batch_get_into_multi_buffers", lambda c: c.get_batch(keys))
+        if isinstance(res, int):
+            return [res] * len(keys)
+        out: list[int] = []
+        for key, data, ptrs, sizes in zip(keys, res, all_buffer_ptrs, all_sizes, strict=True):
+            if data is None:
+                out.append(OBJECT_NOT_FOUND)
+                continue
+            try:
+                out.append(self._scatter(data, ptrs, sizes))
+            except (MooncakeError, ValueError) as exc:
+                logger.error("batch_get_into_multi_buffers %r: %s", key, exc)
+                out.append(_code(exc))
+        return out
+
+    def _host(self, addr: int, n: int) -> memoryview:
+        assert self._client is not None
+        region = self._client.engine.segments.find(int(addr), int(n))  # SegmentError if not registered
+        if region.kind != "host":
+            raise SegmentError(f"0x{addr:x} is {region.kind} memory; only host memory is supported here")
+        return host_view(int(addr), int(n))
+
+    def _gather(self, ptrs: list[int], sizes: list[int]) -> bytes:
+        if len(ptrs) != len(sizes) or not ptrs or any(int(n) <= 0 for n in sizes):
+            raise ValueError(f"bad parts: {len(ptrs)} pointers, sizes {list(sizes)[:4]}...")
+        return b"".join(bytes(self._host(p, n)) for p, n in zip(ptrs, sizes, strict=True))
+
+    def _scatter(self, data: bytes, ptrs: list[int], sizes: list[int]) -> int:
+        if len(ptrs) != len(sizes) or sum(int(n) for n in sizes) != len(data):
+            raise ValueError(f"object is {len(data)} bytes but the {len(ptrs)} buffers hold {sum(sizes)}")
+        views = [self._host(p, n) for p, n in zip(ptrs, sizes, strict=True)]  # check all before writing
+        off = 0
+        for v in views:
+            v[:] = data[off:off + len(v)]
+            off += len(v)
+        return len(data)
 
     # ------------------------------------------------------------------ existence and removal
     def is_exist(self, key: str) -> int:

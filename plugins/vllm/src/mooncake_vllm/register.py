@@ -5,6 +5,11 @@ workers), possibly several times, so :func:`register` is idempotent: it adds
 ``MooncakeCoreConnector`` and ``MooncakeCoreStoreConnector`` to vLLM's
 ``KVConnectorFactory`` only when the names are not there yet. Only this function
 imports vLLM; importing the module does not.
+
+It also installs ``mooncake_core.compat`` as the ``mooncake`` package (see
+:mod:`mooncake_vllm.compat_shim`) so that vLLM's built-in ``MooncakeConnector`` and
+``MooncakeStoreConnector`` run on our implementation when the published package is
+absent, or always with ``MOONCAKE_CORE_COMPAT=1``.
 """
 
 from __future__ import annotations
@@ -24,6 +29,10 @@ CONNECTORS: dict[str, tuple[str, str]] = {
 
 def register() -> None:
     """Register our connectors in vLLM's connector factory (once per process)."""
+    from mooncake_vllm.compat_shim import install_compat, install_cpu_workarounds
+
+    install_compat()
+    install_cpu_workarounds()
     try:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     except ImportError:  # vLLM absent or too old: nothing to register with
