@@ -151,7 +151,7 @@ def test_builtin_pd_outputs_equal_monolithic(servers: Servers) -> None:
     assert entry["worker_addr"]["0"]["0"].startswith("tcp://127.0.0.1:")
     assert "MOONCAKE_CORE_CPU_SHIM=1: patched torch.accelerator.current_device_index" in servers.decode.log_text()
     cached: dict[int, int] = {}
-    for n in (1, BLOCK, 5 * BLOCK + 1, 500):
+    for n in (1, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 1, 500):
         prompt = token_prompt(n, salt=20)
         want = _text(servers.mono.completion(prompt, MAX_TOKENS))
         _, got = _pd_request(servers, prompt, engine_id)

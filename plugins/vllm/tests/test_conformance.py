@@ -1,0 +1,62 @@
+"""mooncake-vllm's store connector passes the adapter conformance suite, on vLLM's CPU KV layout.
+
+Drives ``MooncakeCoreStoreConnector``'s scheduler and worker halves the way vLLM calls
+them, on KV caches allocated by vLLM's own CPU allocator, against a real master and
+memory node; no vLLM engine or model runs (see ``mooncake_vllm.conformance``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm.v1.worker.utils", reason="vllm is not installed (scripts/setup.sh)")
+
+from mooncake_conformance import AdapterContract, AdapterFixtures, KVLayout  # noqa: E402
+
+# vLLM's CPU attention backend: kernel block sizes are multiples of 32, head sizes from 32.
+BASE = KVLayout("LBHNC", num_layers=4, page_size=32, num_kv_heads=4, head_dim=32, num_slots=24)
+# The CPU backend offers one KV layout; MLA is left out: the connector stores one copy per TP rank.
+LAYOUTS = [BASE, BASE.replace(tp_size=2)]
+
+
+class VLLMFixtures(AdapterFixtures):
+    """How the suite drives mooncake-vllm's store connector (``mooncake_vllm.conformance``)."""
+
+    @pytest.fixture
+    def adapter_name(self) -> str:
+        return "vllm"
+
+    @pytest.fixture
+    def adapter_package(self) -> str:
+        return "mooncake_vllm"
+
+    @pytest.fixture
+    def harness_factory(self) -> str:
+        return "mooncake_vllm.conformance:make_harness"
+
+    @pytest.fixture(params=LAYOUTS, ids=[lay.label for lay in LAYOUTS])
+    def kv_layout(self, request: pytest.FixtureRequest) -> KVLayout:
+        return request.param  # type: ignore[no-any-return]
+
+    @pytest.fixture
+    def base_layout(self) -> KVLayout:
+        return BASE
+
+    @pytest.fixture
+    def harness_options(self) -> dict[str, Any]:
+        return {"lookup_timeout_s": 2.0, "retry_after_s": 1.0}
+
+
+class TestVLLMStore(AdapterContract, VLLMFixtures):
+    """The store connector (KV pool), scheduler and worker halves in one process per rank."""
+
+    @pytest.mark.xfail(strict=True, reason=(
+        "known connector gaps: keys are mcv/<model>/tp<rank>/... without the TP size, so rank 0 of a "
+        "TP=2 engine collides with a TP=1 engine of the same model (the load then fails on the size "
+        "mismatch: no wrong bytes, but no hit either); and the scheduler's hit query asks only for "
+        "rank 0's layer-0 objects, so rank 1 reports hits on pages only rank 0 saved"))
+    def test_keys_differ_across_models_and_ranks(self, base_layout: KVLayout, make_harness: Any,
+                                                 rng: Any) -> None:
+        super().test_keys_differ_across_models_and_ranks(base_layout, make_harness, rng)
