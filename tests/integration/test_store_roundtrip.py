@@ -75,7 +75,9 @@ def test_replicas_land_on_distinct_segments(cluster: tuple[Master, Agent, Agent,
 def test_striping_across_segments(cluster: tuple[Master, Agent, Agent, Agent]) -> None:
     _m, a, b, _c = cluster
     size = 30 << 20  # larger than any one 24 MiB segment
-    a.call("put", key="stripe/1", size=size)
+    # pinned: striping fills segments past the high watermark, and the watermark check
+    # would otherwise be free to evict this (only) object before we look at it
+    a.call("put", key="stripe/1", size=size, hard_pin=True)
     q = b.call("call", method="query", args=["stripe/1"])
     assert len(q["replicas"]) == 1 and len(q["replicas"][0]) >= 2
     assert b.call("get", key="stripe/1") == {"size": size, "match": True}

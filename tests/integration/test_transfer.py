@@ -274,6 +274,7 @@ def test_hung_peer_times_out_naming_peer_and_request(spawn_peer: Any) -> None:
         eng.write(peer.name, bytearray(1 << 20), raddr, transport="tcp")  # connected and working
         os.kill(peer.pid, signal.SIGSTOP)
         try:
+            _wait_stopped(peer.pid)  # every thread, so none can still answer
             t0 = time.monotonic()
             with pytest.raises(TransportError) as ei:
                 eng.read(peer.name, bytearray(1 << 20), raddr, transport="tcp")
@@ -283,3 +284,16 @@ def test_hung_peer_times_out_naming_peer_and_request(spawn_peer: Any) -> None:
         assert elapsed < 2 + 1.5, elapsed
         msg = str(ei.value)
         assert "request 0 (read to peer" in msg and peer.name in msg and "timed out" in msg, msg
+
+
+def _wait_stopped(pid: int, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        if all(st in ("T", "t") for st in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop")
