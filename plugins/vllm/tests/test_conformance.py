@@ -52,11 +52,3 @@ class VLLMFixtures(AdapterFixtures):
 class TestVLLMStore(AdapterContract, VLLMFixtures):
     """The store connector (KV pool), scheduler and worker halves in one process per rank."""
 
-    @pytest.mark.xfail(strict=True, reason=(
-        "known connector gaps: keys are mcv/<model>/tp<rank>/... without the TP size, so rank 0 of a "
-        "TP=2 engine collides with a TP=1 engine of the same model (the load then fails on the size "
-        "mismatch: no wrong bytes, but no hit either); and the scheduler's hit query asks only for "
-        "rank 0's layer-0 objects, so rank 1 reports hits on pages only rank 0 saved"))
-    def test_keys_differ_across_models_and_ranks(self, base_layout: KVLayout, make_harness: Any,
-                                                 rng: Any) -> None:
-        super().test_keys_differ_across_models_and_ranks(base_layout, make_harness, rng)

@@ -103,16 +103,27 @@ class VLLMStoreHarness(EngineHarness):
         self.dtype = getattr(torch, lay.dtype)
         self.heads = lay.num_kv_heads // lay.tp_size
         vllm_config = SimpleNamespace(model_config=SimpleNamespace(model=spec.model, dtype=self.dtype),
-                                      cache_config=SimpleNamespace(block_size=lay.page_size))
+                                      cache_config=SimpleNamespace(block_size=lay.page_size),
+                                      parallel_config=SimpleNamespace(tensor_parallel_size=lay.tp_size))
         engine_id = f"conformance-{spec.rank}"
         self.kv = allocate_cpu_kv_caches(lay.num_layers, lay.num_slots + 1, lay.page_size, self.heads,
                                          lay.head_dim, self.dtype)
         self.spare = lay.num_slots  # block of the last prompt token (always computed)
         self.sched = _StoreScheduler(vllm_config, extra, engine_id)
+        # In vLLM one scheduler asks for every TP rank's shard of a page (a hit needs all of
+        # them). The suite counts hits per rank, so each rank's harness asks for its own
+        # shard only: the same query, narrowed to the rank this harness plays.
+        self.sched.prefixes = [self.worker_prefix(vllm_config, spec.rank)]
         self.worker = _StoreWorker(vllm_config, extra, engine_id, spec.rank)
         self.worker.register_kv_caches(self.kv)
         if self.worker.client is None:
             raise RuntimeError(f"the store worker could not reach the master {spec.master}")
+
+    @staticmethod
+    def worker_prefix(vllm_config: Any, rank: int) -> str:
+        from mooncake_vllm.store_connector import _key_prefix, _rank_dir, _tp_size
+
+        return _key_prefix(vllm_config) + _rank_dir(rank, _tp_size(vllm_config))
 
     # ------------------------------------------------------------------ engine memory
     def fill(self, slot: int, seed: int) -> None:
@@ -233,7 +244,8 @@ class VLLMStoreHarness(EngineHarness):
         from mooncake_vllm.store_connector import _StoreWorker
 
         vc = SimpleNamespace(model_config=SimpleNamespace(model=self.spec.model, dtype=self.dtype),
-                             cache_config=SimpleNamespace(block_size=self.page_size))
+                             cache_config=SimpleNamespace(block_size=self.page_size),
+                             parallel_config=SimpleNamespace(tensor_parallel_size=self.spec.layout.tp_size))
 
         def misspelt() -> object:
             w = _StoreWorker(vc, {"mooncake": {"master_adress": self.spec.master}}, "bad", self.spec.rank)

@@ -5,7 +5,7 @@ Select it with::
     --kv-transfer-config '{"kv_connector":"MooncakeCoreStoreConnector","kv_role":"kv_both",
                            "kv_connector_extra_config":{"mooncake":{"master_server_address":"127.0.0.1:50051"}}}'
 
-Keys: one object per (page, layer), ``mcv/<model>/tp<rank>/<chain>/L<layer>`` where
+Keys: one object per (page, layer), ``mcv/<model>/tp<rank>of<size>/<chain>/L<layer>`` where
 ``chain`` is a prefix hash chained over the page tokens and seeded with the model, dtype
 and page size; a page is ``block_size`` prompt tokens (only full pages are stored).
 
@@ -107,13 +107,24 @@ def _key_prefix(vllm_config: Any) -> str:
     return "mcv/" + "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
 
 
+def _tp_size(vllm_config: Any) -> int:
+    return int(getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1)
+
+
+def _rank_dir(rank: int, size: int) -> str:
+    """Keys of TP rank ``rank`` of ``size``: shards of different TP sizes never collide."""
+    return f"/tp{rank}of{size}/"
+
+
 class _StoreScheduler:
     def __init__(self, vllm_config: Any, extra: dict[str, Any], engine_id: str) -> None:
         from mooncake_core.store.client import StoreClient
 
         self.block_size = int(vllm_config.cache_config.block_size)
         self.seed = _seed(vllm_config, self.block_size)
-        self.prefix = _key_prefix(vllm_config) + "/tp0/"
+        self.tp_size = _tp_size(vllm_config)
+        # a page is a hit only when every TP rank's shard of it is in the store
+        self.prefixes = [_key_prefix(vllm_config) + _rank_dir(r, self.tp_size) for r in range(self.tp_size)]
         self.layer0 = "L0"
         self.retry_after_s = float(option(extra, "retry_after_s", 10.0))
         self.counters = Counters(f"store-sched-{engine_id}", option(extra, "stats_dir", None))
@@ -134,7 +145,10 @@ class _StoreScheduler:
                 client = self._make_client()
                 client.start()  # closes itself when it fails
                 self.client = client
-            found = self.client.batch_exists([self.prefix + p + "/" + self.layer0 for p in pages])
+            keys = [pre + p + "/" + self.layer0 for p in pages for pre in self.prefixes]
+            flat = self.client.batch_exists(keys)
+            r = len(self.prefixes)
+            found = [all(flat[i * r : (i + 1) * r]) for i in range(len(pages))]
         except Exception as exc:
             self._down_until = time.monotonic() + self.retry_after_s
             self.counters.add(lookup_failures=1)
@@ -233,7 +247,7 @@ class _StoreScheduler:
 class _StoreWorker:
     def __init__(self, vllm_config: Any, extra: dict[str, Any], engine_id: str, tp_rank: int) -> None:
         self.extra = extra
-        self.prefix = _key_prefix(vllm_config) + f"/tp{tp_rank}/"
+        self.prefix = _key_prefix(vllm_config) + _rank_dir(tp_rank, _tp_size(vllm_config))
         self.counters = Counters(f"store-worker-{engine_id}-tp{tp_rank}", option(extra, "stats_dir", None))
         self.client: Any = None
         self.layers: list[tuple[str, Any]] = []

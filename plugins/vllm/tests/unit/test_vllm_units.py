@@ -106,3 +106,29 @@ def test_register_is_idempotent_and_names_resolve() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "['MooncakeCoreConnector', 'MooncakeCoreStoreConnector']" in out.stdout
+
+
+def test_store_keys_carry_tp_size_and_hits_need_every_rank() -> None:
+    from types import SimpleNamespace
+
+    from mooncake_vllm.store_connector import _key_prefix, _rank_dir, _StoreScheduler, _tp_size
+
+    def vc(tp: int) -> SimpleNamespace:
+        return SimpleNamespace(model_config=SimpleNamespace(model="/m/tiny", dtype="float32"),
+                               cache_config=SimpleNamespace(block_size=32),
+                               parallel_config=SimpleNamespace(tensor_parallel_size=tp))
+
+    # rank 0 of a TP=2 engine never shares keys with a TP=1 engine of the same model
+    assert _key_prefix(vc(1)) + _rank_dir(0, _tp_size(vc(1))) != _key_prefix(vc(2)) + _rank_dir(0, _tp_size(vc(2)))
+    sched = _StoreScheduler(vc(2), {}, "t")
+    asked: list[list[str]] = []
+
+    class Client:
+        def batch_exists(self, keys: list[str]) -> list[bool]:
+            asked.append(keys)
+            return [("tp1of2" not in k) or k.startswith("mcv/tiny/tp1of2/p0/") for k in keys]
+
+    sched.client = Client()
+    # page p0 has both ranks' shards, p1 only rank 0's: the hit stops at p1
+    assert sched._lookup(["p0", "p1", "p2"]) == 1
+    assert asked[0][:2] == ["mcv/tiny/tp0of2/p0/L0", "mcv/tiny/tp1of2/p0/L0"]
