@@ -258,7 +258,13 @@ class AdapterContract:
         for i, r in enumerate(results):
             assert r["wrong"] == 0, f"worker {i} read wrong bytes: {r['errors']}"
             assert r["exceptions"] == 0, f"worker {i}: {r['errors']}"
-            assert r["loaded_pages"] > 0, f"worker {i} never loaded a page: {r}"
+        # Under contention a round may legitimately miss (another process's put of a shared
+        # page is still in flight). Once the others are quiet, every process must load.
+        for i, w in enumerate(workers):
+            w.send("churn", shared=shared, seed=2000 + i, pages=PAGES, rounds=1)
+            r = w.result(timeout=120)
+            assert r["wrong"] == 0 and r["exceptions"] == 0, f"worker {i}: {r['errors']}"
+            assert r["loaded_pages"] > 0, f"worker {i} cannot load its own pages after the churn: {r}"
         want = expected_pages(here, shared, 2, here.num_slots - 1)
         assert here.lookup(shared) == 2
         got = here.load(shared, [0, 1])
