@@ -74,6 +74,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+# Test hook (tests of engines' built-in connectors only): "1" makes every synchronous write
+# overwrite what it delivered with zeros, so a consumer that really uses the bytes changes.
+TEST_CORRUPT_WRITES_ENV = "MOONCAKE_CORE_TEST_CORRUPT_WRITES"
+
 # Return codes (the published engine's numbering for the cases we can tell apart).
 OK = 0
 ERR_INVALID_ARGUMENT = -1  # also: any failed transfer, as the published binding reports it
@@ -371,6 +375,10 @@ class TransferEngine:
             eng = self._engine()
             if reqs:
                 eng.transfer(reqs)
+                if op == "write" and os.environ.get(TEST_CORRUPT_WRITES_ENV) == "1":
+                    # test hook: the bytes that arrived are overwritten with zeros
+                    eng.transfer([TransferRequest("write", target, bytearray(r.length or 0), None, r.remote_addr)
+                                  for r in reqs if r.length])
             if notify is not None:
                 eng.notify(target, notify.name, notify.msg)
         except MooncakeError as exc:

@@ -56,6 +56,8 @@ class Servers:
     master_http: str
     bootstrap: str
     base: Path
+    corrupt: VLLMServer  # prefill whose writes are zeroed after delivery (compat test hook)
+    corrupt_bootstrap: str
 
 
 def _pd(role: str) -> dict[str, Any]:
@@ -66,7 +68,7 @@ def _pd(role: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def servers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     base = tmp_path_factory.mktemp("builtin")
-    boot_port = free_port()
+    boot_port, boot2 = free_port(), free_port()
     rpc, http = free_port(), free_port()
     log = open(base / "master.log", "wb")  # noqa: SIM115
     master = subprocess.Popen([sys.executable, "-m", "mooncake_core", "master", "--rpc-port", str(rpc),
@@ -93,15 +95,18 @@ def servers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
            env=store_env),
         mk(tiny_model, name="B", log_path=base / "B.log", block_size=BLOCK, kv_transfer_config=store,
            env=store_env, args=DETAILS),
+        mk(tiny_model, name="corrupt", log_path=base / "corrupt.log", block_size=BLOCK,
+           kv_transfer_config=_pd("kv_producer"),
+           env={**SHIM, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(boot2), "MOONCAKE_CORE_TEST_CORRUPT_WRITES": "1"}),
     ]
-    mono, prefill, decode, noshim, a, b = all_servers
+    mono, prefill, decode, noshim, a, b, corrupt = all_servers
     try:
         for s in all_servers:
             s.start()
-        for s in (mono, prefill, decode, a, b):
+        for s in (mono, prefill, decode, a, b, corrupt):
             s.wait_ready(600)
         yield Servers(mono, prefill, decode, noshim, a, b, master, f"http://127.0.0.1:{http}",
-                      f"http://127.0.0.1:{boot_port}", base)
+                      f"http://127.0.0.1:{boot_port}", base, corrupt, f"http://127.0.0.1:{boot2}")
     finally:
         for s in all_servers:
             s.stop()
@@ -132,14 +137,16 @@ def test_builtin_connector_needs_an_accelerator_without_the_shim(servers: Server
     assert "RuntimeError: Cannot access accelerator device when none is available." in log
 
 
-def _pd_request(s: Servers, prompt: list[int], engine_id: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def _pd_request(s: Servers, prompt: list[int], engine_id: str, prefill: VLLMServer | None = None,
+                bootstrap: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     tid = str(uuid.uuid4())
     with ThreadPoolExecutor(2) as ex:
-        fp = ex.submit(s.prefill.completion, prompt, 1,
+        fp = ex.submit((prefill or s.prefill).completion, prompt, 1,
                        kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid})
         fd = ex.submit(s.decode.completion, prompt, MAX_TOKENS,
                        kv_transfer_params={"do_remote_decode": False, "do_remote_prefill": True,
-                                           "remote_engine_id": engine_id, "remote_bootstrap_addr": s.bootstrap,
+                                           "remote_engine_id": engine_id,
+                                           "remote_bootstrap_addr": bootstrap or s.bootstrap,
                                            "transfer_id": tid})
         return fp.result(), fd.result()
 
@@ -167,6 +174,22 @@ def test_builtin_pd_outputs_equal_monolithic(servers: Servers) -> None:
         assert "Traceback" not in s.log_text()
 
 
+def test_builtin_pd_decode_really_uses_the_transferred_kv(servers: Servers) -> None:
+    """The same PD request from a prefill instance whose delivered KV bytes are zeroed
+    afterwards (compat test hook) gives a different answer than the monolithic one."""
+    engine_id = http_json(servers.corrupt_bootstrap + "/query")["0"]["engine_id"]
+    prompt = token_prompt(5 * BLOCK + 1, salt=22)
+    want = _text(servers.mono.completion(prompt, MAX_TOKENS))
+    _, good = _pd_request(servers, prompt, http_json(servers.bootstrap + "/query")["0"]["engine_id"])
+    assert _text(good) == want
+    # a prompt the decode instance has never seen (else its own prefix cache would answer)
+    fresh = token_prompt(5 * BLOCK + 1, salt=25)
+    want_fresh = _text(servers.mono.completion(fresh, MAX_TOKENS))
+    _, bad = _pd_request(servers, fresh, engine_id, servers.corrupt, servers.corrupt_bootstrap)
+    assert _cached(bad) >= 5 * BLOCK  # the decode instance loaded (zeroed) KV rather than recomputing
+    assert _text(bad) != want_fresh, "zeroing the transferred KV did not change the output: it was not used"
+
+
 def _objects(s: Servers) -> int:
     return int(http_json(s.master_http + "/stats")["objects"])
 
@@ -182,6 +205,17 @@ def test_builtin_store_hit_on_fresh_instance(servers: Servers) -> None:
     assert _text(ans) == want
     # B never saw the prompt: every cached token came from the pool (all full pages)
     assert _cached(ans) == (500 // BLOCK) * BLOCK, ans.get("usage")
+    # partial hit: A computes a new prompt; B, which never saw it, gets a prompt sharing only
+    # its first 8 pages and loads exactly those 8 pages from the pool
+    p2 = token_prompt(12 * BLOCK, salt=24)
+    before2 = _objects(servers)
+    servers.a.completion(p2, MAX_TOKENS)
+    wait_for(lambda: _objects(servers) >= before2 + 12, 60, "A's second prompt in the pool")
+    part = p2[: 8 * BLOCK] + token_prompt(3 * BLOCK + 7, salt=23)
+    want_part = _text(servers.mono.completion(part, MAX_TOKENS))
+    ans2 = servers.b.completion(part, MAX_TOKENS)
+    assert _text(ans2) == want_part
+    assert _cached(ans2) == 8 * BLOCK, ans2.get("usage")
     for s in (servers.a, servers.b):
         assert s.healthy()
         assert "Traceback" not in s.log_text()
