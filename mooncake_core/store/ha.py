@@ -85,20 +85,8 @@ class StoreEtcd(EtcdClient):
 
         Raises MetadataError when we are no longer the leader or etcd fails.
         """
-        chunks: list[bytes] = []
-        cur: list[Any] = []
-        size = 0
-        for e in entries:
-            b = len(msgspec.msgpack.encode(e))
-            if cur and size + b > MAX_BATCH_BYTES:
-                chunks.append(msgspec.msgpack.encode(cur))
-                cur, size = [], 0
-            cur.append(e)
-            size += b
-        if cur:
-            chunks.append(msgspec.msgpack.encode(cur))
         mine = msgspec.json.encode(me)
-        for body in chunks:
+        for body in _chunks(entries):
             key = self._seq_key(seq)
 
             async def txn(k: str = key, v: bytes = body) -> bool:
