@@ -122,6 +122,7 @@ class StoreConfig:
     put_timeout_s: float = 30.0
     ssd_path: str = ""
     placement: str = "free-ratio-first"
+    max_objects: int = 2_000_000  # metadata cap: puts beyond it evict LRU objects (bounds the master's memory)
     rpc_spin_us: float = 100.0  # clients spin this long for a master answer before sleeping
 
 
@@ -261,6 +262,8 @@ def _validate(cfg: Any, where: str) -> None:
             raise ConfigError(f"{where}eviction_high_watermark: must be in (0, 1], got {cfg.eviction_high_watermark}")
         if not 0 < cfg.eviction_ratio <= 1:
             raise ConfigError(f"{where}eviction_ratio: must be in (0, 1], got {cfg.eviction_ratio}")
+        if cfg.max_objects < 1:
+            raise ConfigError(f"{where}max_objects: must be at least 1, got {cfg.max_objects}")
         if not 0 <= cfg.rpc_spin_us <= 100_000:
             raise ConfigError(f"{where}rpc_spin_us: must be 0..100000, got {cfg.rpc_spin_us}")
     elif isinstance(cfg, LogConfig):

@@ -42,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eviction-ratio", type=float, default=None)
     parser.add_argument("--client-ttl", type=float, default=None, help="seconds without heartbeat before a client is dropped")
     parser.add_argument("--put-timeout", type=float, default=None, help="seconds before an unfinished put is reclaimed")
+    parser.add_argument("--max-objects", type=int, default=None,
+                        help="most objects the master tracks; more puts evict LRU objects (default 2,000,000)")
     parser.add_argument("--placement", choices=["random", "free-ratio-first", "local-first"], default=None)
     parser.add_argument("--ready-file", default=None, help="write {rpc_port, http_port, pid} here once listening")
 
@@ -50,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
     store: dict[str, object] = {}
     for flag, key in (("lease_ttl", "lease_ttl_s"), ("eviction_high_watermark", "eviction_high_watermark"),
                       ("eviction_ratio", "eviction_ratio"), ("client_ttl", "client_ttl_s"),
-                      ("put_timeout", "put_timeout_s"), ("placement", "placement")):
+                      ("put_timeout", "put_timeout_s"), ("placement", "placement"),
+                      ("max_objects", "max_objects")):
         v = getattr(args, flag)
         if v is not None:
             store[key] = v

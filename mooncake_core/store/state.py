@@ -311,6 +311,8 @@ class MasterState:
                 raise ObjectBusy(f"put {key!r}: another put of this key is in progress")
             self._drop_object(old, emit=False)
             self.counters["reclaimed_puts"] += 1
+        if len(self.objects) >= self.cfg.max_objects:
+            self._make_room_for_object(key, now)
         if not self.segments:
             raise NoSpace(f"put {key!r}: no segment is mounted; start a store node or give clients a segment")
         total = sum(s.size for s in self.segments.values())
@@ -485,6 +487,31 @@ class MasterState:
                 target = int(max(0.0, hw - ratio) * s.size)
                 freed += self._evict(used - target, now, s.name)
         return freed
+
+    def _make_room_for_object(self, key: str, now: float) -> None:
+        """At ``max_objects``: drop LRU objects (``eviction_ratio`` of the cap) or raise NoSpace."""
+        cap = self.cfg.max_objects
+        self._reclaim_zombies(now)
+        if len(self.objects) < cap:
+            return
+        goal = len(self.objects) - cap + max(1, int(self.cfg.eviction_ratio * cap))
+        dropped = 0
+        for k in candidates(self.lru, self._get_obj, now, allow_soft=True):
+            if dropped >= goal:
+                break
+            o = self.objects.get(k)
+            if o is None:
+                continue
+            nbytes = sum(x[2] for rep in o.replicas for x in rep)
+            self._drop_object(o)
+            dropped += 1
+            self.counters["evictions"] += 1
+            self.counters["evicted_bytes"] += nbytes
+        if dropped:
+            logger.info("object cap %d reached: evicted %d least recently used objects", cap, dropped)
+        if len(self.objects) >= cap:
+            raise NoSpace(f"put {key!r}: the master already tracks {len(self.objects)} objects (store.max_objects = "
+                          f"{cap}) and none can be evicted (leased, pinned or in flight); raise max_objects")
 
     def _evict(self, goal: int, now: float, segment: str | None) -> int:
         """Drop (or queue for SSD offload) LRU replicas worth ``goal`` bytes; returns bytes freed now."""

@@ -99,3 +99,51 @@ def test_ssd_tier_offloads_on_eviction_and_promotes_on_hit(tmp_path: Path) -> No
         for a in agents:
             a.stop()
         m.stop()
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line.split()[1] for line in f if line.startswith("VmRSS:")))
+
+
+@pytest.mark.timeout(120)
+def test_object_cap_bounds_master_metadata_under_a_tiny_object_flood(tmp_path: Path) -> None:
+    """64-byte objects would fit by the million in a segment; max_objects bounds the master instead."""
+    cap = 400
+    m = Master(tmp_path, "--max-objects", str(cap), "--eviction-ratio", "0.1", "--default-kv-lease-ttl", "0.5")
+    agents: list[Agent] = []
+    try:
+        holder = Agent(m.address, segment_size=32 * MiB, log=tmp_path / "holder.log")
+        agents.append(holder)
+        writer = Agent(m.address, segment_size=0, log=tmp_path / "writer.log")
+        agents.append(writer)
+        rss: list[int] = []
+        for r in range(40):  # 40 x 100 tiny puts: ten times the cap
+            keys = [f"tiny/{r}/{i}" for i in range(100)]
+            assert writer.call("put_batch", keys=keys, size=64) == [None] * 100
+            stats = writer.call("call", method="stats")
+            assert stats["objects"] + stats["pending_puts"] <= cap, stats
+            if r in (9, 39):
+                rss.append(_rss_kib(m.proc.pid))
+        assert stats["evictions"] >= 3000
+        # the newest objects are there and read back exactly
+        newest = [f"tiny/39/{i}" for i in range(100)]
+        assert writer.call("get_batch", keys=newest) == [True] * 100
+        # metadata memory does not keep growing once the cap is reached (loose: allocator noise)
+        assert rss[1] - rss[0] < 16 * 1024, f"master RSS grew {rss[1] - rss[0]} KiB between 1k and 4k puts"
+        # at the cap with every object leased or pinned: a clear error, the master stays up
+        writer.call("call", method="remove_all", kwargs={"force": True})
+        pinned = [f"pin/{i}" for i in range(cap)]
+        for i in range(0, cap, 100):
+            assert writer.call("put_batch", keys=pinned[i:i + 100], size=64, hard_pin=True) == [None] * 100
+        with pytest.raises(AgentError) as ei:
+            writer.call("put", key="one-too-many", size=64)
+        assert "max_objects" in ei.value.msg and ei.value.type == "NoSpace", ei.value
+        assert m.alive()
+        writer.call("call", method="remove", args=["pin/0"], kwargs={"force": True})
+        writer.call("put", key="fits-again", size=64)
+        assert writer.call("get", key="fits-again")["match"]
+    finally:
+        for a in agents:
+            a.stop()
+        m.stop()

@@ -138,3 +138,27 @@ def test_replay_of_the_log_rebuilds_the_same_state() -> None:
 
     assert view(other) == view(st)
     assert {n: s.allocator.used for n, s in other.segments.items()} == {n: s.allocator.used for n, s in st.segments.items()}
+
+
+def test_object_cap_evicts_lru_objects_and_refuses_when_nothing_can_go() -> None:
+    st, _ = _state(max_objects=10, eviction_ratio=0.2, lease_ttl_s=5.0)
+    for i in range(10):
+        _put(st, f"k{i}", 100, float(i))
+    st.get_replica_list("k0", 10.0)  # k0 becomes the most recently used (and leased until 15)
+    _put(st, "new", 100, 11.0)  # at the cap: LRU objects k1, k2 go (2 = 20% of the cap); k0 is leased
+    assert "k0" in st.objects and "k1" not in st.objects and "k2" not in st.objects and "k3" in st.objects
+    assert len(st.objects) == 9 and st.counters["evictions"] == 2
+    for k in list(st.objects):
+        st.objects[k].hard_pin = True
+    _put(st, "fills", 100, 12.0, hard_pin=True)
+    with pytest.raises(NoSpace, match="max_objects"):
+        st.put_start("c1", "over", 100, ReplicaCfg(), 13.0)
+    assert len(st.objects) == 10
+
+
+def test_max_objects_must_be_positive() -> None:
+    from mooncake_core.config import load_config
+    from mooncake_core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="max_objects: must be at least 1"):
+        load_config(environ={}, store={"max_objects": 0})
