@@ -3,6 +3,8 @@
 Example::
 
     mooncake-core proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+    mooncake-core proxy --prefill URL1 URL2 --decode URL3 --policy global-cache --block-tokens 32 \
+        --store-master 127.0.0.1:50051 --store-dtype float32
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 from mooncake_core.errors import ConfigError
 from mooncake_core.proxy import POLICIES, ProxyConfig, ProxyServer
+from mooncake_core.proxy.storelookup import parse_master_address
 
 __all__ = ["add_arguments", "run"]
 
@@ -38,6 +41,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="one ZMQ endpoint per prefill instance, e.g. tcp://127.0.0.1:5557, bound here; start each "
                         "vLLM with --kv-events-config '{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\","
                         "\"endpoint\":\"<its ENDPOINT>\"}'")
+    g.add_argument("--tokenize", action=argparse.BooleanOptionalAction, default=True,
+                   help="token ids of text prompts from the prefill instances' /tokenize, so they match KV events "
+                        "and store keys (default on)")
+    g.add_argument("--store-master", nargs="?", const="", default=None, metavar="HOST:PORT",
+                   help="store master the instances' MooncakeCoreStoreConnector saves to; count the pages it holds "
+                        "as fetchable (no value: master_server_address of the project config)")
+    g.add_argument("--store-dtype", default=None, metavar="DTYPE",
+                   help="with --store-master: the dtype the vLLM instances run with (float32, bfloat16, float16)")
+    g.add_argument("--store-model", default=None, metavar="PATH",
+                   help="with --store-master: the instances' --model (default: 'root' in their GET /v1/models)")
+    g.add_argument("--store-tp", type=int, default=1, metavar="N", help="with --store-master: their TP size (default 1)")
+    g.add_argument("--store-timeout", type=float, default=0.5, metavar="S",
+                   help="longest a store lookup may take; slower counts as nothing stored (default 0.5)")
     p.add_argument("--prefill-timeout", type=float, default=300.0, help="seconds to wait for a prefill answer")
     p.add_argument("--read-timeout", type=float, default=300.0, help="longest silence of a decode answer, seconds")
     p.add_argument("--connect-timeout", type=float, default=5.0, help="connect timeout to an instance, seconds")
@@ -59,11 +75,26 @@ async def _serve(cfg: ProxyConfig) -> None:
 
 def run(args: argparse.Namespace) -> int:
     opts: dict[str, Any] = {}
+    store = args.store_master
     if args.policy == "global-cache":
+        if store is not None:
+            if not store:
+                from mooncake_core.config import load_config
+
+                store = load_config().master_server_address
+            store = parse_master_address(store)
+            if not args.store_dtype:
+                raise ConfigError("--store-master needs --store-dtype: the dtype the vLLM instances run with "
+                                  "(their --dtype, e.g. float32 or bfloat16)")
+        elif args.store_dtype or args.store_model:
+            raise ConfigError("--store-dtype and --store-model need --store-master")
         opts = {"reject": args.reject, "slo_ttft_s": args.slo_ttft, "slo_tbt_s": args.slo_tbt,
-                "profile": args.profile, "block_tokens": args.block_tokens, "kv_events": args.kv_events}
-    elif args.reject or args.profile or args.slo_ttft or args.slo_tbt or args.kv_events:
-        raise ConfigError(f"--reject, --slo-*, --profile, --kv-events need --policy global-cache (got --policy {args.policy})")
+                "profile": args.profile, "block_tokens": args.block_tokens, "kv_events": args.kv_events,
+                "tokenize": args.tokenize, "store_master": store, "store_dtype": args.store_dtype,
+                "store_model": args.store_model, "store_tp": args.store_tp, "store_timeout_s": args.store_timeout}
+    elif args.reject or args.profile or args.slo_ttft or args.slo_tbt or args.kv_events or store is not None:
+        raise ConfigError("--reject, --slo-*, --profile, --kv-events, --store-master need --policy global-cache "
+                          f"(got --policy {args.policy})")
     cfg = ProxyConfig(prefill=tuple(args.prefill), decode=tuple(args.decode), host=args.host, port=args.port,
                       policy=args.policy, policy_options=tuple(opts.items()), connect_timeout_s=args.connect_timeout,
                       prefill_timeout_s=args.prefill_timeout, read_timeout_s=args.read_timeout)

@@ -62,6 +62,10 @@ class ConductorConfig:
             holdings come from KV events).
         store_blocks: Shared store pool capacity in blocks (0: none, ``None``: unbounded).
         seed: Seed of the random policy.
+        fetch_sources: Where ``global-cache`` may fetch a prefix from: ``"any"`` (every
+            holder: other prefill instances and the store, the paper's pooled DRAM) or
+            ``"store"`` (the store pool only, e.g. vLLM instances that can read each
+            other's KV only through the store).
     """
 
     n_prefill: int
@@ -74,6 +78,7 @@ class ConductorConfig:
     cache_blocks: int | None = None
     store_blocks: int | None = 0
     seed: int = 0
+    fetch_sources: str = "any"
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid field."""
@@ -97,6 +102,8 @@ class ConductorConfig:
             raise ConfigError(f"cache_blocks must be >= 0, got {self.cache_blocks}")
         if self.store_blocks is not None and self.store_blocks < 0:
             raise ConfigError(f"store_blocks must be >= 0, got {self.store_blocks}")
+        if self.fetch_sources not in ("any", "store"):
+            raise ConfigError(f"fetch_sources must be 'any' or 'store', got {self.fetch_sources!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,8 +232,12 @@ class Conductor:
         src = -1
         ttft_fetch = self._inf
         if self.policy.uses_remote:
-            src = int(np.argmax(matched))
-            best = union
+            if cfg.fetch_sources == "store":
+                src = self.index.store
+                best = int(matched[src])
+            else:
+                src = int(np.argmax(matched))
+                best = union
             gain = best - local
             ok = gain > cfg.balance_threshold_blocks
             if ok.any():

@@ -2,7 +2,8 @@
 
 Public API: :class:`ProxyServer` / :class:`ProxyConfig` (the aiohttp front), the policy
 interface :class:`RoutingPolicy` with :class:`Instance`, :class:`Job`, :class:`Placement`,
-and :func:`make_policy` / :data:`POLICIES`.
+and :func:`make_policy` / :data:`POLICIES`; :class:`StoreLookup` (which prompt pages the
+store holds) and :class:`RemoteTokenizer` (token ids of text prompts) for ``global-cache``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from mooncake_core.proxy.policy import (
     make_policy,
 )
 from mooncake_core.proxy.server import ProxyConfig, ProxyServer, UpstreamError
+from mooncake_core.proxy.storelookup import StoreLookup
+from mooncake_core.proxy.tokenize import RemoteTokenizer
 
 __all__ = [
     "POLICIES",
@@ -30,9 +33,11 @@ __all__ = [
     "Placement",
     "ProxyConfig",
     "ProxyServer",
+    "RemoteTokenizer",
     "RequestRejected",
     "RoundRobinPolicy",
     "RoutingPolicy",
+    "StoreLookup",
     "UpstreamError",
     "make_policy",
 ]

@@ -78,9 +78,11 @@ class Job:
 
     Attributes:
         rid: proxy-local request number.
-        prompt_tokens: prompt length (exact for token-id prompts, else estimated).
-        prompt_key: the prompt as given (token ids or text), for cache-aware policies.
+        prompt_tokens: prompt length (exact for token ids, also for text the proxy tokenized; else estimated).
+        prompt_key: the prompt's token ids (given, or from the instances' ``/tokenize`` when the
+            policy asks for them), else its text; for cache-aware policies.
         max_tokens: tokens to generate.
+        store_blocks: leading blocks of the prompt the shared store holds (``None``: not looked up).
     """
 
     rid: int
@@ -88,15 +90,20 @@ class Job:
     prompt_key: Sequence[int] | str
     max_tokens: int = 16
     arrival: float = field(default_factory=time.monotonic)
+    store_blocks: int | None = None
 
 
 @dataclass
 class Placement:
-    """A policy's answer: where the request's prefill and decode run."""
+    """A policy's answer: where the request's prefill and decode run.
+
+    ``headers`` go onto the answer to the client (e.g. why the policy chose so).
+    """
 
     prefill: Instance
     decode: Instance
     detail: Any = None
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 class RoutingPolicy(ABC):
@@ -108,12 +115,18 @@ class RoutingPolicy(ABC):
     """
 
     name = "abstract"
+    #: True: the proxy tokenizes text prompts (instances' ``/tokenize``) before :meth:`prepare`.
+    wants_token_ids = False
 
     def __init__(self, prefill: Sequence[Instance], decode: Sequence[Instance]) -> None:
         if not prefill or not decode:
             raise ConfigError("the proxy needs at least one --prefill and one --decode URL")
         self.prefill = list(prefill)
         self.decode = list(decode)
+
+    async def prepare(self, job: Job) -> None:
+        """Gather what :meth:`choose` needs that takes I/O (called just before it; must not raise)."""
+        return None
 
     @abstractmethod
     def choose(self, job: Job) -> Placement:
@@ -134,6 +147,10 @@ class RoutingPolicy(ABC):
     def close(self) -> None:
         """The proxy is stopping."""
         return None
+
+    def stats(self) -> dict[str, Any]:
+        """Policy counters for ``GET /proxy/stats``."""
+        return {}
 
 
 class RoundRobinPolicy(RoutingPolicy):
@@ -199,7 +216,8 @@ class RequestRejected(Exception):
 class GlobalCachePolicy(RoutingPolicy):
     """The conductor's KV-cache-aware choice (``global-cache``), fed by the proxy.
 
-    Prompt blocks are hashed by :func:`prefix_blocks`; after a prefill the instance is
+    Prompt blocks are hashed by :func:`prefix_blocks` (over token ids: given ones, or text
+    prompts tokenized by the instances' ``/tokenize``); after a prefill the instance is
     recorded as holding them, so later requests sharing the prefix go where it lies
     (unless the predicted TTFT says another instance is better). With ``reject`` the
     conductor's early rejection is on: :meth:`choose` raises :class:`RequestRejected`.
@@ -213,20 +231,34 @@ class GlobalCachePolicy(RoutingPolicy):
         kv_events: one ZMQ endpoint per prefill instance (``tcp://127.0.0.1:PORT``) that
             the proxy binds and the instance's vLLM KV-event publisher connects to; the
             instances' stored/removed blocks then update the conductor's view, including
-            prefixes computed for requests this proxy did not route (token-id prompts).
+            prefixes computed for requests this proxy did not route.
+        tokenize: tokenize text prompts through the instances (default on); off: text
+            prompts are hashed by characters (they then never match KV events or the store).
+        store_master: store master address (``HOST:PORT``): before each decision, one
+            ``batch_exists`` asks which leading pages of the prompt the vLLM store connector
+            saved; the conductor counts them as fetchable from the store, and fetches only
+            from there (vLLM instances read each other's KV only through the store).
+        store_dtype / store_model / store_tp: the key scheme of the instances' store
+            connector: their dtype (required with ``store_master``), model path (default:
+            the ``root`` in the first prefill instance's ``/v1/models``) and TP size.
+        store_timeout_s: longest a store lookup may take; slower or failed ones count as
+            "nothing stored" (one warning, then lookups pause for 10 s).
     """
 
     name = "global-cache"
 
     def __init__(self, prefill: Sequence[Instance], decode: Sequence[Instance], block_tokens: int = 32,
                  reject: bool = False, slo_ttft_s: float | None = None, slo_tbt_s: float | None = None,
-                 profile: str | None = None, kv_events: Sequence[str] | None = None) -> None:
+                 profile: str | None = None, kv_events: Sequence[str] | None = None, tokenize: bool = True,
+                 store_master: str | None = None, store_dtype: str | None = None, store_model: str | None = None,
+                 store_tp: int = 1, store_timeout_s: float = 0.5) -> None:
         super().__init__(prefill, decode)
         if kv_events and len(kv_events) != len(self.prefill):
             raise ConfigError(f"give one KV-event endpoint per prefill instance: {len(kv_events)} for "
                               f"{len(self.prefill)} instances")
         self.kv_event_endpoints = list(kv_events or [])
         self.kv_listener: Any = None
+        self.wants_token_ids = bool(tokenize)
         import dataclasses
 
         from mooncake_core.conductor import (
@@ -239,14 +271,49 @@ class GlobalCachePolicy(RoutingPolicy):
 
         prof = load_profile(profile) if profile else dataclasses.replace(DEFAULT_PROFILE, block_tokens=block_tokens)
         self.block_tokens = prof.block_tokens
+        self.store: Any = None
+        if store_master:
+            from mooncake_core.proxy.storelookup import StoreLookup
+
+            self.store = StoreLookup(store_master, self.block_tokens, store_dtype or "", store_tp, store_model,
+                                     timeout_s=store_timeout_s)
+        self._model_retry_at = 0.0
         self.conductor = Conductor(ConductorConfig(
             n_prefill=len(self.prefill), n_decode=len(self.decode), policy="global-cache", reject=reject,
             slo_ttft_s=DEFAULT_SLO_TTFT_S if slo_ttft_s is None else slo_ttft_s,
-            slo_tbt_s=DEFAULT_SLO_TBT_S if slo_tbt_s is None else slo_tbt_s), prof)
+            slo_tbt_s=DEFAULT_SLO_TBT_S if slo_tbt_s is None else slo_tbt_s,
+            store_blocks=None if self.store is not None else 0,
+            fetch_sources="store" if self.store is not None else "any"), prof)
+        self.counters = {"store_blocks_seen": 0, "fetch_from_store": 0, "fetched_blocks": 0, "char_hashed_prompts": 0}
         self._t0 = time.monotonic()
 
     def _now(self) -> float:
         return time.monotonic() - self._t0
+
+    async def _ensure_scheme(self) -> bool:
+        """The store key scheme needs the model path; ask an instance (at most every 10 s)."""
+        if self.store.scheme is not None:
+            return True
+        if time.monotonic() < self._model_retry_at:
+            return False
+        from mooncake_core.proxy.storelookup import model_root
+
+        self._model_retry_at = time.monotonic() + 10.0
+        root = await model_root([i.url for i in self.prefill])
+        if root is None:
+            logger.warning("no prefill instance listed its model (GET /v1/models); store lookups start once one "
+                           "does (or pass --store-model)")
+            return False
+        self.store.set_model(root)
+        return True
+
+    async def prepare(self, job: Job) -> None:
+        if isinstance(job.prompt_key, str):
+            self.counters["char_hashed_prompts"] += 1
+            return
+        if self.store is None or not await self._ensure_scheme():
+            return
+        job.store_blocks = await self.store.aheld_pages(job.prompt_key)
 
     def choose(self, job: Job) -> Placement:
         from mooncake_core.conductor import Request
@@ -254,11 +321,34 @@ class GlobalCachePolicy(RoutingPolicy):
         blocks = prefix_blocks(job.prompt_key, self.block_tokens)
         req = Request(rid=job.rid, arrival_s=self._now(), input_len=max(1, job.prompt_tokens),
                       output_len=max(1, job.max_tokens), blocks=blocks)
-        d = self.conductor.decide(req, now=req.arrival_s)
+        # The store's holdings of this prompt are known exactly now: put them in the index for
+        # this decision only (the next request asks the store again, so nothing goes stale).
+        held = list(blocks[: job.store_blocks or 0])
+        if held:
+            self.conductor.store_put(held)
+            self.counters["store_blocks_seen"] += len(held)
+        try:
+            d = self.conductor.decide(req, now=req.arrival_s)
+        finally:
+            if held:
+                self.conductor.store_removed(held)
         if d.rejected:
             raise RequestRejected(f"rejected early: {d.reason} (predicted TTFT {d.ttft_s:.2f} s, TBT {d.tbt_s * 1e3:.0f} ms)")
         dec = d.decode if 0 <= d.decode < len(self.decode) else 0
-        return Placement(self.prefill[d.prefill], self.decode[dec], detail=(d, blocks))
+        if d.fetch_blocks and d.fetch_source == len(self.prefill):
+            source = "store"
+            self.counters["fetch_from_store"] += 1
+        elif d.fetch_blocks and 0 <= d.fetch_source < len(self.prefill):
+            source = self.prefill[d.fetch_source].url
+        else:
+            source = "none"
+        self.counters["fetched_blocks"] += d.fetch_blocks
+        info = (f"cached_blocks={d.cached_blocks}; fetch_blocks={d.fetch_blocks}; fetch_source={source}; "
+                f"store_blocks={'-' if job.store_blocks is None else job.store_blocks}; "
+                f"predicted_ttft_ms={d.ttft_s * 1e3:.1f}")
+        logger.debug("request %d -> prefill %s: %s", job.rid, self.prefill[d.prefill].url, info)
+        return Placement(self.prefill[d.prefill], self.decode[dec], detail=(d, blocks),
+                         headers={"X-Mooncake-Decision": info})
 
     async def start(self) -> None:
         if self.kv_event_endpoints and self.kv_listener is None:
@@ -268,11 +358,17 @@ class GlobalCachePolicy(RoutingPolicy):
                                                self.conductor.kv_stored, self.conductor.kv_removed,
                                                asyncio.get_running_loop())
             logger.info("listening for vLLM KV events on %s", ", ".join(self.kv_event_endpoints))
+        if self.store is not None:
+            if await asyncio.get_running_loop().run_in_executor(None, self.store.probe):
+                logger.info("store master %s answers; counting its KV pages as fetchable", self.store.master)
+            await self._ensure_scheme()
 
     def close(self) -> None:
         if self.kv_listener is not None:
             self.kv_listener.close()
             self.kv_listener = None
+        if self.store is not None:
+            self.store.close()
 
     def prefill_done(self, job: Job, placement: Placement) -> None:
         d, blocks = placement.detail
@@ -280,6 +376,15 @@ class GlobalCachePolicy(RoutingPolicy):
 
     def finished(self, job: Job, placement: Placement, ok: bool) -> None:
         self.conductor.decode_done(job.rid, self._now())
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"decisions": self.conductor.decisions, "rejections": self.conductor.rejections,
+                               **self.counters}
+        if self.kv_listener is not None:
+            out["kv_events"] = self.kv_listener.events
+        if self.store is not None:
+            out["store"] = self.store.stats()
+        return out
 
 
 # name -> "module:factory"; factories take (prefill, decode)

@@ -15,8 +15,12 @@ timeouts. Upstream trouble becomes a JSON error ``{"error": {"message", "type",
 (the client's request was bad). A stream that breaks after it started ends with an
 SSE ``error`` event and ``[DONE]``.
 
+Cache-aware policies (``global-cache``) get token ids for text prompts: the proxy asks a
+prefill instance's ``POST /tokenize`` first (:mod:`mooncake_core.proxy.tokenize`), then
+calls the policy's ``prepare`` (e.g. a store lookup) and ``choose``.
+
 Also served: ``GET /health``, ``GET /v1/models`` (from a decode instance) and
-``GET /proxy/stats`` (per-instance load and counters).
+``GET /proxy/stats`` (per-instance load and counters, the policy's under ``policy_stats``).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from mooncake_core.proxy.policy import (
     RoutingPolicy,
     make_policy,
 )
+from mooncake_core.proxy.tokenize import RemoteTokenizer
 
 __all__ = ["ProxyConfig", "ProxyServer", "UpstreamError"]
 
@@ -59,7 +64,8 @@ class ProxyConfig:
         port: listen port (0: any free port).
         policy: instance-choice policy name.
         policy_options: keyword options of that policy (``global-cache``: reject, slo_ttft_s,
-            slo_tbt_s, profile, block_tokens, kv_events).
+            slo_tbt_s, profile, block_tokens, kv_events, tokenize, store_master, store_dtype,
+            store_model, store_tp, store_timeout_s).
         connect_timeout_s: TCP connect timeout to an instance.
         prefill_timeout_s: whole prefill answer.
         read_timeout_s: longest silence of a decode answer (per chunk when streaming).
@@ -116,6 +122,8 @@ class ProxyServer:
         self.prefill = [Instance(u.rstrip("/"), "prefill", i) for i, u in enumerate(config.prefill)]
         self.decode = [Instance(u.rstrip("/"), "decode", i) for i, u in enumerate(config.decode)]
         self.policy = policy or make_policy(config.policy, self.prefill, self.decode, **dict(config.policy_options))
+        self.tokenizer = (RemoteTokenizer([i.url for i in self.prefill], timeout_s=config.connect_timeout_s)
+                          if self.policy.wants_token_ids else None)
         self._ids = itertools.count(1)
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
@@ -131,11 +139,16 @@ class ProxyServer:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> str:
-        """Start listening; returns the base URL."""
+        """Start the policy (KV-event sockets, store probe), then listen; returns the base URL."""
+        await self.policy.start()
         self._runner = web.AppRunner(self.app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
-        await site.start()
+        try:
+            await site.start()
+        except BaseException:
+            await self.stop()
+            raise
         server = getattr(site, "_server", None)
         sockets = getattr(server, "sockets", None) or []
         if sockets:
@@ -143,7 +156,6 @@ class ProxyServer:
         url = f"http://{self.config.host}:{self.port}"
         logger.info("PD proxy on %s: prefill %s; decode %s; policy %s", url,
                     ", ".join(i.url for i in self.prefill), ", ".join(i.url for i in self.decode), self.policy.name)
-        await self.policy.start()
         return url
 
     async def stop(self) -> None:
@@ -197,9 +209,13 @@ class ProxyServer:
         return web.json_response({"status": "ok"})
 
     async def _stats(self, request: web.Request) -> web.Response:
-        return web.json_response({"policy": self.policy.name, **self.stats,
-                                  "prefill": [i.as_dict() for i in self.prefill],
-                                  "decode": [i.as_dict() for i in self.decode]})
+        out: dict[str, Any] = {"policy": self.policy.name, **self.stats,
+                               "prefill": [i.as_dict() for i in self.prefill],
+                               "decode": [i.as_dict() for i in self.decode],
+                               "policy_stats": self.policy.stats()}
+        if self.tokenizer is not None:
+            out["tokenizer"] = self.tokenizer.stats()
+        return web.json_response(out)
 
     async def _models(self, request: web.Request) -> web.Response:
         inst = self.decode[0]
@@ -225,9 +241,14 @@ class ProxyServer:
         if not isinstance(body, dict):
             return _error(400, "request body must be a JSON object", "invalid_request_error")
         key, n_tokens = _prompt_of(body, chat)
+        if isinstance(key, str) and self.tokenizer is not None:
+            ids = await self.tokenizer.token_ids(self.session(), body, chat)
+            if ids is not None:
+                key, n_tokens = ids, len(ids)
         max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
         job = Job(next(self._ids), n_tokens, key, max_tokens)
         self.stats["requests"] += 1
+        await self.policy.prepare(job)
         try:
             place = self.policy.choose(job)
         except RequestRejected as exc:
@@ -253,7 +274,7 @@ class ProxyServer:
     @staticmethod
     def _route_headers(place: Placement) -> dict[str, str]:
         """Where the request ran (operators' debugging; tests of the routing policies)."""
-        return {"X-Mooncake-Prefill": place.prefill.url, "X-Mooncake-Decode": place.decode.url}
+        return {**place.headers, "X-Mooncake-Prefill": place.prefill.url, "X-Mooncake-Decode": place.decode.url}
 
     async def _prefill(self, inst: Instance, path: str, body: dict[str, Any], job: Job) -> dict[str, Any]:
         pbody = dict(body)

@@ -98,6 +98,22 @@ def test_global_cache_fetches_from_the_store() -> None:
     assert d.fetch_source == 2 and d.fetch_blocks == 30
 
 
+def test_fetch_sources_store_ignores_other_instances_caches() -> None:
+    # instance 0 holds 60 blocks and is busy; with fetch_sources="store" instance 1 cannot
+    # read them, only what the store holds (20 blocks)
+    c = conductor("global-cache", n=2, store_blocks=None, fetch_sources="store")
+    c.kv_stored(0, list(range(60)))
+    c.store_put(list(range(20)))
+    c.decide(req(0, list(range(60)) + [500 + i for i in range(80)]))  # instance 0 busy
+    d = c.decide(req(1, list(range(64))), commit=False)
+    assert d.prefill == 1 and d.fetch_source == 2 and d.fetch_blocks == 20 and d.cached_blocks == 20
+    c.store_removed(list(range(20)))
+    d = c.decide(req(2, list(range(64))), commit=False)
+    assert d.fetch_blocks == 0 and d.fetch_source == -1
+    with pytest.raises(ConfigError, match="fetch_sources"):
+        Conductor(ConductorConfig(1, 1, fetch_sources="peers"))
+
+
 def test_global_cache_recomputes_below_the_balancing_threshold() -> None:
     c = conductor("global-cache", n=2, balance_threshold_blocks=2)
     c.kv_stored(0, [1, 2])

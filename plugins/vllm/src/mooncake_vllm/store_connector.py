@@ -7,7 +7,8 @@ Select it with::
 
 Keys: one object per (page, layer), ``mcv/<model>/tp<rank>of<size>/<chain>/L<layer>`` where
 ``chain`` is a prefix hash chained over the page tokens and seeded with the model, dtype
-and page size; a page is ``block_size`` prompt tokens (only full pages are stored).
+and page size; a page is ``block_size`` prompt tokens (only full pages are stored). The
+scheme is defined once, in :mod:`mooncake_vllm.store_keys` (the PD proxy uses it too).
 
 Scheduler side (EngineCore process):
 
@@ -34,7 +35,6 @@ default the config's ``global_segment_size``; ``0`` lends none), ``stats_dir``,
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -51,22 +51,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from mooncake_vllm.common import TEST_CORRUPT_ENV, Counters, config_from_engine, option
+from mooncake_vllm.store_keys import StoreKeyScheme, key_prefix, page_chain, rank_dir
 
-__all__ = ["MooncakeCoreStoreConnector", "page_chain"]
+__all__ = ["MooncakeCoreStoreConnector", "page_chain", "scheme_of"]
 
 logger = logging.getLogger(__name__)
-
-
-def page_chain(seed: str, tokens: list[int], page: int, n_pages: int) -> list[str]:
-    """Hex prefix hashes of the first ``n_pages`` full pages of ``tokens``."""
-    h = hashlib.blake2b(seed.encode(), digest_size=16).digest()
-    out = []
-    for i in range(n_pages):
-        chunk = tokens[i * page : (i + 1) * page]
-        h = hashlib.blake2b(h + b"".join(int(t).to_bytes(4, "little", signed=True) for t in chunk),
-                            digest_size=16).digest()
-        out.append(h.hex())
-    return out
 
 
 @dataclass
@@ -97,14 +86,8 @@ class _Req:
     saving: bool = False
 
 
-def _seed(vllm_config: Any, block_size: int) -> str:
-    mc = vllm_config.model_config
-    return f"{getattr(mc, 'model', '?')}|{getattr(mc, 'dtype', '?')}|{block_size}"
-
-
 def _key_prefix(vllm_config: Any) -> str:
-    name = os.path.basename(str(getattr(vllm_config.model_config, "model", "model")).rstrip("/")) or "model"
-    return "mcv/" + "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+    return key_prefix(str(getattr(vllm_config.model_config, "model", "model")))
 
 
 def _tp_size(vllm_config: Any) -> int:
@@ -112,8 +95,14 @@ def _tp_size(vllm_config: Any) -> int:
 
 
 def _rank_dir(rank: int, size: int) -> str:
-    """Keys of TP rank ``rank`` of ``size``: shards of different TP sizes never collide."""
-    return f"/tp{rank}of{size}/"
+    return rank_dir(rank, size)
+
+
+def scheme_of(vllm_config: Any) -> StoreKeyScheme:
+    """The key scheme of this vLLM engine (model, dtype, block size, TP size)."""
+    mc = vllm_config.model_config
+    return StoreKeyScheme(str(getattr(mc, "model", "?")), str(getattr(mc, "dtype", "?")),
+                          int(vllm_config.cache_config.block_size), _tp_size(vllm_config))
 
 
 class _StoreScheduler:
@@ -121,11 +110,9 @@ class _StoreScheduler:
         from mooncake_core.store.client import StoreClient
 
         self.block_size = int(vllm_config.cache_config.block_size)
-        self.seed = _seed(vllm_config, self.block_size)
-        self.tp_size = _tp_size(vllm_config)
-        # a page is a hit only when every TP rank's shard of it is in the store
-        self.prefixes = [_key_prefix(vllm_config) + _rank_dir(r, self.tp_size) for r in range(self.tp_size)]
-        self.layer0 = "L0"
+        self.scheme = scheme_of(vllm_config)
+        self.seed = self.scheme.seed
+        self.tp_size = self.scheme.tp_size
         self.retry_after_s = float(option(extra, "retry_after_s", 10.0))
         self.counters = Counters(f"store-sched-{engine_id}", option(extra, "stats_dir", None))
         self._make_client: Any = lambda: StoreClient(config_from_engine(extra), segment_size=0,
@@ -145,21 +132,14 @@ class _StoreScheduler:
                 client = self._make_client()
                 client.start()  # closes itself when it fails
                 self.client = client
-            keys = [pre + p + "/" + self.layer0 for p in pages for pre in self.prefixes]
-            flat = self.client.batch_exists(keys)
-            r = len(self.prefixes)
-            found = [all(flat[i * r : (i + 1) * r]) for i in range(len(pages))]
+            # a page is a hit only when every TP rank's shard of it is in the store
+            n = self.scheme.held_pages(self.client.batch_exists(self.scheme.exists_keys(pages)))
         except Exception as exc:
             self._down_until = time.monotonic() + self.retry_after_s
             self.counters.add(lookup_failures=1)
             logger.warning("mooncake_vllm: KV store lookup failed (%s); computing prompts locally, "
                            "next try in %.0f s", exc, self.retry_after_s)
             return 0
-        n = 0
-        for ok in found:
-            if not ok:
-                break
-            n += 1
         return n
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -168,7 +148,7 @@ class _StoreScheduler:
         bs = self.block_size
         st = self.reqs.get(rid)
         if st is None:
-            st = _Req(request, page_chain(self.seed, prompt, bs, len(prompt) // bs))
+            st = _Req(request, self.scheme.pages(prompt))
             self.reqs[rid] = st
         # leave at least one prompt token to compute
         max_pages = max(0, (len(prompt) - 1) // bs)
@@ -247,7 +227,8 @@ class _StoreScheduler:
 class _StoreWorker:
     def __init__(self, vllm_config: Any, extra: dict[str, Any], engine_id: str, tp_rank: int) -> None:
         self.extra = extra
-        self.prefix = _key_prefix(vllm_config) + _rank_dir(tp_rank, _tp_size(vllm_config))
+        self.scheme = scheme_of(vllm_config)
+        self.tp_rank = tp_rank
         self.counters = Counters(f"store-worker-{engine_id}-tp{tp_rank}", option(extra, "stats_dir", None))
         self.client: Any = None
         self.layers: list[tuple[str, Any]] = []
@@ -282,11 +263,12 @@ class _StoreWorker:
             self.client.register_buffer(t)
             self.layers.append((name, t))
             self.block_bytes = int(t.stride(0)) * int(t.element_size())
-        logger.info("mooncake_vllm: store worker on %s, %d layers x %d bytes per page, lends %d bytes",
-                    self.client.hostname, len(self.layers), self.block_bytes, size)
+        logger.info("mooncake_vllm: store worker on %s, %d layers x %d bytes per page, lends %d bytes; "
+                    "keys %s..., seed %r", self.client.hostname, len(self.layers), self.block_bytes, size,
+                    self.scheme.rank_prefix(self.tp_rank), self.scheme.seed)
 
     def _keys(self, pages: list[str], layer: int) -> list[str]:
-        return [f"{self.prefix}{p}/L{layer}" for p in pages]
+        return self.scheme.layer_keys(pages, self.tp_rank, layer)
 
     # ------------------------------------------------------------------ loads
     def start_load(self, meta: StoreMetadata) -> None:
