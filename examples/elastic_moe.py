@@ -45,7 +45,8 @@ def rank_main(seat: int, port: int, q: Any, stop: Any) -> None:
     )
     ep.start()
     if seat == 0:
-        q.put(("placement", "before", ep.placement.describe()))
+        # transport: "shm" (same-host shared memory) here, "collective" (gloo) across hosts
+        q.put(("placement", f"before (transport {ep.transport})", ep.placement.describe()))
     try:
         while not stop.is_set():
             x, idx, w, logits = make_inputs(0, seat, ep.step, TOKENS, H, E, K)

@@ -5,7 +5,15 @@ routing distributions uniform, k-hot (``--hot`` experts take 90 % of picks) and 
 
 - dispatch+combine tokens/s (all ranks' tokens per second; identity experts, so this is the
   communication path) against a naive all-gather baseline (all-gather tokens and routing,
-  every rank applies its experts to all tokens, all-reduce the outputs) in the same run;
+  every rank applies its experts to all tokens, all-reduce the outputs; torch.distributed
+  gloo collectives) in the same run. The EP layer is timed twice: with its default
+  transport (``auto``: the same-host shared-memory plane here) and with
+  ``transport="collective"`` (rows over the same gloo group as the baseline), so the gain of
+  the algorithm and that of the transport can be told apart. The three paths alternate in
+  the timed windows, at the same tokens per rank and hidden size. Throughput is the median
+  window (a window lasts as long as its slowest rank); a ratio is the median of the ratios
+  of adjacent windows, which saw the same load on a shared machine. Both are reported for
+  the initial placement and after ``rebalance()``;
 - load imbalance (max/mean received (token, expert) pairs per rank) with the initial
   contiguous placement (no redundancy, no EPLB) and after ``rebalance()`` on that load;
 - time to recover after one rank is SIGKILLed by the launcher mid-run (kill -> the step in
@@ -98,17 +106,6 @@ def _worker(seat: int, port: int, opts: dict[str, Any], q: Any) -> None:
         opts["topk"],
         opts["tokens"],
     )
-    cfg = EPConfig(
-        num_experts=e,
-        num_seats=r,
-        slots_per_rank=s,
-        hidden=h,
-        top_k=k,
-        timeout_s=opts["timeout"],
-        stale_s=opts["stale"],
-        heartbeat_s=0.05,
-        connect_timeout_s=120,
-    )
     per = e // r
     slots = [-1] * (r * s)
     for seat_i in range(r):
@@ -116,18 +113,32 @@ def _worker(seat: int, port: int, opts: dict[str, Any], q: Any) -> None:
             slots[seat_i * s + j] = seat_i * per + j
     initial = Placement(e, r, s, tuple(slots))
     weights = make_expert_weights(e, h, 1)
-    ep = ElasticEP(
-        cfg,
-        seat,
-        ExpertBank(h, 1, {i: weights[i] for i in range(e)}),
-        "127.0.0.1",
-        port,
-        placement=initial,
-    )
+
+    def layer(transport: str, prefix: str) -> Any:
+        cfg = EPConfig(
+            num_experts=e,
+            num_seats=r,
+            slots_per_rank=s,
+            hidden=h,
+            top_k=k,
+            timeout_s=opts["timeout"],
+            stale_s=opts["stale"],
+            heartbeat_s=0.05,
+            connect_timeout_s=120,
+            transport=transport,
+            prefix=prefix,
+        )
+        bank = ExpertBank(h, 1, {i: weights[i] for i in range(e)})
+        return ElasticEP(cfg, seat, bank, "127.0.0.1", port, placement=initial)
+
+    # Two EP layers on the same ranks: the default transport and rows over the gloo group.
+    ep = layer(opts["transport"], "mooncake/ep")
+    ep_c = layer("collective", "mooncake/ep-collective")
     ep.start()
+    ep_c.start()
     gen = torch.Generator().manual_seed(1000 + seat)
     x = torch.randn(t, h, generator=gen)
-    out: dict[str, Any] = {"seat": seat}
+    out: dict[str, Any] = {"seat": seat, "transport": ep.transport}
     try:
         routing = {}
         for dist in DISTS:
@@ -141,10 +152,11 @@ def _worker(seat: int, port: int, opts: dict[str, Any], q: Any) -> None:
             for dist in DISTS:
                 idx, w = routing[dist]
                 if phase == "after":
-                    ep.reset_load()
-                    for _ in range(2):
-                        _ep_step(ep, x, idx, w)
-                    ep.rebalance()
+                    for layer_ in (ep, ep_c):  # same load, so the same EPLB placement
+                        layer_.reset_load()
+                        for _ in range(2):
+                            _ep_step(layer_, x, idx, w)
+                        layer_.rebalance()
                 recv_x, counts, handle = ep.dispatch(x, idx, w)
                 ep.combine(recv_x, handle)  # identity experts
                 group = ep.group
@@ -154,6 +166,7 @@ def _worker(seat: int, port: int, opts: dict[str, Any], q: Any) -> None:
                 bufs: dict[str, torch.Tensor] = {}
                 steps: dict[str, Callable[[], Any]] = {
                     "ep": partial(_ep_step, ep, x, idx, w),
+                    "collective": partial(_ep_step, ep_c, x, idx, w),
                     "allgather": partial(_allgather_step, ep, x, idx, w, bufs),
                 }
                 for fn in steps.values():
@@ -171,8 +184,9 @@ def _worker(seat: int, port: int, opts: dict[str, Any], q: Any) -> None:
                         _barrier(group)
                         times[name].append((time.perf_counter() - t0) / opts["iters"])
                 for name, ts in times.items():
-                    out[f"s_{name}_{dist}_{phase}"] = sorted(ts)[len(ts) // 2]
+                    out[f"s_{name}_{dist}_{phase}"] = ts
         q.put({"kind": "result", **out})
+        ep_c.close()
         # Recovery: run steps until the launcher kills a rank and the survivors recover.
         xs, idxs = x[:64], _routing("uniform", 64, e, k, opts["hot"], gen)
         ws = torch.softmax(torch.randn(64, k, generator=gen), dim=1)
@@ -194,18 +208,32 @@ def _worker(seat: int, port: int, opts: dict[str, Any], q: Any) -> None:
                 break
             time.sleep(0.005)
     finally:
+        ep_c.close()
         ep.close()
+
+
+def _median(xs: list[float]) -> float:
+    ys = sorted(xs)
+    n = len(ys)
+    return ys[n // 2] if n % 2 else (ys[n // 2 - 1] + ys[n // 2]) / 2
 
 
 def _print_table(res: dict[str, Any]) -> None:
     print(
-        f"{'distribution':<12} {'EP tok/s':>12} {'all-gather tok/s':>17} {'ratio':>7} {'imbal before':>13} {'imbal after':>12}"
+        f"{'distribution':<12} {'placement':<10} {'EP tok/s':>10} {'EP-coll tok/s':>14} "
+        f"{'all-gather tok/s':>17} {'ratio':>7} {'ratio coll':>11} {'imbalance':>10}"
     )
     for d in DISTS:
-        print(
-            f"{d:<12} {res[f'tokens_per_s_{d}']:>12.0f} {res[f'allgather_tokens_per_s_{d}']:>17.0f} "
-            f"{res[f'ratio_{d}']:>7.2f} {res[f'imbalance_{d}_before']:>13.2f} {res[f'imbalance_{d}_after']:>12.2f}"
-        )
+        for ph, sfx in (("before", ""), ("after", "_after_rebalance")):
+            print(
+                f"{d:<12} {ph:<10} {res[f'tokens_per_s_{d}{sfx}']:>10.0f} "
+                f"{res[f'collective_tokens_per_s_{d}{sfx}']:>14.0f} "
+                f"{res[f'allgather_tokens_per_s_{d}{sfx}']:>17.0f} {res[f'ratio_{d}{sfx}']:>7.2f} "
+                f"{res[f'ratio_collective_{d}{sfx}']:>11.2f} {res[f'imbalance_{d}_{ph}']:>10.2f}"
+            )
+    print(
+        f"EP transport: {res['transport']} (EP-coll: rows over the gloo group, like the baseline)"
+    )
     print(
         f"recovery after SIGKILL of seat {res['killed_seat']}: {res['recover_s']:.3f} s "
         f"(timeout {res['timeout_s']} s, stale {res['stale_s']} s)"
@@ -225,10 +253,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tokens", type=int, default=512, help="tokens per rank per step")
     p.add_argument("--hot", type=int, default=4, help="hot experts of the k-hot distribution")
     p.add_argument("--iters", type=int, default=5, help="steps per timed window")
-    p.add_argument("--repeats", type=int, default=5, help="timed windows per path (median kept)")
+    p.add_argument("--repeats", type=int, default=7, help="timed windows per path (median kept)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--timeout", type=float, default=2.0)
     p.add_argument("--stale", type=float, default=0.5)
+    p.add_argument(
+        "--transport",
+        default="auto",
+        choices=("auto", "shm", "collective"),
+        help="transport of the main EP layer (the second one always uses 'collective')",
+    )
     a = p.parse_args(argv)
     from mooncake_core.ep.testing import serve_store
 
@@ -278,19 +312,31 @@ def main(argv: list[str]) -> int:
     total = a.tokens * a.seats
     res: dict[str, Any] = {}
     for d in DISTS:
-        s_ep = max(r[f"s_ep_{d}_before"] for r in results)
-        s_ag = max(r[f"s_allgather_{d}_before"] for r in results)
-        res[f"tokens_per_s_{d}"] = total / s_ep
-        res[f"allgather_tokens_per_s_{d}"] = total / s_ag
-        res[f"ratio_{d}"] = s_ag / s_ep
-        res[f"tokens_per_s_{d}_after_rebalance"] = total / max(
-            r[f"s_ep_{d}_after"] for r in results
-        )
-        for ph in ("before", "after"):
+        for ph, sfx in (("before", ""), ("after", "_after_rebalance")):
+            # Window i of a path lasts as long as its slowest rank (windows start at a
+            # barrier). Throughput: median window. Ratios: median of the per-repeat ratios of
+            # adjacent windows, which saw the same load on this shared machine.
+            win = {
+                path: [
+                    max(ws) for ws in zip(*(r[f"s_{path}_{d}_{ph}"] for r in results), strict=True)
+                ]
+                for path in ("ep", "collective", "allgather")
+            }
+            res[f"tokens_per_s_{d}{sfx}"] = total / _median(win["ep"])
+            res[f"collective_tokens_per_s_{d}{sfx}"] = total / _median(win["collective"])
+            res[f"allgather_tokens_per_s_{d}{sfx}"] = total / _median(win["allgather"])
+            res[f"ratio_{d}{sfx}"] = _median(
+                [g / e for g, e in zip(win["allgather"], win["ep"], strict=True)]
+            )
+            res[f"ratio_collective_{d}{sfx}"] = _median(
+                [g / c for g, c in zip(win["allgather"], win["collective"], strict=True)]
+            )
             res[f"imbalance_{d}_{ph}"] = results[0][f"imbalance_{d}_{ph}"]
     summary = {
         "tokens_per_s": res["tokens_per_s_uniform"],
         "tokens_per_s_ratio_vs_allgather": res["ratio_uniform"],
+        "tokens_per_s_ratio_vs_allgather_collective": res["ratio_collective_uniform"],
+        "transport": results[0]["transport"],
         "imbalance_zipf_before": res["imbalance_zipf_before"],
         "imbalance_zipf_after": res["imbalance_zipf_after"],
         "recover_s": max(m["t"] for m in recovered) - t_kill,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from mooncake_core.ep.config import EPConfig
 from mooncake_core.ep.engine import DispatchHandle, ElasticEP
 from mooncake_core.ep.experts import ExpertBank, make_expert_weights, reference_moe, run_expert
-from mooncake_core.ep.membership import AliveInfo, View, plan_view
+from mooncake_core.ep.membership import AliveInfo, MembershipStoreLost, View, plan_view
 from mooncake_core.ep.placement import (
     Placement,
     balanced_placement,
@@ -40,6 +40,7 @@ __all__ = [
     "ExpertWeightSource",
     "FetchContext",
     "LiveReplicaSource",
+    "MembershipStoreLost",
     "Placement",
     "Policy",
     "ReplicaTable",

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from mooncake_core.ep.routing import POLICIES, Policy
 from mooncake_core.errors import ConfigError
 
-__all__ = ["EPConfig"]
+__all__ = ["TRANSPORTS", "EPConfig"]
+
+TRANSPORTS: tuple[str, ...] = ("auto", "shm", "collective")
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,11 @@ class EPConfig:
         stale_s: a heartbeat older than this marks its rank dead during a transition.
         join_poll_s: how often the leader checks for join requests.
         backend: ``"gloo"`` (CPU) or ``"nccl"`` (CUDA; untested here).
+        transport: where dispatch/combine rows travel. ``"auto"``: the same-host shared-memory
+            plane (:mod:`mooncake_core.ep.shm`) when every member of the epoch can map the
+            others' buffers, else the group's all-to-all; ``"shm"``: require the plane (an
+            epoch whose members cannot use it fails to install); ``"collective"``: always
+            the group's all-to-all. Headers always go over the group.
         host: address the backend binds to.
         prefix: store key prefix (one per EP layer group).
     """
@@ -43,6 +50,7 @@ class EPConfig:
     stale_s: float = 1.0
     join_poll_s: float = 0.2
     backend: str = "gloo"
+    transport: str = "auto"
     host: str = "127.0.0.1"
     prefix: str = "mooncake/ep"
 
@@ -59,6 +67,8 @@ class EPConfig:
                 f"ep.slots_per_rank {self.slots_per_rank} > num_experts {self.num_experts}: "
                 "a rank holds each expert at most once"
             )
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"ep.transport {self.transport!r} is not one of {TRANSPORTS}")
         if (
             min(self.timeout_s, self.heartbeat_s, self.stale_s) <= 0
             or self.stale_s <= self.heartbeat_s

@@ -6,25 +6,34 @@ Contract (one :class:`ElasticEP` per rank; all ranks call the same methods in th
   asks to join, is admitted by the next transition, receives its experts (from live replicas,
   or from the weight store if one is configured) and then follows the others.
 - ``dispatch(x, topk_idx, topk_weights, active_ranks, num_experts, timeout)`` routes pairs to
-  live replicas (policy for experts without one), sends each token once per destination rank
-  and returns ``(recv_x, recv_counts, handle)``: ``recv_x`` is ``[N, H]`` grouped by local
-  slot (a buffer reused by the next dispatch), ``recv_counts[s]`` rows for slot ``s``.
-  ``combine(expert_out, handle)`` applies the gate weights at the expert side, sends one row
-  per (token, rank) back and sums: ``y``.
+  live replicas (policy for experts without one) and returns ``(recv_x, recv_counts,
+  handle)``: ``recv_x`` is ``[N, H]`` grouped by local slot (a buffer reused by the next
+  dispatch), ``recv_counts[s]`` rows for slot ``s``. ``combine(expert_out, handle)`` applies
+  the gate weights at the expert side, sends the rows back and sums them: ``y``.
 - ``forward(...)`` = dispatch + local experts + combine, retried across membership changes;
   this is what a MoE layer calls.
-- Every round is three all-to-alls on the epoch's group (header, payload, combine). The
-  header carries the round number, a hash of ``active_ranks`` (ranks passing different
-  masks all get :class:`InvalidRouting`), an error flag (a rank whose input is invalid still
-  takes part, so the others get a clear error instead of a timeout) and the leader's
-  "a join is pending" flag.
-- A collective that fails or exceeds its timeout starts a transition (see
-  :mod:`mooncake_core.ep.membership`): the group is dropped, survivors agree on the next
-  epoch, form a fresh group, copy the weights the re-plan moved, and the call raises
-  :class:`RankFailure` (``forward`` retries transparently). Survivors that had already
-  finished the failed round replay it with zero tokens so every member is at the same round.
+- Two transports, chosen per epoch (``EPConfig.transport``; every member uses the same):
 
-Recovery bound: a crashed rank (sockets reset) is noticed at once; a hung one after
+  * *collective*: every round is three all-to-alls on the epoch's group (header, payload,
+    combine); a payload row is one token per destination rank with its local slots and
+    gate weights, and the expert side sums its pairs per token before sending back;
+  * *shm* (same host, :mod:`mooncake_core.ep.shm`): one row per (token, destination slot)
+    written straight into the sender's shared buffer; receivers concatenate their chunks
+    out of the senders' buffers, and combine sums the weighted rows out of the experts'
+    buffers. Headers go through shared-memory mailboxes (x86-64), else the group.
+
+- Every round starts with a header exchange carrying the round number, a hash of
+  ``active_ranks`` (ranks passing different masks all get :class:`InvalidRouting`), an
+  error flag (a rank whose input is invalid still takes part, so the others get a clear
+  error instead of a timeout) and the leader's "a join is pending" flag.
+- An exchange that fails (peer reset, peer process gone, peer left the epoch) or exceeds its
+  timeout starts a transition (see :mod:`mooncake_core.ep.membership`): the group is
+  dropped and the mailbox marked, survivors agree on the next epoch, form a fresh group,
+  copy the weights the re-plan moved, and the call raises :class:`RankFailure` (``forward``
+  retries transparently). Survivors that had already finished the failed round replay it
+  with zero tokens so every member is at the same round.
+
+Recovery bound: a crashed rank (sockets reset, process gone) is noticed at once; a hung one after
 ``timeout_s``. The agreement then waits until the dead rank's heartbeat is ``stale_s`` old
 (counted from its death, so it overlaps detection) and forms the new group. Hence
 ``recover <= max(timeout_s, stale_s) + T_rebuild`` where ``T_rebuild`` (group rendezvous +
@@ -45,16 +54,23 @@ import torch
 from mooncake_core.ep.comm import Group, GroupFailure, open_group
 from mooncake_core.ep.config import EPConfig
 from mooncake_core.ep.experts import ExpertBank
-from mooncake_core.ep.membership import AliveInfo, Membership, View, plan_view
+from mooncake_core.ep.membership import (
+    AliveInfo,
+    Membership,
+    MembershipStoreLost,
+    View,
+    plan_view,
+)
 from mooncake_core.ep.placement import Placement, balanced_placement
 from mooncake_core.ep.routing import ReplicaTable, route, validate_routing
+from mooncake_core.ep.shm import COMBINE, DISPATCH, MAILBOX_OK, MailboxFailure, ShmPlane
 from mooncake_core.ep.weights import (
     STORE,
     ExpertWeightSource,
     FetchContext,
     LiveReplicaSource,
 )
-from mooncake_core.errors import EPError, Evicted, InvalidRouting, RankFailure
+from mooncake_core.errors import EPError, Evicted, InvalidRouting, MooncakeError, RankFailure
 
 __all__ = ["DispatchHandle", "ElasticEP"]
 
@@ -64,6 +80,12 @@ _ERR = 1
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _JOIN = 2
 _WILDCARD = -1
+_DISPATCH_ROW = 9  # fixed values of a shared-memory dispatch header row (then one per slot)
+
+
+def _abort_word(epoch: int) -> int:
+    """Mailbox sequence word meaning "this member left epoch ``epoch``"."""
+    return -(epoch + 1)
 
 
 @dataclass(frozen=True)
@@ -80,6 +102,22 @@ class DispatchHandle:
     pair_weight: torch.Tensor
     num_recv_rows: int
     dtype: torch.dtype
+    num_pairs: int = 0
+    shm_send_counts: list[list[int]] | None = None
+    shm_chunk_at: list[list[int]] | None = None
+
+
+@dataclass(frozen=True)
+class _Head:
+    """What a dispatch carries from validation to its header exchange."""
+
+    mask_hash: int
+    ctrl: int
+    error: InvalidRouting | None
+    view: View
+    timeout: float | None
+    dtype: torch.dtype
+    num_tokens: int
 
 
 class ElasticEP:
@@ -132,6 +170,9 @@ class ElasticEP:
             config.slots_per_rank,
         )
         self.view: View | None = None
+        self.served_view: View | None = None
+        """The view whose epoch served the last completed round (``view`` may already be
+        newer: a join transition runs right after the round that announced it)."""
         self.group: Group | None = None
         self.round = 0
         self.step = 0
@@ -144,11 +185,18 @@ class ElasticEP:
         }
         self._table: ReplicaTable | None = None
         self._table_mask: torch.Tensor | None = None
+        self._table_mask_src: torch.Tensor | None = None
+        self._view_mask: tuple[View, torch.Tensor, int] | None = None
         self._seat_to_member = torch.full((config.num_seats,), -1, dtype=torch.int64)
         self._replica_table = self._initial.replica_table()
         self._transition_pending = False
         self._last_join_poll = 0.0
+        self._store_lost = False
         self._bufs: dict[str, torch.Tensor] = {}
+        self._shm: ShmPlane | None = None
+        self._shm_on = False
+        self._mailbox = False
+        self._xchg = 0  # header exchanges completed in this epoch
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -192,10 +240,16 @@ class ElasticEP:
 
     def close(self) -> None:
         """Stop heartbeats and drop the group (other ranks will see this seat as dead)."""
+        if self.view is not None:
+            self._leave_mailboxes(self.view.epoch)
         if self.group is not None:
             self.group.close()
             self.group = None
         self.membership.close()
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
+            self._shm_on = self._mailbox = False
 
     # ------------------------------------------------------------------ properties
     @property
@@ -298,35 +352,89 @@ class ElasticEP:
                 f"stale dispatch handle (epoch {handle.epoch}, round {handle.round}); current is "
                 f"epoch {view.epoch}, round {self.round}: dispatch again"
             )
-        if expert_out.shape != (handle.pair_row.numel(), self.config.hidden):
+        if expert_out.shape != (handle.num_pairs, self.config.hidden):
             raise InvalidRouting(
-                f"expert_out must be [{handle.pair_row.numel()}, {self.config.hidden}] like recv_x; "
+                f"expert_out must be [{handle.num_pairs}, {self.config.hidden}] like recv_x; "
                 f"got {tuple(expert_out.shape)}"
             )
         group = self._require_group()
         dev, h = group.device, self.config.hidden
-        weighted = self._buffer("weighted", (handle.pair_row.numel(), h), handle.dtype, dev)
-        torch.mul(
-            expert_out.to(handle.dtype), handle.pair_weight[:, None].to(handle.dtype), out=weighted
-        )
-        partial = self._buffer("partial", (handle.num_recv_rows, h), handle.dtype, dev).zero_()
-        partial.index_add_(0, handle.pair_row, weighted)
-        back_buf = self._buffer("back", (int(sum(handle.send_splits)), h), handle.dtype, dev)
-        try:
-            back = group.all_to_all(
-                partial, handle.recv_splits, handle.send_splits, timeout, out=back_buf
+        if handle.shm_send_counts is not None and self._shm is not None:
+            y = self._combine_shm(self._shm, group, expert_out, handle, timeout)
+        else:
+            weighted = self._buffer("weighted", (handle.num_pairs, h), handle.dtype, dev)
+            torch.mul(
+                expert_out.to(handle.dtype),
+                handle.pair_weight[:, None].to(handle.dtype),
+                out=weighted,
             )
-        except GroupFailure as exc:
-            self._fail(exc)
-        y = torch.zeros(
-            (handle.num_tokens, self.config.hidden), dtype=handle.dtype, device=group.device
-        )
-        y.index_add_(0, handle.send_token, back)
+            partial = self._buffer("partial", (handle.num_recv_rows, h), handle.dtype, dev)
+            partial.zero_().index_add_(0, handle.pair_row, weighted)
+            back_buf = self._buffer("back", (int(sum(handle.send_splits)), h), handle.dtype, dev)
+            try:
+                group.all_to_all(
+                    partial.view(torch.uint8),
+                    handle.recv_splits,
+                    handle.send_splits,
+                    timeout,
+                    out=back_buf.view(torch.uint8),
+                )
+            except GroupFailure as exc:
+                self._fail(exc)
+            y = torch.zeros((handle.num_tokens, h), dtype=handle.dtype, device=dev)
+            y.index_add_(0, handle.send_token, back_buf)
         if self.round == self.step:
             self.step += 1
         self.round += 1
+        self.served_view = view
         if self._transition_pending:
             self._transition("join")
+        return y
+
+    def _combine_shm(
+        self,
+        shm: ShmPlane,
+        group: Group,
+        expert_out: torch.Tensor,
+        handle: DispatchHandle,
+        timeout: float | None,
+    ) -> torch.Tensor:
+        """Combine over the shared-memory plane: the gate-weighted expert outputs go straight
+        into this rank's combine buffer (in ``recv_x`` order), a header exchange tells every
+        source where its chunks are, and each rank sums its pairs' rows out of the members'
+        buffers into ``y``."""
+        h, dt = self.config.hidden, handle.dtype
+        send_counts, chunk_at = handle.shm_send_counts, handle.shm_chunk_at
+        assert send_counts is not None and chunk_at is not None
+        n = handle.num_pairs
+        out = shm.send(COMBINE, n * h * dt.itemsize).view(dt).view(n, h)
+        torch.mul(expert_out.to(dt), handle.pair_weight[:, None].to(dt), out=out)
+        pid, fd, gen = shm.descriptor(COMBINE)
+        rows_hdr = [[self.round, pid, fd, gen, *at] for at in chunk_at]
+        try:
+            hdr = self._exchange(group, rows_hdr, timeout)
+        except GroupFailure as exc:
+            self._fail(exc)
+        if any(r[0] != self.round for r in hdr):
+            raise EPError(
+                f"round mismatch in combine: members at rounds {[r[0] for r in hdr]}, this seat "
+                f"at {self.round}"
+            )
+        y = torch.zeros((handle.num_tokens, h), dtype=dt)
+        tokens = handle.send_token
+        a = 0
+        try:
+            for counts, r in zip(send_counts, hdr, strict=True):
+                if not any(counts):
+                    continue
+                buf = shm.peer(COMBINE, r[1], r[2], r[3])
+                src = buf[: buf.numel() // (h * dt.itemsize) * h * dt.itemsize].view(dt).view(-1, h)
+                for c, at in zip(counts, r[4:], strict=True):
+                    if c:
+                        y.index_add_(0, tokens[a : a + c], src[at : at + c])
+                        a += c
+        except OSError as exc:
+            self._fail(GroupFailure(f"shared-memory read of round {self.round} failed: {exc}"))
         return y
 
     # ------------------------------------------------------------------ internals: rounds
@@ -347,6 +455,9 @@ class ElasticEP:
             self.combine(self.bank.forward(recv_x, counts, self.local_experts()), handle)
 
     def _routing_table(self, mask: torch.Tensor) -> ReplicaTable:
+        if self._table is not None and mask is self._table_mask_src:
+            return self._table
+        self._table_mask_src = mask
         if (
             self._table is None
             or self._table_mask is None
@@ -372,7 +483,10 @@ class ElasticEP:
         view = self._require_view()
         group = self._require_group()
         m = len(view.members)
-        mask = view.active_mask()
+        if self._view_mask is None or self._view_mask[0] is not view:
+            m0 = view.active_mask()
+            self._view_mask = (view, m0, zlib.crc32(bytes(m0.tolist())))
+        mask, mask_crc = self._view_mask[1], self._view_mask[2]
         error: InvalidRouting | None = None
         try:
             if num_experts is not None and num_experts != cfg.num_experts:
@@ -391,6 +505,7 @@ class ElasticEP:
                     )
                 mask = mask * (active_ranks.cpu() != 0).to(torch.int32)
                 active_ranks.copy_(mask.to(active_ranks.dtype))
+                mask_crc = zlib.crc32(bytes(mask.tolist()))
             if int(mask.sum()) == 0:
                 raise InvalidRouting("no rank of active_ranks is alive in this epoch")
         except InvalidRouting as exc:
@@ -402,11 +517,19 @@ class ElasticEP:
         ):
             self._last_join_poll = time.monotonic()
             outside = [s for s in range(cfg.num_seats) if s not in view.members]
-            if self.membership.any_join_pending(outside):
-                ctrl |= _JOIN
-        mask_hash = _WILDCARD if wildcard else zlib.crc32(bytes(mask.tolist()))
+            try:
+                if self.membership.any_join_pending(outside):
+                    ctrl |= _JOIN
+            except MembershipStoreLost as exc:  # steps go on; joins wait for the store
+                if not self._store_lost:
+                    logger.warning("EP seat %d: %s", self.seat, exc)
+                self._store_lost = True
+        mask_hash = _WILDCARD if wildcard else mask_crc
         dev = group.device
         k = cfg.top_k if error is not None else topk_idx.shape[1]
+        slots: torch.Tensor | None = None
+        weights: torch.Tensor | None = None
+        dest: torch.Tensor | None = None
         if error is None:
             # Routing tables live on the CPU (they are tiny); on CUDA this costs a copy of
             # topk_idx/topk_weights per step (the NCCL path is untested here).
@@ -424,40 +547,47 @@ class ElasticEP:
             self.load += torch.bincount(r.experts[valid], minlength=cfg.num_experts).to(
                 torch.float64
             )
+            slots, weights = r.slots, r.weights
             dest = torch.where(
-                r.slots >= 0, self._seat_to_member[(r.slots // cfg.slots_per_rank).clamp(min=0)], -1
+                slots >= 0, self._seat_to_member[(slots // cfg.slots_per_rank).clamp(min=0)], -1
             )
+            dtype = x.dtype
+            xi = x.to(dev).contiguous().view(_INT_OF_SIZE[x.element_size()])
+        else:
+            dtype = x.dtype if x.is_floating_point() else torch.float32
+            xi = torch.empty((0, cfg.hidden), dtype=dtype, device=dev).view(
+                _INT_OF_SIZE[dtype.itemsize]
+            )
+        head = _Head(
+            mask_hash, ctrl, error, view, timeout, dtype, x.shape[0] if error is None else 0
+        )
+        if self._shm_on and self._shm is not None:
+            return self._dispatch_shm(self._shm, group, head, xi, slots, weights, dest)
+        if slots is not None and weights is not None and dest is not None:
             has = (dest.unsqueeze(-1) == torch.arange(m)).any(dim=1)  # [T, M]
             pairs = has.t().nonzero()
             send_member, send_token = pairs[:, 0], pairs[:, 1]
             send_splits = torch.bincount(send_member, minlength=m).tolist()
             same = dest[send_token] == send_member[:, None]
-            local_slot = torch.where(same, r.slots[send_token] % cfg.slots_per_rank, -1).to(
+            local_slot = torch.where(same, slots[send_token] % cfg.slots_per_rank, -1).to(
                 torch.int32
             )
-            w = torch.where(same, r.weights[send_token], 0.0).to(torch.float32)
-            dtype = x.dtype
-            xi = x.to(dev).contiguous().view(_INT_OF_SIZE[x.element_size()])
+            w = torch.where(same, weights[send_token], 0.0).to(torch.float32)
         else:
             send_token = torch.empty(0, dtype=torch.int64)
             send_splits = [0] * m
             local_slot = torch.empty((0, k), dtype=torch.int32)
             w = torch.empty((0, k), dtype=torch.float32)
-            dtype = x.dtype if x.is_floating_point() else torch.float32
-            xi = torch.empty((0, cfg.hidden), dtype=dtype, device=dev).view(
-                _INT_OF_SIZE[dtype.itemsize]
-            )
-        header = torch.tensor(
-            [[n, mask_hash, ctrl, self.round] for n in send_splits], dtype=torch.int64, device=dev
-        )
         try:
-            hdr = group.all_to_all(header, [1] * m, [1] * m, timeout).cpu()
+            hdr = self._exchange(
+                group, [[n, mask_hash, ctrl, self.round] for n in send_splits], timeout
+            )
         except GroupFailure as exc:
             self._fail(exc)
         self._check_header(hdr, error, view)
-        if int(hdr[0, 2]) & _JOIN:  # row 0 is the leader's header
+        if hdr[0][2] & _JOIN:  # row 0 is the leader's header
             self._transition_pending = True
-        recv_splits = hdr[:, 0].tolist()
+        recv_splits = [r[0] for r in hdr]
         # One row per (token, destination): the token's hidden state, then K local slots and
         # K gate weights, all bit-cast to an integer type of the element size of x.
         itype = xi.dtype
@@ -465,15 +595,21 @@ class ElasticEP:
         meta = torch.cat([local_slot, w.view(torch.int32)], dim=1).to(dev).view(itype)
         n_send = send_token.numel()
         width = hw + meta.shape[1]
-        gathered = self._buffer("gather", (n_send, hw), itype, dev)
-        torch.index_select(xi, 0, send_token.to(dev), out=gathered)
         payload = self._buffer("payload", (n_send, width), itype, dev)
-        torch.cat([gathered, meta], dim=1, out=payload)
+        torch.index_select(xi, 0, send_token.to(dev), out=payload[:, :hw])
+        payload[:, hw:].copy_(meta)
         recv_buf = self._buffer("recv", (int(sum(recv_splits)), width), itype, dev)
-        try:
-            recv = group.all_to_all(payload, send_splits, recv_splits, timeout, out=recv_buf)
+        try:  # as bytes: gloo has no all-to-all for every dtype (int16, bf16)
+            group.all_to_all(
+                payload.view(torch.uint8),
+                send_splits,
+                recv_splits,
+                timeout,
+                out=recv_buf.view(torch.uint8),
+            )
         except GroupFailure as exc:
             self._fail(exc)
+        recv = recv_buf
         rmeta = recv[:, hw:].contiguous().view(torch.int32)
         ls = rmeta[:, :k]
         rw = rmeta[:, k:].contiguous().view(torch.float32)
@@ -489,7 +625,7 @@ class ElasticEP:
         handle = DispatchHandle(
             epoch=view.epoch,
             round=self.round,
-            num_tokens=x.shape[0] if error is None else 0,
+            num_tokens=head.num_tokens,
             send_token=send_token.to(dev),
             send_splits=send_splits,
             recv_splits=recv_splits,
@@ -497,11 +633,147 @@ class ElasticEP:
             pair_weight=rw[row, kk][order].to(dev),
             num_recv_rows=int(recv.shape[0]),
             dtype=dtype,
+            num_pairs=int(row_o.numel()),
         )
         return recv_x, recv_counts, handle
 
-    def _check_header(self, hdr: torch.Tensor, error: InvalidRouting | None, view: View) -> None:
-        bad = [view.members[i] for i in range(hdr.shape[0]) if int(hdr[i, 2]) & _ERR]
+    def _dispatch_shm(
+        self,
+        shm: ShmPlane,
+        group: Group,
+        head: _Head,
+        xi: torch.Tensor,
+        slots: torch.Tensor | None,
+        weights: torch.Tensor | None,
+        dest: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        """Dispatch over the shared-memory plane.
+
+        One row per (token, destination slot) pair, sorted by (member, local slot), so a
+        receiver's ``recv_x`` is one concatenation of (slot, source) chunks read straight out
+        of the sources' buffers, and combine needs no reduction on the expert side. Each
+        source's buffer holds its rows, then (8-byte aligned) their float32 gate weights.
+        """
+        cfg = self.config
+        m, s_per = group.size, cfg.slots_per_rank
+        itype, hw = xi.dtype, xi.shape[1]
+        row_bytes = hw * itype.itemsize
+        if slots is not None and weights is not None and dest is not None:
+            key = torch.where(slots >= 0, dest * s_per + slots % s_per, m * s_per).reshape(-1)
+            order = torch.argsort(key, stable=True)
+            counts = torch.bincount(key, minlength=m * s_per + 1)[: m * s_per]
+            n_pairs = int(order.numel() - (key == m * s_per).sum())
+            order = order[:n_pairs]
+            send_token = order // slots.shape[1]
+            pair_w = weights.reshape(-1)[order]
+        else:
+            counts = torch.zeros(m * s_per, dtype=torch.int64)
+            n_pairs = 0
+            send_token = torch.empty(0, dtype=torch.int64)
+            pair_w = torch.empty(0, dtype=torch.float32)
+        w_at = -(-n_pairs * row_bytes // 8) * 8
+        out = shm.send(DISPATCH, w_at + 4 * n_pairs)
+        torch.index_select(
+            xi, 0, send_token, out=out[: n_pairs * row_bytes].view(itype).view(n_pairs, hw)
+        )
+        out[w_at : w_at + 4 * n_pairs].view(torch.float32).copy_(pair_w)
+        send_counts: list[list[int]] = counts.view(m, s_per).tolist()
+        pid, fd, gen = shm.descriptor(DISPATCH)
+        rows_hdr = []
+        offset = 0
+        for c in send_counts:
+            n = sum(c)
+            rows_hdr.append(
+                [n, head.mask_hash, head.ctrl, self.round, offset, pid, fd, gen, w_at, *c]
+            )
+            offset += n
+        try:
+            peers = self._exchange(group, rows_hdr, head.timeout)
+        except GroupFailure as exc:
+            self._fail(exc)
+        self._check_header(peers, head.error, head.view)
+        if peers[0][2] & _JOIN:  # row 0 is the leader's header
+            self._transition_pending = True
+        per_slot = [sum(p[_DISPATCH_ROW + s] for p in peers) for s in range(s_per)]
+        recv_counts = torch.tensor(per_slot, dtype=torch.int64)
+        n_recv = sum(per_slot)
+        recv_x = self._buffer("recv_x", (n_recv, hw), itype, xi.device)
+        recv_w = self._buffer("recv_w", (1, n_recv), torch.float32, xi.device)[0]
+        xs: list[torch.Tensor] = []
+        ws: list[torch.Tensor] = []
+        chunk_at = [[0] * s_per for _ in range(m)]  # where chunk (source i, slot s) lands
+        try:
+            src_x, src_w, cursor = [], [], []
+            for p in peers:
+                buf = shm.peer(DISPATCH, p[5], p[6], p[7]) if p[0] else out
+                src_x.append(buf[: buf.numel() // row_bytes * row_bytes].view(itype).view(-1, hw))
+                src_w.append(buf[p[8] :].view(torch.float32))
+                cursor.append(p[4])
+            at = 0
+            for s in range(s_per):
+                for i, p in enumerate(peers):
+                    cnt = p[_DISPATCH_ROW + s]
+                    if cnt:
+                        a = cursor[i]
+                        xs.append(src_x[i][a : a + cnt])
+                        ws.append(src_w[i][a : a + cnt])
+                        cursor[i] = a + cnt
+                        chunk_at[i][s] = at
+                        at += cnt
+            if xs:
+                torch.cat(xs, out=recv_x)
+                torch.cat(ws, out=recv_w)
+        except OSError as exc:  # a source's buffer vanished between its header and our read
+            self._fail(GroupFailure(f"shared-memory read of round {self.round} failed: {exc}"))
+        handle = DispatchHandle(
+            epoch=head.view.epoch,
+            round=self.round,
+            num_tokens=head.num_tokens,
+            send_token=send_token,
+            send_splits=[sum(c) for c in send_counts],
+            recv_splits=[int(p[0]) for p in peers],
+            pair_row=torch.empty(0, dtype=torch.int64),
+            pair_weight=recv_w,
+            num_recv_rows=n_recv,
+            dtype=head.dtype,
+            num_pairs=n_recv,
+            shm_send_counts=send_counts,
+            shm_chunk_at=chunk_at,
+        )
+        return recv_x.view(head.dtype), recv_counts, handle
+
+    def _exchange(
+        self, group: Group, rows: list[list[int]], timeout: float | None
+    ) -> list[list[int]]:
+        """One header exchange of this epoch: ``rows[j]`` goes to member ``j``; returns the
+        row every member sent us. Over the mailboxes on the shared-memory plane, else an
+        all-to-all on the group. Raises :class:`GroupFailure`."""
+        shm = self._shm
+        if self._mailbox and shm is not None:
+            epoch = self.epoch
+            seq = (epoch << 32) | (self._xchg + 1)
+            shm.post(seq, rows)
+            t = self.config.timeout_s if timeout is None else timeout
+            try:
+                got = shm.collect(seq, group.rank, len(rows[0]), t, _abort_word(epoch))
+            except MailboxFailure as exc:
+                raise GroupFailure(f"header exchange failed: {exc}") from exc
+            self._xchg += 1
+            return got
+        m = group.size
+        header = torch.tensor(rows, dtype=torch.int64, device=group.device)
+        out: list[list[int]] = group.all_to_all(header, [1] * m, [1] * m, timeout).cpu().tolist()
+        self._xchg += 1
+        return out
+
+    def _leave_mailboxes(self, epoch: int) -> None:
+        """Members waiting on our mailbox for the exchange in progress fail at once (the
+        shared-memory counterpart of closing the group)."""
+        if self._mailbox and self._shm is not None:
+            self._shm.abort_slot(self._xchg + 1, _abort_word(epoch))
+
+    def _check_header(self, hdr: list[list[int]], error: InvalidRouting | None, view: View) -> None:
+        bad = [view.members[i] for i, row in enumerate(hdr) if row[2] & _ERR]
         if error is not None:
             raise error
         if bad:
@@ -509,16 +781,12 @@ class ElasticEP:
                 f"seat(s) {bad} rejected their input in round {self.round}; the round was aborted on "
                 "every rank (see the error on those ranks)"
             )
-        rounds = hdr[:, 3].tolist()
+        rounds = [row[3] for row in hdr]
         if any(r != self.round for r in rounds):
             raise EPError(
                 f"round mismatch in epoch {view.epoch}: members at rounds {rounds}, this seat at {self.round}"
             )
-        hashes = {
-            view.members[i]: int(hdr[i, 1])
-            for i in range(hdr.shape[0])
-            if int(hdr[i, 1]) != _WILDCARD
-        }
+        hashes = {view.members[i]: row[1] for i, row in enumerate(hdr) if row[1] != _WILDCARD}
         if len(set(hashes.values())) > 1:
             raise InvalidRouting(
                 f"active_ranks differs across ranks in round {self.round} (mask hash per seat: {hashes}); "
@@ -538,6 +806,7 @@ class ElasticEP:
     ) -> None:
         t0 = time.monotonic()
         old = self._require_view()
+        self._leave_mailboxes(old.epoch)
         if self.group is not None:
             self.group.close()
             self.group = None
@@ -631,6 +900,9 @@ class ElasticEP:
             connect_timeout_s=connect_timeout_s or cfg.timeout_s + cfg.stale_s,
             host=cfg.host,
         )
+        self._xchg = 0
+        self._shm_on = self._probe_shm(self.group)
+        self._mailbox = self._shm_on and MAILBOX_OK
         ctx = FetchContext(self.seat, view.members, self.bank, self.group)
         got = self.live_source.fetch(view.transfers, ctx)
         if self.store_source is not None and any(t.src_seat == STORE for t in view.transfers):
@@ -644,6 +916,38 @@ class ElasticEP:
         self._replica_table = view.placement.replica_table()
         self._table = None
         self.round = view.resume_round
+
+    def _probe_shm(self, group: Group) -> bool:
+        """Collective: does this epoch move rows over the shared-memory plane?"""
+        cfg = self.config
+        if cfg.transport == "collective" or group.device.type != "cpu":
+            if cfg.transport == "shm":
+                raise EPError("EP transport 'shm' needs CPU tensors (backend 'gloo')")
+            return False
+        if self._shm is None:
+            try:
+                self._shm = ShmPlane(
+                    max_members=cfg.num_seats, row_width=_DISPATCH_ROW + cfg.slots_per_rank
+                )
+            except (OSError, MooncakeError) as exc:
+                logger.warning("EP seat %d: no shared memory (%s)", self.seat, exc)
+        row = self._shm.probe_row() if self._shm is not None else ShmPlane.no_probe_row()
+        rows = group.all_gather(row)
+        ok = self._shm is not None and self._shm.probe(rows)
+        votes = group.all_reduce(torch.tensor([int(ok)], dtype=torch.int64))
+        agreed = int(votes.item()) == group.size
+        if not agreed and cfg.transport == "shm":
+            raise EPError(
+                "EP transport 'shm' was required but some member cannot map the others' shared "
+                "memory (different hosts or no permission); use transport 'auto'"
+            )
+        logger.debug("EP seat %d: epoch data plane %s", self.seat, "shm" if agreed else "group")
+        return agreed
+
+    @property
+    def transport(self) -> str:
+        """Where this epoch's rows travel: ``"shm"`` or ``"collective"``."""
+        return "shm" if self._shm_on else "collective"
 
     def _buffer(
         self, name: str, shape: tuple[int, int], dtype: torch.dtype, device: torch.device

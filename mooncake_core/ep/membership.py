@@ -19,29 +19,60 @@ Contract:
   ever overwritten, never deleted, so a check followed by a get cannot block.
 
 The store host must outlive the ranks (run it on the launcher or scheduler, as the Mooncake
-PG coordinator is); it is the single point of failure of this design.
+PG coordinator is); it is the single point of failure of this design. Steps do not use it
+(only the leader's periodic look for join requests, which tolerates its loss), so a layer
+keeps serving while it is down; anything that needs agreement (a failure, a join, a
+rebalance, start) raises :class:`MembershipStoreLost` instead of hanging.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, ParamSpec, TypeVar
 
 import torch
+import torch.distributed
 from torch._C._distributed_c10d import TCPStore
 
 from mooncake_core.ep.placement import Placement, balanced_placement, repair_placement
 from mooncake_core.ep.weights import STORE, Transfer
 from mooncake_core.errors import EPError
 
-__all__ = ["AliveInfo", "Membership", "View", "plan_view"]
+__all__ = ["AliveInfo", "Membership", "MembershipStoreLost", "View", "plan_view"]
 
 logger = logging.getLogger(__name__)
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+class MembershipStoreLost(EPError):
+    """The shared membership store cannot be reached: no membership change can be agreed."""
+
+
+def _store_op(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Turn the store client's network errors into :class:`MembershipStoreLost`."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return fn(*args, **kwargs)
+        except torch.distributed.DistError as exc:
+            self: Any = args[0]
+            raise MembershipStoreLost(
+                f"the EP membership store {self.host}:{self.port} is unreachable "
+                f"({fn.__name__}): {exc}. It must outlive the ranks; steps go on without it, "
+                "but failures, joins and rebalancing need it"
+            ) from exc
+
+    return wrapper
 
 
 @dataclass(frozen=True)
@@ -254,6 +285,7 @@ class Membership:
         return "/".join([self.prefix, *map(str, parts)])
 
     # -- heartbeat -------------------------------------------------------------------------
+    @_store_op
     def start_heartbeat(self) -> None:
         if self._thread is not None:
             return
@@ -272,6 +304,7 @@ class Membership:
         self._thread = threading.Thread(target=beat, name=f"ep-heartbeat-{self.seat}", daemon=True)
         self._thread.start()
 
+    @_store_op
     def heartbeat_age(self, seat: int) -> float | None:
         """Seconds since ``seat`` last beat, or None if it never did."""
         key = self._k("hb", seat)
@@ -286,12 +319,14 @@ class Membership:
             self._thread = None
 
     # -- views -----------------------------------------------------------------------------
+    @_store_op
     def read_view(self, epoch: int) -> View | None:
         key = self._k(f"e{epoch}", "view")
         if not self.store.check([key]):
             return None
         return View.from_json(self.store.get(key))
 
+    @_store_op
     def offer_view(self, view: View) -> View:
         """Offer ``view``; return the view that won epoch ``view.epoch`` (maybe another)."""
         raw = self.store.compare_set(self._k(f"e{view.epoch}", "view"), "", view.to_json())
@@ -302,15 +337,18 @@ class Membership:
                 self.store.set(self._k("admitted", seat), nonce)
         return won
 
+    @_store_op
     def current_view(self) -> View | None:
         key = self._k("current")
         if not self.store.check([key]):
             return None
         return self.read_view(int(self.store.get(key).decode()))
 
+    @_store_op
     def post_alive(self, epoch: int, info: AliveInfo) -> None:
         self.store.set(self._k(f"e{epoch}", "alive", self.seat), info.to_json())
 
+    @_store_op
     def read_alive(self, epoch: int, seats: Iterable[int]) -> dict[int, AliveInfo]:
         out: dict[int, AliveInfo] = {}
         for seat in seats:
@@ -320,9 +358,11 @@ class Membership:
         return out
 
     # -- joins -----------------------------------------------------------------------------
+    @_store_op
     def request_join(self, nonce: str) -> None:
         self.store.set(self._k("join", self.seat), nonce)
 
+    @_store_op
     def pending_joins(self, seats: Iterable[int]) -> dict[int, str]:
         """Join requests of ``seats`` (typically the non-members)."""
         out: dict[int, str] = {}

@@ -5,7 +5,10 @@
   deterministic inputs and reports every step (inputs, output, epoch, live experts) on a
   queue, so the parent can compare against its own references. A spec can make one seat
   ``SIGKILL`` itself at a given step and phase, start a seat with ``join()`` instead of
-  ``start()``, or inject bad input.
+  ``start()``, or inject bad input. With ``store_master`` every rank gets a
+  :class:`~mooncake_core.ep.weights.StoreWeightSource` on a real ``mooncake_core.store``
+  client (connected on first use), and ``joiner_live_fetch=False`` makes a restarted rank
+  refuse any expert from a live replica, so its experts can only come from the store.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +29,13 @@ from torch._C._distributed_c10d import TCPStore
 from mooncake_core.ep.config import EPConfig
 from mooncake_core.ep.engine import ElasticEP
 from mooncake_core.ep.experts import ExpertBank, make_expert_weights
+from mooncake_core.ep.weights import (
+    STORE,
+    FetchContext,
+    LiveReplicaSource,
+    StoreWeightSource,
+    Transfer,
+)
 from mooncake_core.errors import EPError, Evicted
 
 __all__ = ["WorkerSpec", "free_port", "make_inputs", "run_worker", "serve_store"]
@@ -85,6 +96,11 @@ class WorkerSpec:
     bad_input_step: int = -1
     bad_mask_step: int = -1
     step_sleep_s: float = 0.0
+    tokens_growth: int = 0
+    transport: str = "auto"
+    store_master: str = ""
+    store_key_prefix: str = "ep-test/experts"
+    joiner_live_fetch: bool = True
     prefix: str = "mooncake/ep"
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -100,13 +116,59 @@ class WorkerSpec:
             heartbeat_s=self.heartbeat_s,
             stale_s=self.stale_s,
             join_poll_s=0.05,
+            transport=self.transport,
             prefix=self.prefix,
         )
 
+    def tokens_at(self, step: int) -> int:
+        return self.tokens + step * self.tokens_growth
+
+
+class _LazyStoreClient:
+    """``put``/``get`` on a ``mooncake_core.store`` client that connects on first use, so
+    ranks that never read the store never connect to it."""
+
+    def __init__(self, master: str):
+        self.master = master
+        self._client: Any = None
+
+    def _c(self) -> Any:
+        if self._client is None:
+            from mooncake_core.store.client import StoreClient
+
+            self._client = StoreClient(master=self.master, segment_size=0).start()
+        return self._client
+
+    def put(self, key: str, data: bytes) -> None:
+        self._c().put(key, data)
+
+    def get(self, key: str) -> bytes:
+        data: bytes = self._c().get(key)
+        return data
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+class _NoLiveIncoming(LiveReplicaSource):
+    """A live-replica source that refuses to deliver experts to this seat."""
+
+    def fetch(self, transfers: Sequence[Transfer], ctx: FetchContext) -> dict[int, torch.Tensor]:
+        mine = [t for t in transfers if t.dst_seat == ctx.seat and t.src_seat != STORE]
+        if mine:
+            raise EPError(f"seat {ctx.seat} must not get experts from live replicas: {mine}")
+        return super().fetch(transfers, ctx)
+
 
 def _live_experts(ep: ElasticEP) -> list[int]:
-    p = ep.placement
-    return sorted({e for s in ep.members for e in p.seat_experts(s) if e >= 0})
+    """Experts that served the last step (of the epoch that served it)."""
+    view = ep.served_view or ep.view
+    if view is None:
+        return []
+    p = view.placement
+    return sorted({e for s in view.members for e in p.seat_experts(s) if e >= 0})
 
 
 def _die(queue: Any, seat: int, sig: int = signal.SIGKILL) -> None:
@@ -132,7 +194,13 @@ def run_worker(seat: int, port: int, spec: WorkerSpec, queue: Any) -> None:
     cfg = spec.config()
     weights = make_expert_weights(spec.num_experts, spec.hidden, spec.ffn, spec.seed)
     held = {} if spec.join else {e: weights[e] for e in range(spec.num_experts)}
-    ep = ElasticEP(cfg, seat, ExpertBank(spec.hidden, spec.ffn, held), "127.0.0.1", port)
+    client = _LazyStoreClient(spec.store_master) if spec.store_master else None
+    source = StoreWeightSource(client, spec.store_key_prefix) if client is not None else None
+    ep = ElasticEP(
+        cfg, seat, ExpertBank(spec.hidden, spec.ffn, held), "127.0.0.1", port, store_source=source
+    )
+    if spec.join and not spec.joiner_live_fetch:
+        ep.live_source = _NoLiveIncoming()
     try:
         if spec.join:
             ep.join(timeout_s=60.0)
@@ -146,6 +214,13 @@ def run_worker(seat: int, port: int, spec: WorkerSpec, queue: Any) -> None:
                 "epoch": ep.epoch,
                 "placement": ep.placement.to_list(),
                 "held": ep.bank.held(),
+                "transport": ep.transport,
+                "store_loads": source.loads if source is not None else 0,
+                "transfers_in": [
+                    [t.expert, t.src_seat]
+                    for t in (ep.view.transfers if ep.view is not None else ())
+                    if t.dst_seat == seat
+                ],
             }
         )
         join_step = ep.view.max_step if spec.join and ep.view is not None else -1
@@ -154,7 +229,13 @@ def run_worker(seat: int, port: int, spec: WorkerSpec, queue: Any) -> None:
         while ep.step < last or (spec.steps_after_join and join_step < 0):
             step = ep.step
             x, idx, w, logits = make_inputs(
-                spec.seed, seat, step, spec.tokens, spec.hidden, spec.num_experts, spec.top_k
+                spec.seed,
+                seat,
+                step,
+                spec.tokens_at(step),
+                spec.hidden,
+                spec.num_experts,
+                spec.top_k,
             )
             if step == spec.bad_input_step or step == spec.bad_mask_step:
                 bad_idx, mask = idx, None
@@ -228,7 +309,16 @@ def run_worker(seat: int, port: int, spec: WorkerSpec, queue: Any) -> None:
     except Evicted as exc:
         queue.put({"kind": "evicted", "seat": seat, "error": str(exc)})
     except Exception as exc:  # reported to the parent, which fails the test with it
-        queue.put({"kind": "error", "seat": seat, "error": f"{type(exc).__name__}: {exc}"})
+        queue.put(
+            {
+                "kind": "error",
+                "seat": seat,
+                "error": f"{type(exc).__name__}: {exc}",
+                "t": time.time(),
+            }
+        )
         raise
     finally:
         ep.close()
+        if client is not None:
+            client.close()

@@ -144,6 +144,8 @@ class StoreWeightSource(ExpertWeightSource):
     def __init__(self, client: StoreClientProtocol, key_prefix: str = "mooncake/ep/experts"):
         self.client = client
         self.key_prefix = key_prefix.rstrip("/")
+        self.loads = 0
+        """Experts read from the store so far."""
 
     def key(self, expert: int) -> str:
         return f"{self.key_prefix}/{expert}"
@@ -167,6 +169,7 @@ class StoreWeightSource(ExpertWeightSource):
         tensor = torch.load(io.BytesIO(data), weights_only=True)
         if not isinstance(tensor, torch.Tensor):
             raise EPError(f"store object {key!r} is not a tensor")
+        self.loads += 1
         return tensor
 
     def fetch(self, transfers: Sequence[Transfer], ctx: FetchContext) -> dict[int, torch.Tensor]:

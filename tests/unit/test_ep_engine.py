@@ -14,17 +14,24 @@ from mooncake_core.errors import ConfigError, EPError, InvalidRouting
 H, F, E, K = 64, 16, 8, 2
 
 
-@pytest.fixture
-def ep() -> Iterator[ElasticEP]:
+@pytest.fixture(params=["auto", "collective"])
+def ep(request: pytest.FixtureRequest) -> Iterator[ElasticEP]:
     store, port = serve_store()
     weights = make_expert_weights(E, H, F)
     cfg = EPConfig(
-        num_experts=E, num_seats=1, slots_per_rank=E, hidden=H, top_k=K, connect_timeout_s=10
+        num_experts=E,
+        num_seats=1,
+        slots_per_rank=E,
+        hidden=H,
+        top_k=K,
+        connect_timeout_s=10,
+        transport=request.param,
     )
     layer = ElasticEP(
         cfg, 0, ExpertBank(H, F, {e: weights[e] for e in range(E)}), "127.0.0.1", port
     )
     layer.start()
+    assert layer.transport == ("shm" if request.param == "auto" else "collective")
     yield layer
     layer.close()
     del store
@@ -43,6 +50,13 @@ def test_dispatch_combine_and_forward_equal_reference(ep: ElasticEP) -> None:
     assert ep.step == 2 and ep.epoch == 0
     with pytest.raises(EPError, match="stale dispatch handle"):
         ep.combine(recv_x, handle)
+    # bf16 rows (2-byte elements), an odd batch, and an empty one
+    xb = x[:7].to(torch.bfloat16)
+    yb = ep.forward(xb, idx[:7], w[:7])
+    assert yb.dtype == torch.bfloat16
+    refb = reference_moe(xb.float(), idx[:7], w[:7], weights, H, F)
+    torch.testing.assert_close(yb.float(), refb, atol=0.05, rtol=0.05)
+    assert ep.forward(x[:0], idx[:0], w[:0]).shape == (0, H)
 
 
 @pytest.mark.timeout(30)
@@ -66,6 +80,8 @@ def test_bad_input_raises_clear_errors_without_hanging(ep: ElasticEP) -> None:
 
 
 def test_config_is_validated() -> None:
+    with pytest.raises(ConfigError, match="transport"):
+        EPConfig(num_experts=4, num_seats=1, slots_per_rank=4, hidden=4, top_k=1, transport="tcp")
     with pytest.raises(ConfigError, match="policy"):
         EPConfig(num_experts=4, num_seats=1, slots_per_rank=4, hidden=4, top_k=1, policy="drop")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="top_k"):
