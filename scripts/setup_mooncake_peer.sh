@@ -2,7 +2,12 @@
 # Set up a scratch venv with the PUBLISHED Mooncake wheel, so that our benchmarks and the
 # API-shape test can run the real thing next to ours.
 #
-# Usage: scripts/setup_mooncake_peer.sh [VENV_DIR]
+# Usage: scripts/setup_mooncake_peer.sh [--sglang] [VENV_DIR]
+#   --sglang (or MOONCAKE_PEER_SGLANG=1) also installs SGLang's classes into that venv, for
+#   `mooncake-core bench sglang --compare-mooncake PY` (SGLang's built-in MooncakeStore
+#   backend on the published wheel): sglang --no-deps at the version scripts/setup.sh gives
+#   .venv, the CPU torch from this machine's disk, triton and the packages SGLang's storage
+#   modules import (about 1.5 GB, 1-3 minutes). Opt-in: `make test` does not need it.
 #   VENV_DIR defaults to $MOONCAKE_PEER_VENV, then to <repo>/.scratch/mooncake-venv
 #   (.scratch/ is git-ignored). Python used to create it: $PYTHON (default python3).
 #   Package spec: $MOONCAKE_PEER_PACKAGE (default mooncake-transfer-engine-non-cuda).
@@ -10,6 +15,11 @@
 # Idempotent: an existing venv that already imports mooncake.engine is left alone.
 # The last line printed on stdout is the venv's python path.
 set -euo pipefail
+WITH_SGLANG="${MOONCAKE_PEER_SGLANG:-0}"
+if [ "${1:-}" = "--sglang" ]; then
+  WITH_SGLANG=1
+  shift
+fi
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${1:-${MOONCAKE_PEER_VENV:-$ROOT/.scratch/mooncake-venv}}"
 PKG="${MOONCAKE_PEER_PACKAGE:-mooncake-transfer-engine-non-cuda}"
@@ -50,5 +60,39 @@ fi
 
 "$VENV/bin/python" -c 'import mooncake.engine, mooncake.store' \
   || { log "error: mooncake still fails to import in $VENV"; exit 1; }
+
+# --- optional: SGLang's classes next to the published wheel (--sglang) ---------------
+# Same pins as scripts/setup.sh installs into .venv, so both sides run the same SGLang code.
+SGLANG_PINS="torch==2.13.0 sglang==0.5.23 triton==3.8.0 gguf==0.19.0"
+SGLANG_DEPS="orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq tqdm ipython aiohttp \
+transformers dill apache-tvm-ffi sentencepiece compressed-tensors"
+SGLANG_STAMP="$VENV/.mooncake-peer-sglang-stamp"
+# The bench's own helper imports SGLang's pool and MooncakeStore modules the way it runs them.
+SGLANG_CHECK="$ROOT/mooncake_core/bench/_mooncake_sglang.py"
+if [ "$WITH_SGLANG" = 1 ]; then
+  want="$(echo "$SGLANG_PINS $SGLANG_DEPS" | sha256sum | cut -d' ' -f1)"
+  if [ ! -f "$SGLANG_STAMP" ] || [ "$(cat "$SGLANG_STAMP")" != "$want" ]; then
+    log "installing SGLang's classes into $VENV (--sglang; 1-3 minutes)"
+    rm -f "$SGLANG_STAMP"
+    # torch first: pip takes the CPU wheel from this machine's disk (sglang pins a CUDA one,
+    # hence --no-deps for sglang itself).
+    "$VENV/bin/python" -m pip install -q "torch==2.13.0" \
+      || { log "error: cannot install torch==2.13.0 (CPU) into $VENV"; exit 1; }
+    # shellcheck disable=SC2086
+    "$VENV/bin/python" -m pip install -q --no-deps $SGLANG_PINS \
+      || { log "error: cannot install $SGLANG_PINS into $VENV"; exit 1; }
+    # shellcheck disable=SC2086
+    "$VENV/bin/python" -m pip install -q $SGLANG_DEPS \
+      || { log "error: cannot install SGLang's storage-module dependencies into $VENV"; exit 1; }
+    # torchvision stays out: PyPI's builds are CUDA ones (the bench helper stands in for it).
+    if ! out="$("$VENV/bin/python" "$SGLANG_CHECK" check 2>&1)"; then
+      log "error: SGLang's MooncakeStore module still fails to import in $VENV: $(echo "$out" | tail -n 1)"
+      exit 1
+    fi
+    echo "$want" > "$SGLANG_STAMP"
+  fi
+  log "sglang: $("$VENV/bin/python" -m pip show sglang 2>/dev/null | sed -n 's/^Version: /version /p')"
+fi
+# --------------------------------------------------------------------------------------
 log "ready: $("$VENV/bin/python" -m pip show "$PKG" 2>/dev/null | sed -n 's/^Version: /version /p')"
 echo "$VENV/bin/python"
