@@ -79,6 +79,29 @@ class _Blocks:
         return (list(self._ids),)
 
 
+class _OneRankScheme:
+    """The scheduler's key scheme with its lookup narrowed to one TP rank's shard.
+
+    Everything else (seed, page hashes, layer keys) is the real scheme's.
+    """
+
+    def __init__(self, scheme: Any, rank: int) -> None:
+        self._scheme = scheme
+        self._rank = rank
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._scheme, name)
+
+    def exists_keys(self, pages: Sequence[str]) -> list[str]:
+        return self._scheme.layer_keys(pages, self._rank, 0)  # type: ignore[no-any-return]
+
+    def held_pages(self, exists: Sequence[bool]) -> int:
+        n = 0
+        while n < len(exists) and exists[n]:
+            n += 1
+        return n
+
+
 class VLLMStoreHarness(EngineHarness):
     """One vLLM TP rank: CPU KV caches, the store connector's scheduler and worker halves.
 
@@ -113,7 +136,7 @@ class VLLMStoreHarness(EngineHarness):
         # In vLLM one scheduler asks for every TP rank's shard of a page (a hit needs all of
         # them). The suite counts hits per rank, so each rank's harness asks for its own
         # shard only: the same query, narrowed to the rank this harness plays.
-        self.sched.prefixes = [self.worker_prefix(vllm_config, spec.rank)]
+        self.sched.scheme = _OneRankScheme(self.sched.scheme, spec.rank)
         self.worker = _StoreWorker(vllm_config, extra, engine_id, spec.rank)
         self.worker.register_kv_caches(self.kv)
         if self.worker.client is None:
