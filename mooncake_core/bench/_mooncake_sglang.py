@@ -21,13 +21,12 @@ The model: 32 layers, 2 KV heads x 128, bfloat16, 64-token pages, ``page_first``
 from __future__ import annotations
 
 import hashlib
-import importlib.abc
-import importlib.machinery
+import importlib.util
 import json
 import os
 import sys
 import time
-import types
+from collections.abc import Callable
 from typing import Any
 
 # Run as a script from mooncake_core/bench/, whose sglang.py would shadow the sglang package.
@@ -37,56 +36,14 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 LAYERS, PAGE, HEADS, HEAD_DIM = 32, 64, 2, 128
 
 
-class _Inert:
-    def __getattr__(self, name: str) -> _Inert:
-        return self
-
-    def __call__(self, *a: Any, **k: Any) -> _Inert:
-        return self
-
-    def __getitem__(self, k: Any) -> _Inert:
-        return self
-
-    def __mro_entries__(self, bases: tuple[Any, ...]) -> tuple[type, ...]:
-        return (object,)
-
-
-class _TorchvisionStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """SGLang's pool modules pull in model configs that import torchvision; PyPI only has
-    CUDA builds of it, so an inert module stands in (as in mooncake_sglang.testing)."""
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if name == "torchvision" or name.startswith("torchvision."):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        m = types.ModuleType(spec.name)
-        m.__path__ = []
-
-        def attr(name: str) -> Any:
-            if name.startswith("__"):
-                raise AttributeError(name)
-            return _Inert()
-
-        m.__getattr__ = attr  # type: ignore[method-assign]
-        return m
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        return None
-
-
 def _import_sglang() -> None:
-    import importlib.util
-
-    if importlib.util.find_spec("torchvision") is None:
-        try:
-            from transformers.utils import import_utils
-
-            import_utils.is_torchvision_available()
-        except ImportError:
-            pass
-        sys.meta_path.append(_TorchvisionStandIn())
+    # the stand-in module sits next to this script; load it by path (no mooncake_core import)
+    spec = importlib.util.spec_from_file_location("_mc_torchvision_stand_in",
+                                                  os.path.join(_HERE, "torchvision_stand_in.py"))
+    assert spec is not None and spec.loader is not None
+    stand_in = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stand_in)
+    stand_in.install()
     import sglang.srt.mem_cache.pool_host.mha  # noqa: F401
     import sglang.srt.mem_cache.storage.mooncake_store.mooncake_store  # noqa: F401
 
@@ -110,9 +67,42 @@ def _pool(pages: int) -> Any:
                                 host_token_capacity=(pages + 2) * PAGE)
 
 
-def _say(obj: dict[str, Any]) -> None:
+def say(obj: dict[str, Any]) -> None:
     sys.stdout.write("@@ " + json.dumps(obj) + "\n")
     sys.stdout.flush()
+
+
+def serve(backend: Any, indices: Callable[[int], Any], zero_pool: Callable[[], Any],
+          digests: Callable[[], list[str]], clear: Callable[[], int]) -> None:
+    """Answer the driver's commands on stdin (the line protocol in the module doc) until ``exit``.
+
+    ``indices(n)`` gives the host-pool token indices of the first ``n`` pages; ``zero_pool``
+    clears the pool before a get (outside the timing); ``clear`` removes this setup's
+    objects and returns how many. Shared by the published-wheel rank and ours.
+    """
+    for line in sys.stdin:
+        msg = json.loads(line)
+        cmd = msg["cmd"]
+        if cmd == "exit":
+            break
+        if cmd == "clear":
+            say({"removed": clear()})
+            continue
+        keys = list(msg["keys"])
+        sel = indices(len(keys))
+        if cmd == "set":
+            t = time.perf_counter()
+            ok = backend.batch_set_v1(keys, sel)
+            dt = time.perf_counter() - t
+            say({"s": dt, "ok": sum(bool(x) for x in ok)})
+        elif cmd == "get":
+            zero_pool()
+            t = time.perf_counter()
+            ok = backend.batch_get_v1(keys, sel)
+            dt = time.perf_counter() - t
+            say({"s": dt, "ok": sum(bool(x) for x in ok), "digests": digests()})
+        else:
+            say({"error": f"unknown command {cmd!r}"})
 
 
 def rank(role: str, master: str, metadata: str, pages: int) -> int:
@@ -144,30 +134,9 @@ def rank(role: str, master: str, metadata: str, pages: int) -> int:
             data = torch.randint(-(2**15), 2**15, (n,), generator=g, dtype=torch.int16)
             pool.set_from_flat_data_page(s * PAGE, data.view(torch.bfloat16))
     page_bytes = int(pool.get_dummy_flat_data_page().numel()) * 2
-    _say({"ready": True, "page_bytes": page_bytes, "digests": digests()})
-    for line in sys.stdin:
-        msg = json.loads(line)
-        cmd = msg["cmd"]
-        if cmd == "exit":
-            break
-        if cmd == "clear":
-            _say({"removed": int(backend.store.remove_all(force=True))})
-            continue
-        keys = list(msg["keys"])
-        sel = idx[: len(keys) * PAGE]
-        if cmd == "set":
-            t = time.perf_counter()
-            ok = backend.batch_set_v1(keys, sel)
-            dt = time.perf_counter() - t
-            _say({"s": dt, "ok": sum(bool(x) for x in ok)})
-        elif cmd == "get":
-            pool.kv_buffer.zero_()
-            t = time.perf_counter()
-            ok = backend.batch_get_v1(keys, sel)
-            dt = time.perf_counter() - t
-            _say({"s": dt, "ok": sum(bool(x) for x in ok), "digests": digests()})
-        else:
-            _say({"error": f"unknown command {cmd!r}"})
+    say({"ready": True, "page_bytes": page_bytes, "digests": digests()})
+    serve(backend, lambda n: idx[: n * PAGE], pool.kv_buffer.zero_, digests,
+          lambda: int(backend.store.remove_all(force=True)))
     return 0
 
 

@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from mooncake_core.bench._mooncake_sglang import say, serve
+
 logger = logging.getLogger(__name__)
 
 PAGES = 64
@@ -66,11 +68,6 @@ def _harness(master: str, transport: str) -> Any:
                                     model="bench/sglang-32l", options=opts))
 
 
-def _say(obj: dict[str, Any]) -> None:
-    sys.stdout.write("@@ " + json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
-
 def rank_main(role: str, master: str, transport: str) -> int:
     """One SGLang rank on our backend; the line protocol of ``_mooncake_sglang.py``."""
     h = _harness(master, transport)
@@ -83,32 +80,14 @@ def rank_main(role: str, master: str, transport: str) -> int:
     def digests() -> list[str]:
         return [hashlib.sha256(h.read(s)).hexdigest() for s in CHECK]
 
-    _say({"ready": True, "page_bytes": len(h.read(0)), "digests": digests()})
+    say({"ready": True, "page_bytes": len(h.read(0)), "digests": digests()})
     backend = h.backend
-    for line in sys.stdin:
-        msg = json.loads(line)
-        cmd = msg["cmd"]
-        if cmd == "exit":
-            break
-        if cmd == "clear":
-            prefix = "^" + re.escape(backend._require()[1].prefix)
-            _say({"removed": int(backend.client.remove_by_regex(prefix, force=True))})
-            continue
-        keys = list(msg["keys"])
-        sel = idx[: len(keys) * h.page_size]
-        if cmd == "set":
-            t = time.perf_counter()
-            ok = backend.batch_set_v1(keys, sel)
-            dt = time.perf_counter() - t
-            _say({"s": dt, "ok": sum(bool(x) for x in ok)})
-        elif cmd == "get":
-            h.pool.kv_buffer.zero_()
-            t = time.perf_counter()
-            ok = backend.batch_get_v1(keys, sel)
-            dt = time.perf_counter() - t
-            _say({"s": dt, "ok": sum(bool(x) for x in ok), "digests": digests()})
-        else:
-            _say({"error": f"unknown command {cmd!r}"})
+
+    def clear() -> int:
+        prefix = "^" + re.escape(backend._require()[1].prefix)
+        return int(backend.client.remove_by_regex(prefix, force=True))
+
+    serve(backend, lambda n: idx[: n * h.page_size], h.pool.kv_buffer.zero_, digests, clear)
     h.close()
     return 0
 

@@ -10,22 +10,20 @@ hashes come from :func:`mooncake_sglang.keys.page_hashes` (SGLang's algorithm).
 
 ``sglang.srt.mem_cache.pool_host`` pulls in model configs that import ``torchvision``;
 PyPI's torchvision builds are CUDA ones that break on a CPU torch, so when torchvision
-is absent :func:`import_sglang_pools` installs an inert stand-in module first (tests only).
+is absent :func:`import_sglang_pools` installs an inert stand-in module first (tests only;
+:mod:`mooncake_core.bench.torchvision_stand_in`).
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import sys
-import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from mooncake_conformance.harness import EngineHarness, HarnessSpec, KVLayout
 
+from mooncake_core.bench import torchvision_stand_in
 from mooncake_sglang.keys import page_hashes
 
 __all__ = ["SGLangHarness", "make_harness", "import_sglang_pools", "build_host_pool"]
@@ -33,55 +31,11 @@ __all__ = ["SGLangHarness", "make_harness", "import_sglang_pools", "build_host_p
 STORAGE_BATCH = 128
 
 
-class _Inert:
-    def __getattr__(self, name: str) -> _Inert:
-        return self
-
-    def __call__(self, *a: Any, **k: Any) -> _Inert:
-        return self
-
-    def __getitem__(self, k: Any) -> _Inert:
-        return self
-
-    def __mro_entries__(self, bases: tuple[Any, ...]) -> tuple[type, ...]:
-        return (object,)
-
-
-class _TorchvisionStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if name == "torchvision" or name.startswith("torchvision."):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        m = types.ModuleType(spec.name)
-        m.__path__ = []
-
-        def attr(name: str) -> Any:
-            if name.startswith("__"):
-                raise AttributeError(name)
-            return _Inert()
-
-        m.__getattr__ = attr  # type: ignore[method-assign]
-        return m
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        return None
-
-
 def import_sglang_pools() -> None:
     """Import SGLang's host pool modules on a CPU-only machine (see module doc)."""
     if "sglang.srt.mem_cache.pool_host.mha" in sys.modules:
         return
-    if importlib.util.find_spec("torchvision") is None:
-        try:  # transformers caches "torchvision available?"; ask it before the stand-in exists
-            from transformers.utils import import_utils
-
-            import_utils.is_torchvision_available()
-        except ImportError:
-            pass
-        if not any(isinstance(f, _TorchvisionStandIn) for f in sys.meta_path):
-            sys.meta_path.append(_TorchvisionStandIn())
+    torchvision_stand_in.install()
     import sglang.srt.mem_cache.pool_host.mha  # noqa: F401
     import sglang.srt.mem_cache.pool_host.mla  # noqa: F401
 
