@@ -208,6 +208,17 @@ def _upstream(seen: list[dict[str, Any]]) -> web.Application:
     return app
 
 
+async def _upstreams(seen: list[dict[str, Any]], n: int) -> tuple[list[web.AppRunner], list[str]]:
+    """``n`` stub instances (see :func:`_upstream`) recording into ``seen``: their runners and URLs."""
+    served = [await _serve(_upstream(seen)) for _ in range(n)]
+    return [r for r, _ in served], [u for _, u in served]
+
+
+async def _stats(proxy_url: str) -> Any:
+    async with aiohttp.ClientSession() as s, s.get(proxy_url + "/proxy/stats") as r:
+        return await r.json()
+
+
 async def _post(url: str, body: Any) -> tuple[int, dict[str, str], Any]:
     async with aiohttp.ClientSession() as s, s.post(url, json=body, timeout=aiohttp.ClientTimeout(total=20)) as r:
         return r.status, dict(r.headers), json.loads(await r.read())
@@ -234,12 +245,7 @@ def test_proxy_counts_store_pages_and_accepts_what_only_the_store_makes_fast(
 
     async def main() -> None:
         seen: list[dict[str, Any]] = []
-        runners = []
-        urls = []
-        for _ in range(3):
-            r, u = await _serve(_upstream(seen))
-            runners.append(r)
-            urls.append(u)
+        runners, urls = await _upstreams(seen, 3)
         opts = {"block_tokens": BT, "reject": True, "slo_ttft_s": slo, "slo_tbt_s": 10.0,
                 "store_master": master.address, "store_dtype": "float32"}  # model: from /v1/models
         proxy = ProxyServer(ProxyConfig(prefill=tuple(urls[:2]), decode=(urls[2],), port=0, policy="global-cache",
@@ -254,8 +260,7 @@ def test_proxy_counts_store_pages_and_accepts_what_only_the_store_makes_fast(
             d = _decision(hdr)
             assert d["store_blocks"] == "40" and d["fetch_source"] == "store" and d["fetch_blocks"] == "40"
             assert float(d["predicted_ttft_ms"]) == pytest.approx(fetch * 1e3, abs=0.2)
-            async with aiohttp.ClientSession() as s, s.get(purl + "/proxy/stats") as r:
-                stats = await r.json()
+            stats = await _stats(purl)
             ps = stats["policy_stats"]
             assert ps["store"]["pages_held"] == 40 and ps["fetch_from_store"] == 1 and ps["rejections"] == 1
             assert ps["store"]["scheme"] == scheme.seed  # the model path came from GET /v1/models
@@ -288,12 +293,7 @@ def test_text_prompts_are_tokenized_for_routing() -> None:
 
     async def main() -> None:
         seen: list[dict[str, Any]] = []
-        runners = []
-        urls = []
-        for _ in range(3):
-            r, u = await _serve(_upstream(seen))
-            runners.append(r)
-            urls.append(u)
+        runners, urls = await _upstreams(seen, 3)
         proxy = ProxyServer(ProxyConfig(prefill=tuple(urls[:2]), decode=(urls[2],), port=0, policy="global-cache",
                                         policy_options=(("block_tokens", 4),)))
         purl = await proxy.start()
@@ -309,15 +309,13 @@ def test_text_prompts_are_tokenized_for_routing() -> None:
             assert _decision(hdr)["cached_blocks"] == str(len(ids) // 4)
             st, _, _ = await _post(purl + "/v1/completions", {"model": "tiny", "prompt": text + "and more",
                                                                "max_tokens": 2})
-            async with aiohttp.ClientSession() as s, s.get(purl + "/proxy/stats") as r:
-                stats = await r.json()
+            stats = await _stats(purl)
             assert stats["tokenizer"]["calls"] == 1 and stats["tokenizer"]["cache_hits"] == 1
             # the stub cannot tokenize chat: the request is still served, hashed by characters
             st, _, _ = await _post(purl + "/v1/chat/completions", {"model": "tiny", "max_tokens": 2,
                                                                      "messages": [{"role": "user", "content": text}]})
             assert st == 200
-            async with aiohttp.ClientSession() as s, s.get(purl + "/proxy/stats") as r:
-                stats = await r.json()
+            stats = await _stats(purl)
             assert stats["tokenizer"]["rejected"] == 1 and stats["policy_stats"]["char_hashed_prompts"] == 1
         finally:
             await proxy.stop()
