@@ -131,14 +131,20 @@ class _Raw:
             got += self.sock.recv_into(mv[got:], n - got)
 
 
+def _rotating_memcpy(big: np.ndarray, dst: np.ndarray, sources: int, copies: int) -> float:
+    """GB/s of ``copies`` 16 MiB copies into ``dst`` from ``sources`` distinct 16 MiB chunks of ``big``, in turn."""
+    n = 16 << 20
+    sources = min(sources, len(big) // n)
+    t0 = time.perf_counter()
+    for i in range(copies):
+        np.copyto(dst[:n], big[(i % sources) * n:(i % sources + 1) * n])
+    return copies * n / (time.perf_counter() - t0) / 1e9
+
+
 def _cold_memcpy(big: np.ndarray, dst: np.ndarray) -> float:
     """memcpy of 16 MiB chunks rotating over a 256 MiB source (cache-cold, like reading many objects)."""
-    n = 16 << 20
-    chunks = len(big) // n
-    t0 = time.perf_counter()
-    for i in range(2 * chunks):
-        np.copyto(dst[:n], big[(i % chunks) * n:(i % chunks + 1) * n])
-    return 2 * chunks * n / (time.perf_counter() - t0) / 1e9
+    chunks = len(big) // (16 << 20)
+    return _rotating_memcpy(big, dst, chunks, 2 * chunks)
 
 
 def _gbps(nbytes: int, fn: Callable[[], None], reps: int) -> float:
@@ -172,12 +178,7 @@ def _store_round(client: Any, seg: str, src: np.ndarray, dst: np.ndarray, quick:
                 client.get_into(k, dv)
         out[f"get_gbps_{_label(size)}"] = size * n * reads / (time.perf_counter() - t0) / 1e9
         if size == 16 << 20 and big is not None:  # memcpy with the get loop's own pattern: n distinct sources
-            srcs = [big[(i % (len(big) // size)) * size:(i % (len(big) // size) + 1) * size] for i in range(n)]
-            t0 = time.perf_counter()
-            for _ in range(reads):
-                for sarr in srcs:
-                    np.copyto(dst[:size], sarr)
-            out["memcpy_pattern_gbps_16m"] = size * n * reads / (time.perf_counter() - t0) / 1e9
+            out["memcpy_pattern_gbps_16m"] = _rotating_memcpy(big, dst, n, n * reads)
         if rnd == 0 and size == 1 << 20 and not np.array_equal(src[:size], dst[:size]):
             raise AssertionError("store bench read back wrong bytes")
         client.remove_by_regex(f"^r{rnd}/s{size}/", force=True)
