@@ -28,18 +28,17 @@ import argparse
 import functools
 import json
 import os
-import socket
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from mooncake_core.bench import rawtcp
 
 SIZES = [64 << 10, 1 << 20, 16 << 20, 64 << 20]
 BATCH_N, BATCH_SZ = 32, 1 << 20
@@ -55,55 +54,14 @@ def _label(n: int) -> str:
 
 
 # ---------------------------------------------------------------------- holder process
-def _raw_server(sock: socket.socket, buf: np.ndarray) -> None:
-    mv = _mv(buf)
-    while True:
-        try:
-            conn, _ = sock.accept()
-        except OSError:
-            return
-        threading.Thread(target=_raw_conn, args=(conn, mv), daemon=True).start()
-
-
-def _raw_conn(conn: socket.socket, mv: memoryview) -> None:
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    hdr = bytearray(9)
-    try:
-        while True:
-            got = 0
-            while got < 9:
-                k = conn.recv_into(memoryview(hdr)[got:])
-                if not k:
-                    return
-                got += k
-            op, n = struct.unpack("<BQ", hdr)
-            if op == 1:
-                got = 0
-                while got < n:
-                    k = conn.recv_into(mv[got:n], n - got)
-                    if not k:
-                        return
-                    got += k
-                conn.sendall(b"k")
-            else:
-                conn.sendall(mv[:n])
-    except OSError:
-        return
-    finally:
-        conn.close()
-
-
 def _holder(master: str, segment_size: int, ready: str) -> int:
     from mooncake_core.store import StoreClient
 
     with StoreClient(master=master, segment_size=segment_size, prefault=True) as client:
         raw = np.ones(64 << 20, dtype=np.uint8)
-        lsock = socket.socket()
-        lsock.bind(("127.0.0.1", 0))
-        lsock.listen(4)
-        threading.Thread(target=_raw_server, args=(lsock, raw), daemon=True).start()
+        raw_port = rawtcp.start_server(_mv(raw))
         with open(ready + ".tmp", "w") as f:
-            json.dump({"segment": client.segment_names[0], "raw_port": lsock.getsockname()[1]}, f)
+            json.dump({"segment": client.segment_names[0], "raw_port": raw_port}, f)
         os.replace(ready + ".tmp", ready)
         try:
             sys.stdin.read()  # until the parent closes our stdin
@@ -113,24 +71,6 @@ def _holder(master: str, segment_size: int, ready: str) -> int:
 
 
 # ---------------------------------------------------------------------- references
-class _Raw:
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port))
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.ack = bytearray(1)
-
-    def write(self, mv: memoryview) -> None:
-        self.sock.sendall(struct.pack("<BQ", 1, len(mv)))
-        self.sock.sendall(mv)
-        self.sock.recv_into(self.ack)
-
-    def read(self, mv: memoryview) -> None:
-        self.sock.sendall(struct.pack("<BQ", 2, len(mv)))
-        got, n = 0, len(mv)
-        while got < n:
-            got += self.sock.recv_into(mv[got:], n - got)
-
-
 def _rotating_memcpy(big: np.ndarray, dst: np.ndarray, sources: int, copies: int) -> float:
     """GB/s of ``copies`` 16 MiB copies into ``dst`` from ``sources`` distinct 16 MiB chunks of ``big``, in turn."""
     n = 16 << 20
@@ -329,7 +269,7 @@ def run_bench(quick: bool, transport: str, rounds: int) -> dict[str, Any]:
         dst = np.ones(64 << 20, dtype=np.uint8)
         a = np.ones(64 << 20, dtype=np.uint8)
         big = np.ones(256 << 20, dtype=np.uint8)
-        raw = _Raw(int(info["raw_port"]))
+        raw = rawtcp.RawClient(int(info["raw_port"]))
         rows: list[dict[str, float]] = []
         with StoreClient(master=addr, segment_size=0, transport=transport) as client:
             for rnd in range(rounds):

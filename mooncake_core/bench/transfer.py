@@ -13,17 +13,15 @@ import argparse
 import functools
 import json
 import os
-import socket
-import struct
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from mooncake_core.bench import rawtcp
 from mooncake_core.transfer import TransferEngine, TransferRequest
 
 SIZES = [64 << 10, 1 << 20, 16 << 20, 64 << 20]
@@ -35,45 +33,13 @@ def _label(n: int) -> str:
 
 
 # ---------------------------------------------------------------------- holder process
-def _raw_server(sock: socket.socket, buf: np.ndarray) -> None:
-    mv = buf.data
-    while True:
-        try:
-            conn, _ = sock.accept()
-        except OSError:
-            return
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        hdr = bytearray(9)
-        try:
-            while True:
-                got = 0
-                while got < 9:
-                    k = conn.recv_into(memoryview(hdr)[got:])
-                    if not k:
-                        raise ConnectionError
-                    got += k
-                op, n = struct.unpack("<BQ", hdr)
-                if op == 1:  # client writes n bytes
-                    got = 0
-                    while got < n:
-                        got += conn.recv_into(mv[got:n], n - got)
-                    conn.sendall(b"k")
-                else:  # client reads n bytes
-                    conn.sendall(mv[:n])
-        except (ConnectionError, OSError):
-            conn.close()
-
-
 def holder_main() -> None:
     eng = TransferEngine(protocol="tcp").start()
     buf = eng.allocate(HOLD, prefault=True, name="bench")
     buf.numpy()[:] = 1  # touch every page
     raw_buf = np.ones(HOLD, dtype=np.uint8)
-    lsock = socket.socket()
-    lsock.bind(("127.0.0.1", 0))
-    lsock.listen(4)
-    threading.Thread(target=_raw_server, args=(lsock, raw_buf), daemon=True).start()
-    print(json.dumps({"name": eng.name, "addr": buf.addr, "raw_port": lsock.getsockname()[1]}), flush=True)
+    raw_port = rawtcp.start_server(memoryview(raw_buf.data).cast("B"))
+    print(json.dumps({"name": eng.name, "addr": buf.addr, "raw_port": raw_port}), flush=True)
     sys.stdin.read()  # until the parent closes our stdin
     eng.close()
 
@@ -127,21 +93,13 @@ def _measure(info: dict[str, Any], quick: bool) -> dict[str, Any]:
     local = eng.allocate(HOLD, prefault=True)
     local.numpy()[:] = np.random.default_rng(0).integers(0, 255, HOLD, dtype=np.uint8)
     lview = local.view
-    raw = socket.create_connection(("127.0.0.1", int(info["raw_port"])))
-    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    ack = bytearray(1)
+    raw = rawtcp.RawClient(int(info["raw_port"]))
 
     def raw_write(n: int) -> None:
-        raw.sendall(struct.pack("<BQ", 1, n))
-        raw.sendall(lview[:n])
-        raw.recv_into(ack, 1)
+        raw.write(lview[:n])
 
     def raw_read(n: int) -> None:
-        raw.sendall(struct.pack("<BQ", 2, n))
-        mv = lview[:n]
-        got = 0
-        while got < n:
-            got += raw.recv_into(mv[got:], n - got)
+        raw.read(lview[:n])
 
     def ours(op: str, transport: str, n: int) -> Callable[[], None]:
         req = TransferRequest(op, peer, local.addr, n, raddr, transport=transport)
