@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mooncake_vllm.testing import VLLMServer, engine_env, free_port
-from vllm_helpers import BLOCK, ProxyProcess, needs_vllm, read_stats, token_prompt, wait_for
+from mooncake_vllm.testing import VLLMServer, engine_env, free_port, read_counters
+from vllm_helpers import BLOCK, ProxyProcess, needs_vllm, token_prompt, wait_for
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, needs_vllm, pytest.mark.timeout(900)]
 
@@ -66,10 +66,10 @@ class Cluster:
     base: Path
 
     def store_sched(self, i: int) -> dict[str, float]:
-        return read_stats(self.base / "stats" / f"prefill{i}", "store-sched-")
+        return read_counters(self.base / "stats" / f"prefill{i}", "store-sched-")
 
     def store_worker(self, i: int) -> dict[str, float]:
-        return read_stats(self.base / "stats" / f"prefill{i}", "store-worker-")
+        return read_counters(self.base / "stats" / f"prefill{i}", "store-worker-")
 
 
 @pytest.fixture(scope="module")

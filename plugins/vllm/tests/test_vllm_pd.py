@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mooncake_vllm.testing import VLLMServer, http_json
-from vllm_helpers import BLOCK, ProxyProcess, needs_vllm, read_stats, token_prompt, wait_for
+from mooncake_vllm.testing import VLLMServer, http_json, read_counters
+from vllm_helpers import BLOCK, ProxyProcess, needs_vllm, token_prompt, wait_for
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, needs_vllm, pytest.mark.timeout(900)]
 
@@ -37,10 +37,10 @@ class Cluster:
     logs: Path
 
     def decode_stats(self) -> dict[str, float]:
-        return read_stats(self.stats, "pd-kv_consumer-")
+        return read_counters(self.stats, "pd-kv_consumer-")
 
     def prefill_stats(self) -> dict[str, float]:
-        return read_stats(self.stats, "pd-kv_producer-")
+        return read_counters(self.stats, "pd-kv_producer-")
 
 
 def _pd_config(role: str, stats: Path, **extra: Any) -> dict[str, Any]:

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mooncake_vllm.testing import VLLMServer, engine_env, free_port
-from vllm_helpers import BLOCK, needs_vllm, read_stats, token_prompt, wait_for
+from mooncake_vllm.testing import VLLMServer, engine_env, free_port, read_counters
+from vllm_helpers import BLOCK, needs_vllm, token_prompt, wait_for
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, needs_vllm, pytest.mark.timeout(900)]
 
@@ -32,10 +32,10 @@ class Pool:
     stats: Path
 
     def sched(self, server: VLLMServer) -> dict[str, float]:
-        return read_stats(self.stats / server.name, "store-sched-")
+        return read_counters(self.stats / server.name, "store-sched-")
 
     def worker(self, server: VLLMServer) -> dict[str, float]:
-        return read_stats(self.stats / server.name, "store-worker-")
+        return read_counters(self.stats / server.name, "store-worker-")
 
 
 def _store_config(addr: str, stats: Path, by_name: bool) -> dict[str, Any]:

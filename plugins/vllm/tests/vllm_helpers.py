@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -24,20 +23,6 @@ BLOCK = 32
 def token_prompt(n: int, salt: int = 0) -> list[int]:
     """A deterministic token-id prompt of exactly ``n`` tokens (ids 3..402)."""
     return [(i * 7 + n * 13 + salt * 31) % 400 + 3 for i in range(n)]
-
-
-def read_stats(stats_dir: Path, prefix: str) -> dict[str, float]:
-    """Sum the counters of every stats file ``<prefix>*.json`` in ``stats_dir``."""
-    total: dict[str, float] = {}
-    for f in stats_dir.glob(prefix + "*.json"):
-        try:
-            data = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue
-        for k, v in data.items():
-            if isinstance(v, (int, float)) and k not in ("pid", "time"):
-                total[k] = total.get(k, 0) + v
-    return total
 
 
 def wait_for(cond: Any, timeout: float, what: str) -> None:
