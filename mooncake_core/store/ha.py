@@ -79,6 +79,18 @@ class StoreEtcd(EtcdClient):
         cur = self.leader()
         return cur is not None and cur.id == me.id
 
+    def fenced_put(self, me: LeaderInfo, key: str, value: bytes) -> bool:
+        """Put ``key`` only while ``me`` holds the leader key (one etcd transaction)."""
+        mine = msgspec.json.encode(me)
+
+        async def txn() -> bool:
+            c = self._client
+            ok, _ = await c.transaction(compare=[c.transactions.value(self.leader_key.encode()) == mine],
+                                        success=[c.transactions.put(key.encode(), value)], failure=[])
+            return bool(ok)
+
+        return bool(self._run(txn()))
+
     # ------------------------------------------------------------------ oplog
     def append(self, me: LeaderInfo, seq: int, entries: list[Any]) -> int:
         """Write ``entries`` at ``seq`` (split when large) while we lead; returns the next seq.
@@ -136,7 +148,8 @@ def _chunks(entries: list[Any]) -> list[bytes]:
 class Snapshots:
     """Oplog compaction: the leader writes its whole state as of ``seq`` and trims the log.
 
-    Layout: ``snap/<seq>/<part>`` chunks, then (fenced) ``snap/latest`` = ``seq``; the
+    Layout: ``snap/<seq>/<part>`` chunks, then ``snap/latest`` = ``seq``, every write fenced
+    on the leader key (a deposed master writes nothing); the
     oplog below ``seq`` and snapshots older than the previous one are then deleted. A
     standby starts from ``snap/latest`` and tails the log from its seq; one that finds a
     gap in the log (it fell behind a trim) reloads the snapshot.
@@ -147,21 +160,15 @@ class Snapshots:
         self.prefix = etcd.prefix + "snap/"
 
     def write(self, me: LeaderInfo, seq: int, entries: list[Any]) -> None:
+        # Every part is fenced like the ``latest`` switch: a master that lost the leader key
+        # cannot overwrite (or half-overwrite) the parts of the new leader's snapshot at the same seq.
+        etcd = self.etcd
         parts = _chunks(entries)
         for i, body in enumerate(parts):
-            self.etcd.put(f"{self.prefix}{seq:016d}/{i:06d}", body)
-        mine = msgspec.json.encode(me)
-        latest = (self.prefix + "latest").encode()
+            if not etcd.fenced_put(me, f"{self.prefix}{seq:016d}/{i:06d}", body):
+                raise MetadataError(f"snapshot at seq {seq} refused at part {i}: this master is no longer the leader")
         value = msgspec.json.encode({"seq": seq, "parts": len(parts)})
-        etcd = self.etcd
-
-        async def txn() -> bool:
-            c = etcd._client
-            ok, _ = await c.transaction(compare=[c.transactions.value(etcd.leader_key.encode()) == mine],
-                                        success=[c.transactions.put(latest, value)], failure=[])
-            return bool(ok)
-
-        if not etcd._run(txn()):
+        if not etcd.fenced_put(me, self.prefix + "latest", value):
             raise MetadataError(f"snapshot at seq {seq} refused: this master is no longer the leader")
         prev = self.previous(seq)
 

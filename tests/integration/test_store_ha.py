@@ -121,3 +121,29 @@ def test_leader_killed_standby_takes_over_without_losing_acknowledged_objects(et
             a.stop()
         for m in masters:
             m.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_deposed_leader_cannot_write_snapshot_parts(etcd_url: str) -> None:
+    """Every snapshot write is fenced on the leader key: a master that lost it changes nothing."""
+    from mooncake_core.errors import MetadataError
+    from mooncake_core.store.ha import LeaderInfo, Snapshots, StoreEtcd
+
+    etcd = StoreEtcd(etcd_url, f"fence-{uuid.uuid4().hex[:8]}")
+    try:
+        old, new = LeaderInfo("old", "127.0.0.1:1"), LeaderInfo("new", "127.0.0.1:2")
+        assert etcd.campaign(old, etcd.grant_lease(30))
+        Snapshots(etcd).write(old, 5, [["put", "k", 1]])
+        assert Snapshots(etcd).load() == (5, [["put", "k", 1]])
+        etcd.delete(etcd.leader_key)  # the old leader's lease ran out; another master wins
+        assert etcd.campaign(new, etcd.grant_lease(30))
+        new_entries = [["put", f"n{i}", i] for i in range(3)]
+        Snapshots(etcd).write(new, 7, new_entries)
+        before = etcd.get_prefix(etcd.prefix + "snap/")
+        # the deposed master, unaware, snapshots at the new leader's seq with other contents
+        with pytest.raises(MetadataError, match="no longer the leader"):
+            Snapshots(etcd).write(old, 7, [["put", "stale", 0]])
+        assert etcd.get_prefix(etcd.prefix + "snap/") == before
+        assert Snapshots(etcd).load() == (7, new_entries)
+    finally:
+        etcd.close()
