@@ -19,7 +19,9 @@ workload on the published Mooncake store through
 ``mooncake_core.bench.mooncake_peer.run_mooncake_store_bench(python, quick)`` when that
 module exists; ours and theirs alternate round by round, and the JSON adds
 ``mooncake_<key>`` and ``<key>_ratio_vs_mooncake`` (ours / theirs; for the latency keys
-lower is better) for each figure both report. Comparisons should use ``--transport tcp``.
+lower is better) for each figure both report, and ``raw_tcp_<key>_ratio_vs_mooncake``: the
+raw-TCP reference (a bare Python socket, no store) against the published store, i.e. the
+ceiling any store reaching the holder through Python sockets could score in that run. Comparisons should use ``--transport tcp``.
 """
 
 from __future__ import annotations
@@ -214,6 +216,10 @@ def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
         mine = ours.get(k)
         if k not in ("rounds", "wall_s") and isinstance(mine, (int, float)) and isinstance(v, (int, float)) and v:
             out[f"{k}_ratio_vs_mooncake"] = round(mine / v, 3)
+        # the ceiling: what a bare Python socket (no store at all) scores against the published store
+        raw = ours.get(f"raw_tcp_{k}")
+        if isinstance(raw, (int, float)) and isinstance(v, (int, float)) and v:
+            out[f"raw_tcp_{k}_ratio_vs_mooncake"] = round(raw / v, 3)
     return out
 
 
@@ -354,6 +360,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{res['memcpy_pattern_gbps_16m']:.2f} GB/s), {res['get_vs_memcpy_hot_16m']:.2f}x (one cache-resident "
           f"buffer), {res['get_vs_memcpy_cold_16m']:.2f}x (cold: {res['memcpy_cold_gbps_16m']:.2f} GB/s); "
           f"vs raw TCP {res['get_vs_raw_tcp_16m']:.2f}x")
+    if "raw_tcp_put_gbps_1m_ratio_vs_mooncake" in res:
+        print("  vs published: " + ", ".join(f"{op} {lb} {res[f'{op}_gbps_{lb}_ratio_vs_mooncake']:.2f}x "
+                                             f"(bare Python TCP {res[f'raw_tcp_{op}_gbps_{lb}_ratio_vs_mooncake']:.2f}x)"
+                                             for lb in ("1m", "16m") for op in ("put", "get")))
     if args.json:
         print(json.dumps(res))
     return 0
