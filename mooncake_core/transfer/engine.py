@@ -140,6 +140,9 @@ class Batch:
         if not failed:
             self.future.set_result(None)
             return
+        self.future.set_exception(self._failure(failed))
+
+    def _failure(self, failed: list[tuple[int, RequestStatus]]) -> BaseException:
         i, st = failed[0]
         cause = st.error or TransportError("transfer failed")
         req = self.requests[i]
@@ -155,7 +158,29 @@ class Batch:
         except TypeError:
             exc = TransportError(msg)
         exc.__cause__ = cause
-        self.future.set_exception(exc)
+        return exc
+
+
+class _DoneBatch(Batch):
+    """A batch run to completion in the calling thread (no future: nobody waits on another thread)."""
+
+    def __init__(self, requests: Sequence[TransferRequest]) -> None:
+        self.id = next(Batch._ids)
+        self.requests = list(requests)
+        self.statuses = [RequestStatus() for _ in requests]
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _finish(self) -> None:
+        failed = [(i, s) for i, s in enumerate(self.statuses) if s.state != "completed"]
+        if failed:
+            self._error = self._failure(failed)
 
 
 class TransferEngine:
@@ -452,11 +477,77 @@ class TransferEngine:
         reqs = [requests] if isinstance(requests, TransferRequest) else list(requests)
         if not reqs:
             raise InvalidRequest("empty batch: give at least one request")
-        batch = Batch(reqs)
+        if len(reqs) == 1:
+            moved = self._transfer_one(reqs[0], timeout)
+            if moved:
+                batch: Batch = _DoneBatch(reqs)
+                batch.statuses[0].state = "completed"
+                batch.statuses[0].transferred = moved
+                return batch
+        batch = _DoneBatch(reqs)
         items = self._plan(batch)
         self._run_batch(batch, items, timeout)
         batch.wait()
         return batch
+
+    def _transfer_one(self, req: TransferRequest, timeout: float | None) -> int:
+        """The common small case without the batch machinery: one host-memory request that fits one
+        slice, to a peer already resolved, at an absolute address inside its registered memory.
+
+        Returns the bytes moved, or 0 (nothing done) when the request is not of that shape;
+        the general path then handles it, with the same validation and error messages.
+        Failures raise as there.
+        """
+        op = _OPS.get(req.op)
+        local = req.local
+        remote = req.remote_addr
+        if (op is None or req.segment is not None or type(remote) is not int or remote < 0 or req.offset
+                or (req.transport is not None and req.transport not in self._transports)):
+            return 0
+        with self._peers_lock:
+            peer = self._peers.get(req.peer)
+        if peer is None:
+            return 0
+        slice_size = int(self.config.transfer.slice_size)
+        if type(local) is int:  # an address inside our registered host memory
+            length = req.length or 0
+            if not 0 < length <= slice_size:
+                return 0
+            try:
+                region = self.segments.find(local, length)
+            except InvalidRequest:
+                return 0
+            if region.kind != "host":
+                return 0
+            addr, view = local, region.view(local, length)
+        elif type(local) is memoryview or type(local) is bytearray:
+            mv = local if type(local) is memoryview else memoryview(local)
+            if mv.format != "B" or mv.ndim != 1 or not mv.contiguous or (op == READ and mv.readonly):
+                return 0
+            length = mv.nbytes if req.length is None else req.length
+            if not 0 < length <= min(mv.nbytes, slice_size):
+                return 0
+            addr = buffer_address(mv, writable=False)[0]
+            view = mv[:length] if length != mv.nbytes else mv
+        else:
+            return 0
+        if peer.find_region(remote, length) is None:
+            return 0
+        chain = self._choose(peer, req.transport)
+        if not chain:
+            return 0
+        it = WorkItem(0, op, addr, view, remote, length)
+        deadline = time.monotonic() + (timeout if timeout is not None else self.config.transfer.timeout_s)
+        self._execute_chain(req.peer, peer, chain, [it], deadline)
+        if it.done:
+            return length
+        cause = it.error or TransportError(f"request 0 to {req.peer!r} did not complete")
+        batch = _DoneBatch([req])
+        batch.statuses[0].error = cause
+        batch.statuses[0].state = "timeout" if isinstance(cause, TransferTimeout) else "failed"
+        batch._finish()
+        batch.wait()
+        raise AssertionError("unreachable: wait() raised")
 
     def write(self, peer: str, local: Any, remote_addr: int | None = None, length: int | None = None, **kw: Any) -> None:
         """Synchronous write of ``local`` to ``remote_addr`` on ``peer``."""
@@ -499,8 +590,11 @@ class TransferEngine:
                     st.transferred += it.length
                 elif st.error is None:
                     st.error = it.error or TransportError(f"request {it.req} to {batch.requests[it.req].peer!r} did not complete")
+            wanted = [0] * len(batch.statuses)
+            for it in items:
+                wanted[it.req] += it.length
             for i, st in enumerate(batch.statuses):
-                if st.error is None and st.transferred >= sum(x.length for x in items if x.req == i):
+                if st.error is None and st.transferred >= wanted[i]:
                     st.state = "completed"
                 else:
                     st.state = "timeout" if isinstance(st.error, TransferTimeout) else "failed"
@@ -560,6 +654,11 @@ class TransferEngine:
             for it in items:
                 it.error = it.error or PeerUnreachable(f"no transport reaches peer {name!r}")
             return
+        self._execute_chain(name, peer, chain, items, deadline)
+
+    def _execute_chain(self, name: str, peer: PeerInfo, chain: list[Transport], items: list[WorkItem],
+                       deadline: float) -> None:
+        """Run ``items`` on the first transport of ``chain``, failing over to the next ones."""
         last: BaseException | None = None
         for t in chain:
             todo = [it for it in items if not it.done and it.error is None]

@@ -161,6 +161,53 @@ def test_broken_connection_is_retried_and_completes(engine: TransferEngine, spaw
     assert sha(back) == sha(data)
 
 
+def test_single_slice_requests_take_the_direct_path_and_keep_retries_errors_and_stats(
+        engine: TransferEngine, spawn_peer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One request that fits one slice, to a known peer, skips the batch planner (the store's hot
+    path); it must still retry a broken connection, count bytes and fail exactly like the planner."""
+    peer = spawn_peer()
+    size = 60_001  # one 64 KiB slice
+    raddr = peer.call("alloc", size=1 << 20)["addr"]
+    tcp = engine.transports["tcp"]
+    assert isinstance(tcp, TCPTransport)
+    engine.write(peer.name, bytearray(16), raddr, transport="tcp")  # resolves the peer
+    planned = {"n": 0}
+    plan = engine._plan
+
+    def counting_plan(batch: Any) -> Any:
+        planned["n"] += 1
+        return plan(batch)
+
+    monkeypatch.setattr(engine, "_plan", counting_plan)
+    before = dict(engine.stats)
+    data = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8)
+    tcp.fault_hook = lambda conn: tcp.fault_hook is not None and tcp.retried_slices == 0  # break the first send
+    try:
+        batch = engine.transfer(TransferRequest("write", peer.name, memoryview(data.data).cast("B"), None, raddr + 3,
+                                                transport="tcp"))
+    finally:
+        tcp.fault_hook = None
+    assert tcp.retried_slices == 1 and batch.done() and batch.statuses[0].transferred == size
+    assert peer.call("digest", addr=raddr + 3, length=size)["sha"] == sha(data)
+    local = engine.allocate(1 << 16)  # a registered address as the local side
+    engine.read(peer.name, local.addr + 5, raddr + 3, size, transport="tcp")
+    assert sha(local.view[5 : 5 + size]) == sha(data)
+    back = bytearray(size)
+    engine.read(peer.name, back, raddr + 3, transport="tcp")
+    assert sha(back) == sha(data)
+    assert planned["n"] == 0, "single-slice requests went through the planner"
+    assert engine.stats["bytes_written"] - before["bytes_written"] == size
+    assert engine.stats["bytes_read"] - before["bytes_read"] == 2 * size
+    # not of the direct shape: the planner handles them, with its messages
+    with pytest.raises(InvalidRequest, match="not inside memory registered by peer"):
+        engine.write(peer.name, bytearray(64), raddr + (1 << 20) - 10, transport="tcp")
+    engine.read(peer.name, back, raddr + 3, transport="shm")
+    assert planned["n"] == 1 and sha(back) == sha(data)  # shm: same host, direct as well
+    os.kill(peer.pid, signal.SIGKILL)
+    with pytest.raises(TransportError, match=r"request 0 \(read to peer"):
+        engine.read(peer.name, back, raddr + 3, transport="tcp")
+
+
 # ---------------------------------------------------------------------- bad input
 def test_bad_requests_get_clear_errors(engine: TransferEngine, spawn_peer: Any) -> None:
     peer = spawn_peer()
