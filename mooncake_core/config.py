@@ -124,6 +124,7 @@ class StoreConfig:
     placement: str = "free-ratio-first"
     max_objects: int = 2_000_000  # metadata cap: puts beyond it evict LRU objects (bounds the master's memory)
     rpc_spin_us: float = 100.0  # clients spin this long for a master answer before sleeping
+    client_reservations: bool = True  # puts up to 4 MiB allocate from a lent extent: one master RPC per put
 
 
 @dataclass(frozen=True)

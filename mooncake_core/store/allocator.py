@@ -18,14 +18,18 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-__all__ = ["OffsetAllocator", "place", "ALIGN", "STRATEGIES", "Placeable"]
+__all__ = ["OffsetAllocator", "place", "align", "ALIGN", "STRATEGIES", "Placeable"]
 
 ALIGN = 64
 STRATEGIES = ("random", "free-ratio-first", "local-first")
 
 
-def _align(n: int) -> int:
+def align(n: int) -> int:
+    """``n`` rounded up to the allocation unit (what an allocation of ``n`` bytes really takes)."""
     return (n + ALIGN - 1) & ~(ALIGN - 1)
+
+
+_align = align
 
 
 class OffsetAllocator:
@@ -96,6 +100,20 @@ class OffsetAllocator:
             self._take_free(end, nsize)
             end += nsize
         self._add_free(start, end - start)
+
+    def split(self, off: int, at: int) -> None:
+        """Cut the allocated range starting at ``off`` in two at ``at`` (both stay allocated).
+
+        Used to carve objects out of a client's reservation; ``at`` must be aligned and
+        strictly inside the range.
+        """
+        size = self._live.get(off)
+        if size is None:
+            raise ValueError(f"offset {off} is not an allocated range of this segment")
+        if not off < at < off + size or at % ALIGN:
+            raise ValueError(f"cannot split [{off}, {off + size}) at {at}")
+        self._live[off] = at - off
+        self._live[at] = off + size - at
 
     def reserve(self, off: int, size: int) -> bool:
         """Mark ``[off, off+size)`` used (rebuilding state from a log); False if not free."""

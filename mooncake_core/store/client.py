@@ -32,19 +32,23 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from mooncake_core.config import MooncakeConfig, load_config
 from mooncake_core.errors import (
     LeaseExpired,
+    ObjectExists,
     SegmentError,
     StoreError,
     TransportError,
 )
 from mooncake_core.store import protocol as P
+from mooncake_core.store.allocator import align
 from mooncake_core.store.protocol import ReplicaCfg
 from mooncake_core.store.rpc import MasterRPC
 from mooncake_core.store.ssd import SsdTier
+from mooncake_core.store.state import RESERVE_MAX_OBJECT
 from mooncake_core.transfer import TransferEngine, TransferRequest
 from mooncake_core.transfer.memory import ManagedBuffer, Region, buffer_address, host_view, memmove
 
@@ -79,6 +83,24 @@ def _as_view(obj: Any, writable: bool) -> tuple[memoryview, Any]:
     if mv.ndim != 1 or mv.format not in ("B", "b", "c"):
         mv = mv.cast("B")
     return mv, obj
+
+
+@dataclass(slots=True)
+class _Lent:
+    """A reservation the master lent us: we allocate from ``next`` up to ``end`` ourselves."""
+
+    rid: int
+    segment: str
+    peer: str
+    base: int
+    host: str
+    next: int
+    end: int
+    expires: float  # local monotonic time after which we stop starting writes into it
+    inflight: int = 0
+    dead: bool = False  # a write or commit failed: never use again
+    retired: bool = False  # replaced by a newer one
+    released: bool = False
 
 
 class _Local:
@@ -171,6 +193,11 @@ class StoreClient:
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
         self._mount_lock = threading.Lock()
+        self.reservations = self.config.store.client_reservations
+        self._lent_lock = threading.Lock()
+        self._lent: dict[tuple[str, str], _Lent] = {}  # (preferred segment, strategy) -> current reservation
+        self._lent_release: list[int] = []
+        self._lent_refused: dict[tuple[str, str], float] = {}  # no reservation to ask for before this time
         self.lease_ttl_s = self.config.store.lease_ttl_s
         self.heartbeat_s = self.config.store.heartbeat_interval_s
 
@@ -264,6 +291,7 @@ class StoreClient:
         self._closed = True
         self._stop.set()
         if self._started:
+            self._release_reservations()
             for name in list(self._seg_names):
                 try:
                     self.rpc.call("unmount", (self.client_id, name), timeout=2.0)
@@ -394,7 +422,108 @@ class StoreClient:
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
 
+    # ------------------------------------------------------------------ one-RPC puts through reservations
+    def _slot(self, cfg: ReplicaCfg, size: int) -> tuple[_Lent, int] | None:
+        """A free range of ``size`` bytes in our reservation for ``cfg`` (asking the master for one if needed)."""
+        need = align(size)
+        k = (cfg.preferred_segment, cfg.strategy)
+        with self._lent_lock:
+            now = time.monotonic()
+            lent = self._lent.get(k)
+            if lent is not None and not lent.dead and now < lent.expires and lent.next + need <= lent.end:
+                off = lent.next
+                lent.next += need
+                lent.inflight += 1
+                return lent, off
+            if lent is not None:
+                del self._lent[k]
+                self._retire(lent)
+            if now < self._lent_refused.get(k, 0.0):
+                return None
+            release, self._lent_release = self._lent_release, []
+            try:
+                rid, ext, ttl = self._call("reserve", (self.client_id, size, cfg, release))
+            except (StoreError, OSError) as exc:
+                logger.debug("no reservation (%s); putting in two phases", exc)
+                self._lent_refused[k] = now + 1.0
+                return None
+            if not rid:
+                self._lent_refused[k] = now + 1.0
+                return None
+            seg, peer, base, off0, length, host = ext
+            # use it for half its ttl at most: the master keeps it for the whole ttl after each commit
+            lent = _Lent(int(rid), str(seg), str(peer), int(base), str(host), int(off0) + need,
+                         int(off0) + int(length), now + float(ttl) / 2, inflight=1)
+            self._lent[k] = lent
+            return lent, int(off0)
+
+    def _retire(self, lent: _Lent) -> None:
+        """Hand a reservation we stopped using back to the master (with the next ``reserve``) once idle."""
+        lent.retired = True
+        if lent.inflight == 0 and not lent.released:
+            lent.released = True
+            self._lent_release.append(lent.rid)
+
+    def _put_reserved(self, key: str, local: _Local, cfg: ReplicaCfg) -> bool:
+        """Put through a reservation: write, then one ``put_commit``. False: not done, put in two phases."""
+        slot = self._slot(cfg, local.length)
+        if slot is None:
+            return False
+        lent, off = slot
+        try:
+            sl = (lent.segment, lent.peer, lent.base + off, local.length, lent.host)
+            try:
+                self._move("write", [(local, [sl])])
+            except BaseException:
+                lent.dead = True  # the holder may be gone: do not write there again
+                raise
+            t0 = time.monotonic()
+            try:
+                ttl = float(self._call("put_commit", (self.client_id, key, lent.rid, off, local.length, cfg)))
+            except P.InvalidArgument as exc:
+                if "reservation" not in str(exc):
+                    raise
+                logger.info("put %r: %s; putting in two phases", key, exc)
+                lent.dead = True
+                return False
+            except ObjectExists:
+                if self._committed_at(key, lent.segment, off):  # our commit, answered by a leader that then died
+                    return True
+                raise
+            with self._lent_lock:
+                lent.expires = max(lent.expires, t0 + ttl / 2)
+            return True
+        finally:
+            with self._lent_lock:
+                lent.inflight -= 1
+                if lent.inflight == 0 and (lent.retired or lent.dead) and not lent.released:
+                    lent.released = True
+                    self._lent_release.append(lent.rid)
+
+    def _committed_at(self, key: str, segment: str, offset: int) -> bool:
+        try:
+            info = self._call("query_key", (key,))
+        except (StoreError, OSError):
+            return False
+        return any(len(rep) == 1 and rep[0]["segment"] == segment and rep[0]["offset"] == offset
+                   for rep in info.get("replicas", []))
+
+    def _release_reservations(self) -> None:
+        with self._lent_lock:
+            rids = self._lent_release + [lent.rid for lent in self._lent.values()]
+            self._lent.clear()
+            self._lent_release = []
+        if rids:
+            try:
+                self.rpc.call("reserve", (self.client_id, 0, ReplicaCfg(), rids), timeout=2.0)
+            except (StoreError, OSError) as exc:
+                logger.debug("releasing reservations at close: %s", exc)
+
     def _put_local(self, key: str, local: _Local, cfg: ReplicaCfg) -> None:
+        if (self.reservations and cfg.replica_num == 1 and 0 < local.length <= RESERVE_MAX_OBJECT
+                and isinstance(key, str) and 0 < len(key) <= P.MAX_KEY // 4):  # odd input: the master's checks
+            if self._put_reserved(key, local, cfg):
+                return
         try:
             self._put_once(key, local, cfg)
         except _PutLost:

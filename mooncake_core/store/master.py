@@ -227,6 +227,8 @@ class MasterServer:
             "put_end": lambda a, now: st.put_end(a.client_id, a.key, a.token, now),
             "put_revoke": lambda a, now: st.put_revoke(a.client_id, a.key, a.token, now),
             "batch_put_end": batch_put_end,
+            "reserve": lambda a, now: st.reserve(a.client_id, a.size, a.cfg, a.release, now),
+            "put_commit": lambda a, now: st.put_commit(a.client_id, a.key, a.rid, a.offset, a.size, a.cfg, now),
             "get_replica_list": lambda a, now: st.get_replica_list(a.key, now),
             "batch_get_replica_list": lambda a, now: st.batch_get_replica_list(a.keys, now),
             "exists": lambda a, now: st.exists(a.key, now),

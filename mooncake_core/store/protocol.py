@@ -229,6 +229,22 @@ class PutEndArgs(_A):
     token: int
 
 
+class ReserveArgs(_A):
+    client_id: str
+    size: int  # typical object size; 0 = only release
+    cfg: ReplicaCfg
+    release: list[int] = []
+
+
+class PutCommitArgs(_A):
+    client_id: str
+    key: str
+    rid: int
+    offset: int  # inside the reservation's segment
+    size: int
+    cfg: ReplicaCfg
+
+
 class BatchPutEndArgs(_A):
     client_id: str
     keys: list[str]
@@ -278,6 +294,8 @@ METHOD_ARGS: dict[str, type[msgspec.Struct]] = {
     "put_end": PutEndArgs,
     "put_revoke": PutEndArgs,
     "batch_put_end": BatchPutEndArgs,
+    "reserve": ReserveArgs,
+    "put_commit": PutCommitArgs,
     "get_replica_list": KeyArgs,
     "batch_get_replica_list": KeysArgs,
     "exists": KeyArgs,

@@ -14,6 +14,11 @@ Contract:
   fresh lease.
 - Tasks for clients (SSD offload, promotion, deleting an SSD copy) are queued per
   client and delivered by the ``poll`` RPC.
+- Reservations (one-RPC puts): a client may hold a few extents of a segment
+  (:meth:`reserve`), allocate objects inside them itself, write the bytes, and commit each
+  object with one call (:meth:`put_commit`), which carves the object's range out of the
+  extent. Grants, carves and releases are replicated, so a new leader knows which ranges a
+  client may still be writing; an extent unused for ``put_timeout_s`` is reclaimed.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from typing import Any
 
 from mooncake_core.config import StoreConfig, format_size
 from mooncake_core.errors import NoSpace, ObjectExists, ObjectNotFound
-from mooncake_core.store.allocator import STRATEGIES, OffsetAllocator, place
+from mooncake_core.store.allocator import STRATEGIES, OffsetAllocator, align, place
 from mooncake_core.store.eviction import candidates
 from mooncake_core.store.protocol import (
     MAX_BATCH,
@@ -42,7 +47,7 @@ from mooncake_core.store.protocol import (
     code_of,
 )
 
-__all__ = ["MasterState", "Segment", "ClientInfo", "Obj", "check_key"]
+__all__ = ["MasterState", "Segment", "ClientInfo", "Obj", "Reservation", "check_key", "RESERVE_MAX_OBJECT"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +65,22 @@ def check_key(key: object) -> str:
 def _check_batch(keys: list[str]) -> None:
     if len(keys) > MAX_BATCH:
         raise InvalidArgument(f"batch of {len(keys)} keys exceeds the limit of {MAX_BATCH}")
+
+
+RESERVE_MAX_OBJECT = 4 << 20  # objects up to this size may be put through a reservation
+_RESERVE_MIN, _RESERVE_MAX = 4 << 20, 32 << 20  # extent size bounds (and at most 1/16 of the segment)
+_RESERVE_PER_CLIENT = 8
+
+
+@dataclass(slots=True)
+class Reservation:
+    """An extent of one segment lent to one client; ``blocks`` are the parts not yet committed."""
+
+    rid: int
+    client_id: str
+    segment: str
+    blocks: dict[int, int]  # offset -> size, each an allocated range of the segment's allocator
+    deadline: float
 
 
 @dataclass
@@ -121,10 +142,13 @@ class MasterState:
         self.lru: OrderedDict[str, None] = OrderedDict()
         self._token = 0
         self.offload_pending: dict[str, int] = {}  # segment -> bytes queued for SSD offload
+        self.reservations: dict[int, Reservation] = {}
+        self._rid = 0
         self.on_change: Callable[[tuple[Any, ...]], None] | None = None
         self.on_task: Callable[[str], None] | None = None
         self.counters: dict[str, int] = {"evictions": 0, "evicted_bytes": 0, "offloads": 0, "promotions": 0,
-                                         "expired_clients": 0, "reclaimed_puts": 0}
+                                         "expired_clients": 0, "reclaimed_puts": 0, "reservations_granted": 0,
+                                         "reserved_puts": 0, "reservations_reclaimed": 0}
 
     # ------------------------------------------------------------------ helpers
     def _emit(self, *entry: Any) -> None:
@@ -258,6 +282,8 @@ class MasterState:
                 self._free_replica(key, rep)
             if not o.replicas and not o.disk:
                 self._drop_object(o, emit=False)
+        for r in [r for r in self.reservations.values() if r.segment == s.name]:
+            del self.reservations[r.rid]
         self.segments.pop(s.name, None)
         self.offload_pending.pop(s.name, None)
         self._emit("unseg", s.name)
@@ -276,6 +302,7 @@ class MasterState:
             return
         logger.warning("client %s expired: unmounting %d segment(s)", client_id, len(c.segments))
         self.counters["expired_clients"] += 1
+        # its reservations stay until they expire: a client we only thought dead may still be writing
         for name in list(c.segments):
             s = self.segments.get(name)
             if s is not None:
@@ -345,6 +372,130 @@ class MasterState:
                     client_id=client_id, preferred=cfg.preferred_segment, rng=self.rng)
         return [[(s.name, off, n) for s, off, n in rep] for rep in got]
 
+    # ------------------------------------------------------------------ reservations (one-RPC puts)
+    def reserve(self, client_id: str, size: int, cfg: ReplicaCfg, release: list[int],
+                now: float) -> tuple[int, list[Any], float]:
+        """Release the client's listed reservations, then lend it an extent for objects of about ``size``.
+
+        Returns ``(rid, [segment, peer, base address, offset, length, host], ttl_s)``, or
+        ``(0, [], 0.0)`` when none is granted (the client then puts in two phases): no
+        segment has a free extent that keeps it under the eviction watermark, the client
+        holds the maximum, or ``size`` is 0 (release only). Reservations never evict.
+        """
+        self._client(client_id, now)
+        for rid in release:
+            r = self.reservations.get(rid)
+            if r is not None and r.client_id == client_id:
+                self._release_reservation(r)
+        if size == 0:
+            return 0, [], 0.0
+        if size < 0 or size > RESERVE_MAX_OBJECT:
+            raise InvalidArgument(f"reserve: size must be 0..{RESERVE_MAX_OBJECT}, got {size}")
+        if cfg.replica_num != 1:
+            raise InvalidArgument(f"reserve: reservations hold single-replica objects, got replica_num={cfg.replica_num}")
+        strategy = cfg.strategy or self.cfg.placement
+        if strategy not in STRATEGIES:
+            raise InvalidArgument(f"reserve: unknown placement {strategy!r} (use one of {', '.join(STRATEGIES)})")
+        if cfg.preferred_segment and cfg.preferred_segment not in self.segments:
+            raise InvalidArgument(f"reserve: preferred segment {cfg.preferred_segment!r} is not mounted")
+        if sum(1 for r in self.reservations.values() if r.client_id == client_id) >= _RESERVE_PER_CLIENT:
+            return 0, [], 0.0
+        want = min(max(16 * align(size), _RESERVE_MIN), _RESERVE_MAX)
+        hw = self.cfg.eviction_high_watermark
+        fits = [sg for sg in self.segments.values()
+                if min(want, sg.size // 16) >= 2 * align(size)
+                and sg.allocator.used + min(want, sg.size // 16) <= hw * sg.size
+                and sg.allocator.largest_free() >= min(want, sg.size // 16)]
+        if not fits:
+            return 0, [], 0.0
+        got = place(fits, min(want, min(sg.size for sg in fits) // 16), 1, strategy=strategy, client_id=client_id,
+                    preferred=cfg.preferred_segment if cfg.preferred_segment in {sg.name for sg in fits} else "",
+                    rng=self.rng)
+        if not got or len(got[0]) != 1:
+            for rep in got:
+                for sg, off, _n in rep:
+                    sg.allocator.release(off)
+            return 0, [], 0.0
+        placed, off, n = got[0][0]
+        sg = self.segments[placed.name]
+        self._rid += 1
+        r = Reservation(self._rid, client_id, sg.name, {off: align(n)}, now + self.cfg.put_timeout_s)
+        self.reservations[r.rid] = r
+        self.counters["reservations_granted"] += 1
+        self._emit("res", r.rid, client_id, sg.name, [[off, align(n)]], self.cfg.put_timeout_s)
+        return r.rid, [sg.name, sg.peer, sg.base, off, align(n), sg.host], self.cfg.put_timeout_s
+
+    def put_commit(self, client_id: str, key: str, rid: int, offset: int, size: int, cfg: ReplicaCfg,
+                   now: float) -> float:
+        """Commit ``key`` = the ``size`` bytes the client wrote at ``offset`` inside reservation ``rid``.
+
+        Returns the reservation's renewed ttl. The range is carved out of the reservation
+        and belongs to the object from now on.
+        """
+        self._client(client_id, now)
+        check_key(key)
+        if size <= 0:
+            raise InvalidArgument(f"put {key!r}: size must be positive, got {size}")
+        if cfg.soft_pin_ttl_s < 0:
+            raise InvalidArgument(f"put {key!r}: soft_pin_ttl_s must not be negative")
+        r = self.reservations.get(rid)
+        if r is None or r.client_id != client_id or now >= r.deadline:
+            raise InvalidArgument(f"put {key!r}: reservation {rid} is unknown or expired for client {client_id!r}; "
+                                  f"put again")
+        need = align(size)
+        block = next((b for b, n in r.blocks.items() if b <= offset and offset + need <= b + n), None)
+        if block is None:
+            raise InvalidArgument(f"put {key!r}: [{offset}, {offset + need}) is not a free part of reservation {rid}")
+        old = self.objects.get(key)
+        if old is not None:
+            if old.complete:
+                raise ObjectExists(f"put {key!r}: the key already exists (remove it first)")
+            if now < old.deadline:
+                raise ObjectBusy(f"put {key!r}: another put of this key is in progress")
+            self._drop_object(old, emit=False)
+            self.counters["reclaimed_puts"] += 1
+        if len(self.objects) >= self.cfg.max_objects:
+            self._make_room_for_object(key, now)
+        if r.rid not in self.reservations:  # making room reclaimed expired reservations: not this live one
+            raise InvalidArgument(f"put {key!r}: reservation {rid} was reclaimed; put again")
+        self._carve(r, block, offset, need, release=False)
+        rep: list[SliceT] = [(r.segment, offset, size)]
+        o = Obj(key, size, [rep], complete=True, token=self._next_token(), owner=client_id, hard_pin=cfg.hard_pin,
+                soft_pin_until=(now + cfg.soft_pin_ttl_s) if cfg.soft_pin_ttl_s else 0.0)
+        self.objects[key] = o
+        self._index_replica(key, rep)
+        self.lru[key] = None
+        r.deadline = now + self.cfg.put_timeout_s
+        self.counters["reserved_puts"] += 1
+        self._emit("carve", r.rid, offset, need)
+        self._emit(*self._obj_entry(o))
+        return self.cfg.put_timeout_s
+
+    def _carve(self, r: Reservation, block: int, offset: int, need: int, *, release: bool) -> None:
+        """Take ``[offset, offset+need)`` out of ``r``'s block at ``block`` (an allocated range of its own after)."""
+        alloc = self.segments[r.segment].allocator
+        bsize = r.blocks.pop(block)
+        if offset > block:
+            alloc.split(block, offset)
+            r.blocks[block] = offset - block
+        if offset + need < block + bsize:
+            alloc.split(offset, offset + need)
+            r.blocks[offset + need] = block + bsize - offset - need
+        if release:  # replaying a carve: the object entry that follows allocates the range again
+            alloc.release(offset)
+        if not r.blocks:
+            del self.reservations[r.rid]
+
+    def _release_reservation(self, r: Reservation, *, emit: bool = True) -> None:
+        self.reservations.pop(r.rid, None)
+        s = self.segments.get(r.segment)
+        if s is not None:
+            for b in r.blocks:
+                s.allocator.release(b)
+        r.blocks = {}
+        if emit:
+            self._emit("unres", r.rid)
+
     def put_end(self, client_id: str, key: str, token: int, now: float) -> None:
         self._client(client_id, now)
         o = self.objects.get(key)
@@ -370,6 +521,11 @@ class MasterState:
         return self._reclaim_zombies(now)
 
     def _reclaim_zombies(self, now: float) -> int:
+        for r in [r for r in self.reservations.values() if now >= r.deadline]:
+            logger.info("reclaiming reservation %d of client %s (unused for %.0fs)", r.rid, r.client_id,
+                        self.cfg.put_timeout_s)
+            self._release_reservation(r)
+            self.counters["reservations_reclaimed"] += 1
         dead = [o for o in self.objects.values() if not o.complete and o.deadline and now >= o.deadline]
         for o in dead:
             logger.info("reclaiming unfinished put of %r (no put_end within %.0fs)", o.key, self.cfg.put_timeout_s)
@@ -654,6 +810,8 @@ class MasterState:
                 sum(1 for o in self.objects.values() if not o.complete), "bytes": sum(o.size for o in self.objects.values()
                                                                                       if o.complete),
                 "used": used, "capacity": total, "clients": len(self.clients), "segments": len(self.segments),
+                "reservations": len(self.reservations),
+                "reserved_bytes": sum(n for r in self.reservations.values() for n in r.blocks.values()),
                 **self.counters}
 
     # ------------------------------------------------------------------ replication
@@ -710,6 +868,26 @@ class MasterState:
             else:
                 self.objects.pop(key, None)
                 self.lru.pop(key, None)
+        elif kind == "res":
+            _, rid, cid, seg, blocks, ttl = entry
+            sg = self.segments.get(seg)
+            if sg is not None:
+                kept = {int(b): int(n) for b, n in blocks if sg.allocator.reserve(int(b), int(n))}
+                if kept:
+                    self.reservations[int(rid)] = Reservation(int(rid), str(cid), str(seg), kept, now + float(ttl))
+            self._rid = max(self._rid, int(rid))
+        elif kind == "carve":
+            _, rid, offset, need = entry
+            r = self.reservations.get(int(rid))
+            if r is not None:
+                block = next((b for b, n in r.blocks.items() if b <= offset and offset + need <= b + n), None)
+                if block is not None:
+                    self._carve(r, block, int(offset), int(need), release=True)
+                r.deadline = max(r.deadline, now + self.cfg.put_timeout_s)
+        elif kind == "unres":
+            r = self.reservations.get(int(entry[1]))
+            if r is not None:
+                self._release_reservation(r, emit=False)
         elif kind == "del":
             gone = self.objects.get(entry[1])
             if gone is not None:
@@ -725,6 +903,8 @@ class MasterState:
         out: list[tuple[Any, ...]] = [("client", c.client_id, c.host, c.peer, c.ssd) for c in self.clients.values()]
         out += [("seg", s.client_id, s.name, s.peer, s.base, s.size, s.host) for s in self.segments.values()]
         out += [self._obj_entry(o) for o in self.objects.values() if o.complete]
+        out += [("res", r.rid, r.client_id, r.segment, [[b, n] for b, n in sorted(r.blocks.items())],
+                 self.cfg.put_timeout_s) for r in self.reservations.values()]
         return out
 
     def on_takeover(self, now: float) -> None:
@@ -733,6 +913,8 @@ class MasterState:
             c.last_seen = now
         for o in self.objects.values():
             o.lease_until = max(o.lease_until, now + self.cfg.lease_ttl_s)
+        for r in self.reservations.values():  # a client may still be writing into them
+            r.deadline = max(r.deadline, now + self.cfg.put_timeout_s)
 
 
 def error_tuple(exc: BaseException) -> tuple[int, str]:

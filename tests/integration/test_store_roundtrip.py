@@ -37,6 +37,34 @@ def test_put_get_byte_exact_across_processes(cluster: tuple[Master, Agent, Agent
     assert b.call("call", method="get_size", args=[key]) == size
 
 
+def _method_count(m: Master, method: str) -> int:
+    status, body = m.http("/metrics")
+    assert status == 200
+    prefix = f'mooncake_master_request_seconds_count{{method="{method}"}} '
+    return next((int(float(line[len(prefix):])) for line in body.splitlines() if line.startswith(prefix)), 0)
+
+
+def test_small_puts_take_one_master_call_through_a_reservation(cluster: tuple[Master, Agent, Agent, Agent]) -> None:
+    """Single-replica puts up to 4 MiB allocate from an extent the master lent the writer:
+    write, then one ``put_commit``; no ``put_start``/``put_end``."""
+    m, a, b, c = cluster
+    before = json.loads(m.http("/stats")[1])
+    starts, commits = _method_count(m, "put_start"), _method_count(m, "put_commit")
+    for i in range(10):
+        a.call("put", key=f"res/{i}", size=100_000 + i, preferred_segment=c.segment)
+    for i in range(10):
+        assert b.call("get", key=f"res/{i}") == {"size": 100_000 + i, "match": True}
+        assert [r[0]["segment"] for r in b.call("call", method="query", args=[f"res/{i}"])["replicas"]] == [c.segment]
+    after = json.loads(m.http("/stats")[1])
+    assert after["reserved_puts"] - before["reserved_puts"] == 10
+    assert after["reservations_granted"] - before["reservations_granted"] == 1  # 1.5 MiB extent: all ten fit
+    assert _method_count(m, "put_commit") - commits == 10 and _method_count(m, "put_start") == starts
+    # a bad put through the same path still gets the master's clear error, and changes nothing
+    with pytest.raises(AgentError, match="ObjectExists"):
+        a.call("put", key="res/3", size=10, preferred_segment=c.segment)
+    assert b.call("get", key="res/3") == {"size": 100_003, "match": True}
+
+
 def test_zero_copy_registered_addresses(cluster: tuple[Master, Agent, Agent, Agent]) -> None:
     _m, a, b, c = cluster
     a.call("put_from_registered", key="zc/1", size=3 << 20, preferred_segment=c.segment)

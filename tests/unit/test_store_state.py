@@ -162,3 +162,119 @@ def test_max_objects_must_be_positive() -> None:
 
     with pytest.raises(ConfigError, match="max_objects: must be at least 1"):
         load_config(environ={}, store={"max_objects": 0})
+
+
+# ---------------------------------------------------------------------- reservations (one-RPC puts)
+def _big_state(**kw: Any) -> tuple[MasterState, list[Any]]:
+    st = MasterState(StoreConfig(**kw))
+    log: list[Any] = []
+    st.on_change = log.append
+    for c in ("c1", "c2"):
+        st.register_client(c, "h", f"p-{c}", False, 0.0)
+    st.mount("c1", "seg1", "p-c1", 1 << 32, 256 * MiB, "h", 0.0)
+    return st, log
+
+
+def _no_overlap(st: MasterState) -> None:
+    """Every committed object's range and every reserved block are disjoint and allocated."""
+    spans = []
+    for o in st.objects.values():
+        for rep in o.replicas:
+            spans += [(seg, off, off + ((n + 63) & ~63)) for seg, off, n in rep]
+    for r in st.reservations.values():
+        spans += [(r.segment, b, b + n) for b, n in r.blocks.items()]
+    spans.sort()
+    for a, b in zip(spans, spans[1:], strict=False):
+        assert a[0] != b[0] or a[2] <= b[1], (a, b)
+    for seg in st.segments.values():
+        assert seg.allocator.used == sum(e - s for name, s, e in spans if name == seg.name)
+
+
+def test_reserved_puts_carve_objects_out_of_the_extent_and_release_the_rest() -> None:
+    st, _ = _big_state()
+    cfg = ReplicaCfg()
+    rid, ext, ttl = st.reserve("c2", MiB, cfg, [], 1.0)
+    seg, peer, base, off, length, host = ext
+    assert rid and seg == "seg1" and peer == "p-c1" and base == 1 << 32 and length == 16 * MiB and ttl == 30.0
+    used = st.segments["seg1"].allocator.used
+    assert used == length
+    # commits in any order (several writer threads share one reservation), with gaps
+    for i in (2, 0, 5, 1):
+        assert st.put_commit("c2", f"k{i}", rid, off + i * MiB, MiB - 7, cfg, 2.0) == 30.0
+    _no_overlap(st)
+    size, reps, _ = st.get_replica_list("k5", 3.0)
+    assert size == MiB - 7 and reps == [[("seg1", "p-c1", base + off + 5 * MiB, MiB - 7, "h")]]
+    assert st.segments["seg1"].allocator.used == used  # carving moves bytes from the extent to objects
+    with pytest.raises(ObjectExists):
+        st.put_commit("c2", "k2", rid, off + 8 * MiB, 100, cfg, 3.0)
+    with pytest.raises(InvalidArgument, match="not a free part of reservation"):
+        st.put_commit("c2", "again", rid, off + 2 * MiB, 100, cfg, 3.0)  # k2's range
+    with pytest.raises(InvalidArgument, match="not a free part of reservation"):
+        st.put_commit("c2", "past", rid, off + 16 * MiB - 64, 128, cfg, 3.0)
+    with pytest.raises(InvalidArgument, match="unknown or expired for client 'c1'"):
+        st.put_commit("c1", "thief", rid, off + 9 * MiB, 100, cfg, 3.0)
+    # release: the uncommitted parts go back, the objects stay
+    assert st.reserve("c2", 0, cfg, [rid], 4.0) == (0, [], 0.0)
+    assert not st.reservations
+    assert st.segments["seg1"].allocator.used == 4 * MiB
+    _no_overlap(st)
+    with pytest.raises(InvalidArgument, match="unknown or expired"):
+        st.put_commit("c2", "late", rid, off + 9 * MiB, 100, cfg, 5.0)
+    st.remove("k0", True, 6.0)  # an object carved from an extent frees like any other
+    assert st.segments["seg1"].allocator.used == 3 * MiB
+
+
+def test_unused_reservations_expire_and_limits_are_kept() -> None:
+    st, _ = _big_state(put_timeout_s=10.0)
+    cfg = ReplicaCfg()
+    rid, ext, _ = st.reserve("c2", 64 << 10, cfg, [], 0.0)
+    assert ext[4] == 4 * MiB  # the minimum extent
+    st.put_commit("c2", "k", rid, ext[3], 1000, cfg, 8.0)  # a commit renews it: deadline 18
+    st.reclaim(12.0)
+    assert rid in st.reservations
+    st.reclaim(18.5)
+    assert rid not in st.reservations and st.counters["reservations_reclaimed"] == 1
+    assert st.segments["seg1"].allocator.used == 1024  # only the object
+    with pytest.raises(InvalidArgument, match="unknown or expired"):
+        st.put_commit("c2", "k2", rid, ext[3] + 4096, 1000, cfg, 19.0)
+    # at most 8 per client; none for large objects or several replicas; never past the watermark
+    rids = [st.reserve("c2", MiB, cfg, [], 20.0)[0] for _ in range(9)]
+    assert all(rids[:8]) and rids[8] == 0
+    with pytest.raises(InvalidArgument, match="size must be 0.."):
+        st.reserve("c1", 8 * MiB, cfg, [], 20.0)
+    with pytest.raises(InvalidArgument, match="replica_num=2"):
+        st.reserve("c1", MiB, ReplicaCfg(replica_num=2), [], 20.0)
+    st.reserve("c2", 0, cfg, rids[:8], 21.0)
+    _put(st, "fill", 200 * MiB, 21.0)  # 78% used: a 16 MiB extent would pass the 90% watermark... not yet
+    assert st.reserve("c1", MiB, cfg, [], 21.0)[0]
+    _put(st, "fill2", 20 * MiB, 21.0)  # now it would
+    assert st.reserve("c1", MiB, cfg, [], 21.0) == (0, [], 0.0)
+    with pytest.raises(UnknownClient):
+        st.reserve("nobody", MiB, cfg, [], 21.0)
+
+
+def test_reservations_survive_replay_and_takeover() -> None:
+    """A standby that replayed the log (or a snapshot) knows the extents, so a client can commit into
+    its reservation on the new leader, and the new leader never hands those ranges to anyone else."""
+    st, log = _big_state()
+    cfg = ReplicaCfg()
+    rid, ext, _ = st.reserve("c2", MiB, cfg, [], 1.0)
+    off = ext[3]
+    st.put_commit("c2", "a", rid, off, MiB, cfg, 2.0)
+    st.put_commit("c2", "b", rid, off + 3 * MiB, MiB, cfg, 2.0)
+    rid2, ext2, _ = st.reserve("c1", 100_000, cfg, [], 2.0)
+    st.reserve("c1", 0, cfg, [rid2], 2.5)
+    for source in ("log", "snapshot"):
+        other = MasterState(StoreConfig())
+        for e in (log if source == "log" else st.export()):
+            other.apply(e, 3.0)
+        assert set(other.reservations) == {rid}, source
+        assert other.reservations[rid].blocks == st.reservations[rid].blocks, source
+        assert other.segments["seg1"].allocator.used == st.segments["seg1"].allocator.used, source
+        other.on_takeover(100.0)  # long after: the reservation is renewed, not reclaimed
+        other.reclaim(101.0)
+        other.put_commit("c2", "c", rid, off + MiB, MiB, cfg, 102.0)  # the client carries on
+        assert other.get_replica_list("a", 102.0)[0] == MiB
+        for i in range(100):  # the new leader's own placements stay clear of the extent
+            _put(other, f"n{i}", MiB, 103.0)
+        _no_overlap(other)
