@@ -95,6 +95,7 @@ class TransferConfig:
     retry_backoff_s: float = 0.02
     secret: str = ""
     shm: bool = True
+    shm_dir: str = ""  # "" = memfd; else a tmpfs directory for shared segments (huge=always: 2 MiB pages)
     interfaces: str = ""
     stripe_interfaces: bool = False
 

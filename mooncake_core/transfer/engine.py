@@ -334,7 +334,7 @@ class TransferEngine:
 
     def allocate(self, length: int, *, name: str | None = None, prefault: bool = False) -> ManagedBuffer:
         """Allocate shared, registered memory that same-host peers map directly."""
-        buf = ManagedBuffer(length, prefault=prefault)
+        buf = ManagedBuffer(length, prefault=prefault, directory=self.config.transfer.shm_dir)
         try:
             self.segments.add(Region(buf.addr, length, name or f"shm{next(self._names)}", "host",
                                      owner=buf, memfd=buf.fd, memfd_offset=0))

@@ -240,7 +240,8 @@ class SegmentTable:
 
 
 class ManagedBuffer:
-    """Engine-allocated memory backed by a memfd, mappable by same-host peers.
+    """Engine-allocated memory backed by a memfd (or an unnamed file in ``directory``),
+    mappable by same-host peers through ``/proc/<pid>/fd``.
 
     Attributes:
         addr: address of the first byte in this process.
@@ -248,11 +249,18 @@ class ManagedBuffer:
         view: writable memoryview of the whole buffer.
     """
 
-    def __init__(self, length: int, *, prefault: bool = False) -> None:
+    def __init__(self, length: int, *, prefault: bool = False, directory: str = "") -> None:
         if length <= 0:
             raise SegmentError(f"cannot allocate {length} bytes: length must be positive")
         self.length = length
-        self.fd = os.memfd_create(f"mooncake-{os.getpid()}", os.MFD_CLOEXEC)
+        if directory:  # an unnamed file there (e.g. a tmpfs mounted with huge=always: 2 MiB pages)
+            try:
+                self.fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+            except OSError as exc:
+                raise SegmentError(f"cannot create shared memory in transfer.shm_dir {directory!r}: "
+                                   f"{exc.strerror}") from exc
+        else:
+            self.fd = os.memfd_create(f"mooncake-{os.getpid()}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, length)
             flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if prefault else 0)

@@ -208,6 +208,37 @@ def test_single_slice_requests_take_the_direct_path_and_keep_retries_errors_and_
         engine.read(peer.name, back, raddr + 3, transport="tcp")
 
 
+def test_shared_segments_can_live_in_a_tmpfs_directory(engine: TransferEngine, spawn_peer: Any) -> None:
+    """``transfer.shm_dir``: a peer's engine-allocated memory is an unnamed file there (a tmpfs
+    mounted with huge=always gives it 2 MiB pages), and we still map it and copy directly."""
+    import shutil
+    import tempfile
+
+    from mooncake_core.errors import SegmentError
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm on this machine")
+    d = tempfile.mkdtemp(dir="/dev/shm", prefix="mc-test-")
+    try:
+        peer = spawn_peer(env={"MOONCAKE_TRANSFER_SHM_DIR": d})
+        raddr = peer.call("alloc", size=3 << 20)["addr"]
+        links = [os.readlink(f"/proc/{peer.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{peer.pid}/fd")]
+        assert any(x.startswith(d + "/") for x in links), links  # the segment's file, unnamed, in that directory
+        assert os.listdir(d) == []
+        data = np.random.default_rng(2).integers(0, 256, 3 << 20, dtype=np.uint8)
+        engine.write(peer.name, data, raddr, transport="shm")
+        assert peer.call("digest", addr=raddr, length=3 << 20)["sha"] == sha(data)
+        back = np.zeros(3 << 20, dtype=np.uint8)
+        engine.read(peer.name, back, raddr, transport="shm")
+        assert sha(back) == sha(data)
+        assert any(pid == peer.pid for pid, _fd, _a in engine.transports["shm"]._maps)  # type: ignore[attr-defined]
+        with pytest.raises(SegmentError, match=r"transfer.shm_dir '/nonexistent/mc'"):
+            with TransferEngine(transfer={"shm_dir": "/nonexistent/mc"}) as eng:
+                eng.allocate(1 << 20)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 # ---------------------------------------------------------------------- bad input
 def test_bad_requests_get_clear_errors(engine: TransferEngine, spawn_peer: Any) -> None:
     peer = spawn_peer()

@@ -88,3 +88,4 @@ def test_topology_discovery() -> None:
 
     with pytest.raises(ConfigError, match="transfer.interfaces: interface 'nope0'"):
         resolve_interfaces("nope0")
+
