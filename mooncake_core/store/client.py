@@ -445,6 +445,7 @@ class StoreClient:
                 rid, ext, ttl = self._call("reserve", (self.client_id, size, cfg, release))
             except (StoreError, OSError) as exc:
                 logger.debug("no reservation (%s); putting in two phases", exc)
+                self._lent_release = release + self._lent_release  # hand them back with a later call
                 self._lent_refused[k] = now + 1.0
                 return None
             if not rid:

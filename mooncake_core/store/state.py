@@ -402,22 +402,30 @@ class MasterState:
             return 0, [], 0.0
         want = min(max(16 * align(size), _RESERVE_MIN), _RESERVE_MAX)
         hw = self.cfg.eviction_high_watermark
+
+        def extent(sg: Segment) -> int:
+            return min(want, sg.size // 16)
+
         fits = [sg for sg in self.segments.values()
-                if min(want, sg.size // 16) >= 2 * align(size)
-                and sg.allocator.used + min(want, sg.size // 16) <= hw * sg.size
-                and sg.allocator.largest_free() >= min(want, sg.size // 16)]
-        if not fits:
+                if extent(sg) >= 2 * align(size) and sg.allocator.used + extent(sg) <= hw * sg.size
+                and sg.allocator.largest_free() >= extent(sg)]
+        # the segments a two-phase put would try first must be the ones lending: a preference
+        # (preferred segment, the writer's own segments) is never traded for an extent elsewhere
+        if cfg.preferred_segment:
+            fits = [sg for sg in fits if sg.name == cfg.preferred_segment]
+        elif strategy == "local-first" and any(sg.client_id == client_id for sg in self.segments.values()):
+            fits = [sg for sg in fits if sg.client_id == client_id]
+        if strategy == "free-ratio-first":
+            fits.sort(key=lambda sg: sg.allocator.free / sg.size, reverse=True)
+        else:
+            self.rng.shuffle(fits)
+        for sg in fits:
+            off = sg.allocator.allocate(extent(sg))
+            if off is not None:
+                n = extent(sg)
+                break
+        else:
             return 0, [], 0.0
-        got = place(fits, min(want, min(sg.size for sg in fits) // 16), 1, strategy=strategy, client_id=client_id,
-                    preferred=cfg.preferred_segment if cfg.preferred_segment in {sg.name for sg in fits} else "",
-                    rng=self.rng)
-        if not got or len(got[0]) != 1:
-            for rep in got:
-                for sg, off, _n in rep:
-                    sg.allocator.release(off)
-            return 0, [], 0.0
-        placed, off, n = got[0][0]
-        sg = self.segments[placed.name]
         self._rid += 1
         r = Reservation(self._rid, client_id, sg.name, {off: align(n)}, now + self.cfg.put_timeout_s)
         self.reservations[r.rid] = r

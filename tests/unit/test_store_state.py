@@ -278,3 +278,16 @@ def test_reservations_survive_replay_and_takeover() -> None:
         for i in range(100):  # the new leader's own placements stay clear of the extent
             _put(other, f"n{i}", MiB, 103.0)
         _no_overlap(other)
+
+
+def test_reservations_never_trade_a_placement_preference_for_an_extent_elsewhere() -> None:
+    st, _ = _big_state()
+    st.mount("c2", "seg2", "p-c2", 1 << 33, 64 * MiB, "h", 0.0)
+    assert st.reserve("c1", MiB, ReplicaCfg(preferred_segment="seg2"), [], 1.0)[1][0] == "seg2"
+    assert st.reserve("c2", MiB, ReplicaCfg(strategy="local-first"), [], 1.0)[1][0] == "seg2"
+    assert st.reserve("c1", MiB, ReplicaCfg(strategy="local-first"), [], 1.0)[1][0] == "seg1"
+    _put(st, "fill", 52 * MiB, 2.0, preferred_segment="seg2")  # seg2 cannot lend another 4 MiB extent now
+    assert st.reserve("c1", MiB, ReplicaCfg(preferred_segment="seg2"), [], 3.0) == (0, [], 0.0)
+    assert st.reserve("c2", MiB, ReplicaCfg(strategy="local-first"), [], 3.0) == (0, [], 0.0)
+    assert st.reserve("c1", MiB, ReplicaCfg(), [], 3.0)[1][0] == "seg1"  # free-ratio-first: the emptier one
+    _no_overlap(st)
