@@ -95,6 +95,7 @@ class TransferConfig:
     retry_backoff_s: float = 0.02
     secret: str = ""
     shm: bool = True
+    spin_us: float = 100.0  # TCP: poll this long for a peer's answer before sleeping (0 = never spin)
     shm_dir: str = ""  # "" = memfd; else a tmpfs directory for shared segments (huge=always: 2 MiB pages)
     interfaces: str = ""
     stripe_interfaces: bool = False
@@ -257,6 +258,8 @@ def _validate(cfg: Any, where: str) -> None:
             raise ConfigError(f"{where}retry_count: must be >= 0, got {cfg.retry_count}")
         if not 0 <= cfg.port <= 65535:
             raise ConfigError(f"{where}port: must be 0..65535, got {cfg.port}")
+        if not 0 <= cfg.spin_us <= 100_000:
+            raise ConfigError(f"{where}spin_us: must be 0..100000, got {cfg.spin_us}")
     elif isinstance(cfg, StoreConfig):
         if cfg.replica_num < 1:
             raise ConfigError(f"{where}replica_num: must be >= 1, got {cfg.replica_num}")

@@ -78,3 +78,9 @@ def test_bad_file(tmp_path: Path) -> None:
         load_config(f, environ={})
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "missing.json", environ={})
+
+
+def test_transfer_spin_is_validated() -> None:
+    assert load_config(transfer={"spin_us": 0}).transfer.spin_us == 0
+    with pytest.raises(ConfigError, match="transfer.spin_us: must be 0..100000, got -1"):
+        load_config(transfer={"spin_us": -1})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import select
 import socket
 import threading
 import time
@@ -66,6 +67,8 @@ class TCPConnection:
         self.lock = threading.Lock()
         self.broken = False
         self._req_id = 0
+        self.spin_s = 0.0  # wait for an answer this long with poll(0) before sleeping (set by the transport)
+        self._poller: select.poll | None = None
         try:
             self.sock = socket.create_connection(
                 (host, port), timeout=timeout, source_address=(source, 0) if source else None
@@ -117,6 +120,20 @@ class TCPConnection:
         except OSError:
             pass
 
+    def _spin(self) -> None:
+        """Poll (without sleeping) for up to ``spin_s`` until the peer's answer is readable.
+
+        A small transfer is answered within tens of microseconds; sleeping in ``recv`` for it
+        costs a scheduler wake-up, which on a virtual machine is about as long again.
+        """
+        p = self._poller
+        if p is None:
+            p = self._poller = select.poll()
+            p.register(self.sock.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+        end = time.perf_counter() + self.spin_s
+        while not p.poll(0) and time.perf_counter() < end:
+            pass
+
     def _read_resp(self) -> tuple[int, int, int]:
         head = memoryview(bytearray(RESP.size))
         if not recv_exact(self.sock, head):
@@ -161,6 +178,8 @@ class TCPConnection:
                     send_parts(sock, [REQ.pack(MAGIC, Op.WRITE, 0, 0, sent, 0, it.remote_addr, it.length), it.local_view])
                 sent += 1
             it = items[recvd]
+            if self.spin_s:
+                self._spin()
             if not recv_exact(sock, head):
                 raise ConnectionError("peer closed the connection")
             magic, status, _rid, _pad, length = RESP.unpack(head)
@@ -236,6 +255,7 @@ class TCPTransport(Transport):
             conn = TCPConnection(host, port, secret=self.engine.config.transfer.secret, timeout=timeout,
                                  peer=peer.name, source=source)
             conn.sock.settimeout(self.engine.config.transfer.timeout_s)
+            conn.spin_s = max(0.0, self.engine.config.transfer.spin_us) * 1e-6
             pool.conns[index] = conn
             return conn
 
