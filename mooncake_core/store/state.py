@@ -330,16 +330,7 @@ class MasterState:
         strategy = cfg.strategy or self.cfg.placement
         if strategy not in STRATEGIES:
             raise InvalidArgument(f"put {key!r}: unknown placement {strategy!r} (use one of {', '.join(STRATEGIES)})")
-        old = self.objects.get(key)
-        if old is not None:
-            if old.complete:
-                raise ObjectExists(f"put {key!r}: the key already exists (remove it first)")
-            if now < old.deadline:
-                raise ObjectBusy(f"put {key!r}: another put of this key is in progress")
-            self._drop_object(old, emit=False)
-            self.counters["reclaimed_puts"] += 1
-        if len(self.objects) >= self.cfg.max_objects:
-            self._make_room_for_object(key, now)
+        self._claim_key(key, now)
         if not self.segments:
             raise NoSpace(f"put {key!r}: no segment is mounted; start a store node or give clients a segment")
         total = sum(s.size for s in self.segments.values())
@@ -364,6 +355,20 @@ class MasterState:
         for rep in reps:
             self._index_replica(key, rep)
         return o.token, [self._slices_out(rep) for rep in reps]
+
+    def _claim_key(self, key: str, now: float) -> None:
+        """Make way for a new object ``key``: refuse an existing or in-progress one (an expired
+        unfinished put is dropped), and make room at the object cap."""
+        old = self.objects.get(key)
+        if old is not None:
+            if old.complete:
+                raise ObjectExists(f"put {key!r}: the key already exists (remove it first)")
+            if now < old.deadline:
+                raise ObjectBusy(f"put {key!r}: another put of this key is in progress")
+            self._drop_object(old, emit=False)
+            self.counters["reclaimed_puts"] += 1
+        if len(self.objects) >= self.cfg.max_objects:
+            self._make_room_for_object(key, now)
 
     def _place(self, key: str, size: int, cfg: ReplicaCfg, strategy: str, client_id: str) -> list[list[SliceT]]:
         if cfg.preferred_segment and cfg.preferred_segment not in self.segments:
@@ -454,16 +459,7 @@ class MasterState:
         block = next((b for b, n in r.blocks.items() if b <= offset and offset + need <= b + n), None)
         if block is None:
             raise InvalidArgument(f"put {key!r}: [{offset}, {offset + need}) is not a free part of reservation {rid}")
-        old = self.objects.get(key)
-        if old is not None:
-            if old.complete:
-                raise ObjectExists(f"put {key!r}: the key already exists (remove it first)")
-            if now < old.deadline:
-                raise ObjectBusy(f"put {key!r}: another put of this key is in progress")
-            self._drop_object(old, emit=False)
-            self.counters["reclaimed_puts"] += 1
-        if len(self.objects) >= self.cfg.max_objects:
-            self._make_room_for_object(key, now)
+        self._claim_key(key, now)
         if r.rid not in self.reservations:  # making room reclaimed expired reservations: not this live one
             raise InvalidArgument(f"put {key!r}: reservation {rid} was reclaimed; put again")
         self._carve(r, block, offset, need, release=False)
