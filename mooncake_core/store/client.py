@@ -97,6 +97,7 @@ class _Lent:
     next: int
     end: int
     expires: float  # local monotonic time after which we stop starting writes into it
+    generation: int  # the master connection's generation when it was lent (see MasterRPC.generation)
     inflight: int = 0
     dead: bool = False  # a write or commit failed: never use again
     retired: bool = False  # replaced by a newer one
@@ -430,6 +431,9 @@ class StoreClient:
         with self._lent_lock:
             now = time.monotonic()
             lent = self._lent.get(k)
+            # a master that died may come back without knowing the extent: never write there again
+            if lent is not None and self.rpc.generation() != lent.generation:
+                lent.dead = True
             if lent is not None and not lent.dead and now < lent.expires and lent.next + need <= lent.end:
                 off = lent.next
                 lent.next += need
@@ -442,6 +446,7 @@ class StoreClient:
                 return None
             release, self._lent_release = self._lent_release, []
             try:
+                gen = self.rpc.generation()
                 rid, ext, ttl = self._call("reserve", (self.client_id, size, cfg, release))
             except (StoreError, OSError) as exc:
                 logger.debug("no reservation (%s); putting in two phases", exc)
@@ -453,8 +458,11 @@ class StoreClient:
                 return None
             seg, peer, base, off0, length, host = ext
             # use it for half its ttl at most: the master keeps it for the whole ttl after each commit
+            if self.rpc.generation() != gen:  # answered by a master we reconnected to during the call
+                self._lent_release.append(int(rid))
+                return None
             lent = _Lent(int(rid), str(seg), str(peer), int(base), str(host), int(off0) + need,
-                         int(off0) + int(length), now + float(ttl) / 2, inflight=1)
+                         int(off0) + int(length), now + float(ttl) / 2, gen, inflight=1)
             self._lent[k] = lent
             return lent, int(off0)
 
@@ -484,6 +492,8 @@ class StoreClient:
             except P.InvalidArgument as exc:
                 if "reservation" not in str(exc):
                     raise
+                if self._committed_at(key, lent.segment, off):  # a retried commit after a leader change
+                    return True
                 logger.info("put %r: %s; putting in two phases", key, exc)
                 lent.dead = True
                 return False

@@ -188,6 +188,24 @@ class MasterRPC:
                 return
         s.close()
 
+    def generation(self) -> int:
+        """A number that changes whenever a master connection failed or a standby answered.
+
+        Idle connections are checked first (without waiting): the master never speaks
+        unasked, so an idle connection that is readable was closed by a master that died.
+        Clients compare it with the value they saw when the master granted them something
+        (a reservation) before relying on that grant without asking again.
+        """
+        with self._lock:
+            idle = list(self._idle)
+        for s in idle:
+            if s.poller.poll(0):
+                with self._lock:
+                    self.failovers += 1
+                self._drop_all()
+                break
+        return self.failovers
+
     # ------------------------------------------------------------------ calls
     def call(self, method: str, params: Any, *, timeout: float | None = None, typ: Any = Any) -> Any:
         """Send one request and return its decoded result (raises on error answers)."""

@@ -455,6 +455,9 @@ class MasterState:
         if r is None or r.client_id != client_id or now >= r.deadline:
             raise InvalidArgument(f"put {key!r}: reservation {rid} is unknown or expired for client {client_id!r}; "
                                   f"put again")
+        old = self.objects.get(key)
+        if old is not None and old.complete:  # before the range check: a retried commit that already landed
+            raise ObjectExists(f"put {key!r}: the key already exists (remove it first)")
         need = align(size)
         block = next((b for b, n in r.blocks.items() if b <= offset and offset + need <= b + n), None)
         if block is None:

@@ -81,3 +81,45 @@ def test_concurrent_writers_and_readers_never_see_torn_objects(tmp_path: Path) -
         for a in agents:
             a.stop()
         m.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_restarted_master_gets_no_writes_into_extents_it_never_lent(tmp_path: Path) -> None:
+    """One-RPC puts write into an extent before committing. A master that dies and comes back
+    empty (no HA) knows nothing of the extents it lent, and places new objects there; a writer
+    that held one must notice the broken connection and not write into it again."""
+    m = Master(tmp_path)
+    port = m.rpc_port
+    agents: list[Agent] = []
+    m2: Master | None = None
+    try:
+        holder = Agent(m.address, segment_size=24 << 20, log=tmp_path / "holder.log")
+        a = Agent(m.address, segment_size=0, log=tmp_path / "a.log")
+        agents = [holder, a]
+        a.call("put", key="a/0", size=5000, preferred_segment=holder.segment)  # a holds an extent on the holder
+        before = a.call("call", method="query", args=["a/0"])["replicas"][0][0]["offset"]
+        m.kill()
+        m2 = Master(tmp_path, "--rpc-port", str(port), name="master2")
+        deadline = time.monotonic() + 20
+        while holder.segment not in [s["name"] for s in json.loads(m2.http("/segments")[1])]:
+            assert time.monotonic() < deadline, "the holder did not mount its segment on the new master"
+            time.sleep(0.2)
+        b = Agent(m2.address, segment_size=0, log=tmp_path / "b.log")
+        agents.append(b)
+        for i in range(20):  # the empty master places these from the start of the segment: over a's old extent
+            b.call("put", key=f"b/{i}", size=60_000, preferred_segment=holder.segment)
+        offsets = sorted(b.call("call", method="query", args=[f"b/{i}"])["replicas"][0][0]["offset"] for i in range(20))
+        assert offsets[0] <= before + 5056 <= offsets[-1] + 60_000, (before, offsets)  # they overlap a's extent
+        for i in range(1, 6):
+            a.call("put", key=f"a/{i}", size=5000 + i, preferred_segment=holder.segment)
+        for i in range(20):
+            assert holder.call("get", key=f"b/{i}") == {"size": 60_000, "match": True}, f"b/{i} was overwritten"
+        for i in range(1, 6):
+            assert holder.call("get", key=f"a/{i}") == {"size": 5000 + i, "match": True}
+        assert m2.alive()
+    finally:
+        for ag in agents:
+            ag.stop()
+        if m2 is not None:
+            m2.stop()
+        m.stop()

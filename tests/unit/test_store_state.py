@@ -274,6 +274,8 @@ def test_reservations_survive_replay_and_takeover() -> None:
         other.on_takeover(100.0)  # long after: the reservation is renewed, not reclaimed
         other.reclaim(101.0)
         other.put_commit("c2", "c", rid, off + MiB, MiB, cfg, 102.0)  # the client carries on
+        with pytest.raises(ObjectExists):  # a commit the old leader applied, retried: ObjectExists, not a range error
+            other.put_commit("c2", "b", rid, off + 3 * MiB, MiB, cfg, 102.0)
         assert other.get_replica_list("a", 102.0)[0] == MiB
         for i in range(100):  # the new leader's own placements stay clear of the extent
             _put(other, f"n{i}", MiB, 103.0)
