@@ -21,7 +21,8 @@ module exists; ours and theirs alternate round by round, and the JSON adds
 ``mooncake_<key>`` and ``<key>_ratio_vs_mooncake`` (ours / theirs; for the latency keys
 lower is better) for each figure both report, and ``raw_tcp_<key>_ratio_vs_mooncake``: the
 raw-TCP reference (a bare Python socket, no store) against the published store, i.e. the
-ceiling any store reaching the holder through Python sockets could score in that run. Comparisons should use ``--transport tcp``.
+ceiling any store reaching the holder through Python sockets could score in that run.
+Comparisons should use ``--transport tcp``.
 """
 
 from __future__ import annotations

@@ -29,8 +29,6 @@ def align(n: int) -> int:
     return (n + ALIGN - 1) & ~(ALIGN - 1)
 
 
-_align = align
-
 
 class OffsetAllocator:
     """Best-fit allocator over ``[0, capacity)`` with coalescing.
@@ -69,7 +67,7 @@ class OffsetAllocator:
         """Offset of a new range of ``size`` bytes, or None when no extent fits."""
         if size <= 0:
             raise ValueError(f"allocation size must be positive, got {size}")
-        need = _align(size)
+        need = align(size)
         i = bisect.bisect_left(self._sizes, (need, -1))
         if i >= len(self._sizes):
             return None
@@ -117,7 +115,7 @@ class OffsetAllocator:
 
     def reserve(self, off: int, size: int) -> bool:
         """Mark ``[off, off+size)`` used (rebuilding state from a log); False if not free."""
-        need = _align(size)
+        need = align(size)
         i = bisect.bisect_right(self._offs, off) - 1
         if i < 0:
             return False

@@ -467,9 +467,13 @@ class StoreClient:
             return lent, int(off0)
 
     def _retire(self, lent: _Lent) -> None:
-        """Hand a reservation we stopped using back to the master (with the next ``reserve``) once idle."""
+        """Stop using a reservation; it goes back to the master once no write into it is in flight."""
         lent.retired = True
-        if lent.inflight == 0 and not lent.released:
+        self._release_if_idle(lent)
+
+    def _release_if_idle(self, lent: _Lent) -> None:
+        """Queue a retired or dead reservation for release (with the next ``reserve``) when idle; once."""
+        if lent.inflight == 0 and (lent.retired or lent.dead) and not lent.released:
             lent.released = True
             self._lent_release.append(lent.rid)
 
@@ -507,9 +511,7 @@ class StoreClient:
         finally:
             with self._lent_lock:
                 lent.inflight -= 1
-                if lent.inflight == 0 and (lent.retired or lent.dead) and not lent.released:
-                    lent.released = True
-                    self._lent_release.append(lent.rid)
+                self._release_if_idle(lent)
 
     def _committed_at(self, key: str, segment: str, offset: int) -> bool:
         try:

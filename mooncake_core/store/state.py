@@ -82,6 +82,10 @@ class Reservation:
     blocks: dict[int, int]  # offset -> size, each an allocated range of the segment's allocator
     deadline: float
 
+    def block_holding(self, offset: int, need: int) -> int | None:
+        """The start of the uncommitted block that contains ``[offset, offset+need)``, if any."""
+        return next((b for b, n in self.blocks.items() if b <= offset and offset + need <= b + n), None)
+
 
 @dataclass
 class Segment:
@@ -327,9 +331,7 @@ class MasterState:
             raise InvalidArgument(f"put {key!r}: replica_num must be 1..16, got {cfg.replica_num}")
         if cfg.soft_pin_ttl_s < 0:
             raise InvalidArgument(f"put {key!r}: soft_pin_ttl_s must not be negative")
-        strategy = cfg.strategy or self.cfg.placement
-        if strategy not in STRATEGIES:
-            raise InvalidArgument(f"put {key!r}: unknown placement {strategy!r} (use one of {', '.join(STRATEGIES)})")
+        strategy = self._strategy(cfg, f"put {key!r}")
         self._claim_key(key, now)
         if not self.segments:
             raise NoSpace(f"put {key!r}: no segment is mounted; start a store node or give clients a segment")
@@ -355,6 +357,13 @@ class MasterState:
         for rep in reps:
             self._index_replica(key, rep)
         return o.token, [self._slices_out(rep) for rep in reps]
+
+    def _strategy(self, cfg: ReplicaCfg, what: str) -> str:
+        """The placement strategy ``cfg`` asks for (or the master's default), validated."""
+        strategy = cfg.strategy or self.cfg.placement
+        if strategy not in STRATEGIES:
+            raise InvalidArgument(f"{what}: unknown placement {strategy!r} (use one of {', '.join(STRATEGIES)})")
+        return strategy
 
     def _claim_key(self, key: str, now: float) -> None:
         """Make way for a new object ``key``: refuse an existing or in-progress one (an expired
@@ -398,9 +407,7 @@ class MasterState:
             raise InvalidArgument(f"reserve: size must be 0..{RESERVE_MAX_OBJECT}, got {size}")
         if cfg.replica_num != 1:
             raise InvalidArgument(f"reserve: reservations hold single-replica objects, got replica_num={cfg.replica_num}")
-        strategy = cfg.strategy or self.cfg.placement
-        if strategy not in STRATEGIES:
-            raise InvalidArgument(f"reserve: unknown placement {strategy!r} (use one of {', '.join(STRATEGIES)})")
+        strategy = self._strategy(cfg, "reserve")
         if cfg.preferred_segment and cfg.preferred_segment not in self.segments:
             raise InvalidArgument(f"reserve: preferred segment {cfg.preferred_segment!r} is not mounted")
         if sum(1 for r in self.reservations.values() if r.client_id == client_id) >= _RESERVE_PER_CLIENT:
@@ -427,16 +434,16 @@ class MasterState:
         for sg in fits:
             off = sg.allocator.allocate(extent(sg))
             if off is not None:
-                n = extent(sg)
+                n = align(extent(sg))  # what the allocator really took
                 break
         else:
             return 0, [], 0.0
         self._rid += 1
-        r = Reservation(self._rid, client_id, sg.name, {off: align(n)}, now + self.cfg.put_timeout_s)
+        r = Reservation(self._rid, client_id, sg.name, {off: n}, now + self.cfg.put_timeout_s)
         self.reservations[r.rid] = r
         self.counters["reservations_granted"] += 1
-        self._emit("res", r.rid, client_id, sg.name, [[off, align(n)]], self.cfg.put_timeout_s)
-        return r.rid, [sg.name, sg.peer, sg.base, off, align(n), sg.host], self.cfg.put_timeout_s
+        self._emit("res", r.rid, client_id, sg.name, [[off, n]], self.cfg.put_timeout_s)
+        return r.rid, [sg.name, sg.peer, sg.base, off, n, sg.host], self.cfg.put_timeout_s
 
     def put_commit(self, client_id: str, key: str, rid: int, offset: int, size: int, cfg: ReplicaCfg,
                    now: float) -> float:
@@ -459,7 +466,7 @@ class MasterState:
         if old is not None and old.complete:  # before the range check: a retried commit that already landed
             raise ObjectExists(f"put {key!r}: the key already exists (remove it first)")
         need = align(size)
-        block = next((b for b, n in r.blocks.items() if b <= offset and offset + need <= b + n), None)
+        block = r.block_holding(offset, need)
         if block is None:
             raise InvalidArgument(f"put {key!r}: [{offset}, {offset + need}) is not a free part of reservation {rid}")
         self._claim_key(key, now)
@@ -887,7 +894,7 @@ class MasterState:
             _, rid, offset, need = entry
             r = self.reservations.get(int(rid))
             if r is not None:
-                block = next((b for b, n in r.blocks.items() if b <= offset and offset + need <= b + n), None)
+                block = r.block_holding(int(offset), int(need))
                 if block is not None:
                     self._carve(r, block, int(offset), int(need), release=True)
                 r.deadline = max(r.deadline, now + self.cfg.put_timeout_s)

@@ -136,13 +136,17 @@ class Batch:
         self.future.result(timeout)
 
     def _finish(self) -> None:
+        exc = self._failure()
+        if exc is None:
+            self.future.set_result(None)
+        else:
+            self.future.set_exception(exc)
+
+    def _failure(self) -> BaseException | None:
+        """The exception naming the first failed request (and how many failed), or None."""
         failed = [(i, s) for i, s in enumerate(self.statuses) if s.state != "completed"]
         if not failed:
-            self.future.set_result(None)
-            return
-        self.future.set_exception(self._failure(failed))
-
-    def _failure(self, failed: list[tuple[int, RequestStatus]]) -> BaseException:
+            return None
         i, st = failed[0]
         cause = st.error or TransportError("transfer failed")
         req = self.requests[i]
@@ -178,9 +182,7 @@ class _DoneBatch(Batch):
             raise self._error
 
     def _finish(self) -> None:
-        failed = [(i, s) for i, s in enumerate(self.statuses) if s.state != "completed"]
-        if failed:
-            self._error = self._failure(failed)
+        self._error = self._failure()
 
 
 class TransferEngine:
@@ -545,9 +547,9 @@ class TransferEngine:
         batch = _DoneBatch([req])
         batch.statuses[0].error = cause
         batch.statuses[0].state = "timeout" if isinstance(cause, TransferTimeout) else "failed"
-        batch._finish()
-        batch.wait()
-        raise AssertionError("unreachable: wait() raised")
+        exc = batch._failure()
+        assert exc is not None
+        raise exc
 
     def write(self, peer: str, local: Any, remote_addr: int | None = None, length: int | None = None, **kw: Any) -> None:
         """Synchronous write of ``local`` to ``remote_addr`` on ``peer``."""
