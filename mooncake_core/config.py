@@ -127,6 +127,7 @@ class StoreConfig:
     max_objects: int = 2_000_000  # metadata cap: puts beyond it evict LRU objects (bounds the master's memory)
     rpc_spin_us: float = 100.0  # clients spin this long for a master answer before sleeping
     client_reservations: bool = True  # puts up to 4 MiB allocate from a lent extent: one master RPC per put
+    location_cache: int = 4096  # keys whose last replica a client remembers: their gets read while asking (0: off)
 
 
 @dataclass(frozen=True)
@@ -269,6 +270,8 @@ def _validate(cfg: Any, where: str) -> None:
             raise ConfigError(f"{where}eviction_ratio: must be in (0, 1], got {cfg.eviction_ratio}")
         if cfg.max_objects < 1:
             raise ConfigError(f"{where}max_objects: must be at least 1, got {cfg.max_objects}")
+        if cfg.location_cache < 0:
+            raise ConfigError(f"{where}location_cache: must not be negative, got {cfg.location_cache}")
         if not 0 <= cfg.rpc_spin_us <= 100_000:
             raise ConfigError(f"{where}rpc_spin_us: must be 0..100000, got {cfg.rpc_spin_us}")
     elif isinstance(cfg, LogConfig):

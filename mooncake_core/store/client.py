@@ -20,6 +20,15 @@ into the holders' segments -> ``put_end``; a failed write revokes. Get asks the 
 for the replica list (granting a read lease), reads from the best replica (own segment
 by memcpy, same host by shared memory, else TCP) and fails with ``LeaseExpired`` if the
 read outlived the lease. Errors are :mod:`mooncake_core.errors` classes.
+
+Location cache (``store.location_cache`` keys): a client remembers, per key it put or
+read, the replica and the object's version token. A get of such a key sends the
+replica-list request, reads the remembered replica while the master answers, and keeps
+the bytes only if the answer lists that replica under the same token (the object then sat
+there unchanged since it was remembered, and is now leased); otherwise it reads again
+from the answer. So a hit costs one transfer with the master round trip hidden behind it.
+A miss or stale entry costs a wasted read, and a failed ``get_into`` may leave the
+remembered object's old bytes in the buffer.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import struct
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -38,6 +48,7 @@ from typing import Any, TypeVar
 from mooncake_core.config import MooncakeConfig, load_config
 from mooncake_core.errors import (
     LeaseExpired,
+    MooncakeError,
     ObjectExists,
     SegmentError,
     StoreError,
@@ -139,6 +150,18 @@ class _Local:
         return a
 
 
+@dataclass(slots=True)
+class _Answer:
+    """The master's answer to ``get_replica_list`` and when (and under which rpc generation) it was asked."""
+
+    size: int
+    replicas: list[list[SliceW]]
+    ttl: float
+    sent: float
+    token: int
+    gen: int
+
+
 class StoreClient:
     """A store client (see module doc).
 
@@ -201,6 +224,11 @@ class StoreClient:
         self._lent_refused: dict[tuple[str, str], float] = {}  # no reservation to ask for before this time
         self.lease_ttl_s = self.config.store.lease_ttl_s
         self.heartbeat_s = self.config.store.heartbeat_interval_s
+        # key -> (rpc generation, version token, size, replica): see "Location cache" in the module doc
+        self._where: OrderedDict[str, tuple[int, int, int, list[SliceW]]] = OrderedDict()
+        self._where_max = self.config.store.location_cache
+        self._where_lock = threading.Lock()
+        self.location_hits = 0  # gets served by the remembered replica
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> StoreClient:
@@ -491,8 +519,9 @@ class StoreClient:
                 lent.dead = True  # the holder may be gone: do not write there again
                 raise
             t0 = time.monotonic()
+            gen = self.rpc.generation()
             try:
-                ttl = float(self._call("put_commit", (self.client_id, key, lent.rid, off, local.length, cfg)))
+                res = self._call("put_commit", (self.client_id, key, lent.rid, off, local.length, cfg))
             except P.InvalidArgument as exc:
                 if "reservation" not in str(exc):
                     raise
@@ -505,8 +534,10 @@ class StoreClient:
                 if self._committed_at(key, lent.segment, off):  # our commit, answered by a leader that then died
                     return True
                 raise
+            ttl, token = (float(res[0]), int(res[1])) if isinstance(res, list) else (float(res), 0)
             with self._lent_lock:
                 lent.expires = max(lent.expires, t0 + ttl / 2)
+            self._remember(key, gen, token, local.length, [sl])
             return True
         finally:
             with self._lent_lock:
@@ -545,9 +576,11 @@ class StoreClient:
 
     def _put_once(self, key: str, local: _Local, cfg: ReplicaCfg) -> None:
         P_ = (self.client_id, key, local.length, cfg)
+        gen = self.rpc.generation()
         token, reps = self._retrying(lambda: self._call("put_start", P_), f"put {key!r}")
+        reps = [[tuple(s) for s in rep] for rep in reps]
         try:
-            self._move("write", [(local, [tuple(s) for s in rep]) for rep in reps])
+            self._move("write", [(local, rep) for rep in reps])
         except BaseException:
             try:
                 self._call("put_revoke", (self.client_id, key, token))
@@ -561,6 +594,8 @@ class StoreClient:
             if self._call("exists", (key,)):
                 return
             raise _PutLost(str(exc)) from exc
+        if reps:
+            self._remember(key, gen, int(token), local.length, self._rank(reps)[0])
 
     def put(self, key: str, value: Any, *, replica_num: int | None = None, preferred_segment: str = "",
             hard_pin: bool = False, soft_pin_ttl_s: float = 0.0, strategy: str = "") -> None:
@@ -637,33 +672,111 @@ class StoreClient:
         """Put many buffers; one entry per key: None on success, else the exception."""
         return self.batch_put_from(keys, values, None, replica_num=replica_num, **kw)
 
+    # ------------------------------------------------------------------ location cache
+    def _remember(self, key: str, gen: int, token: int, size: int, rep: list[SliceW]) -> None:
+        if self._where_max <= 0 or not token:
+            return
+        with self._where_lock:
+            self._where[key] = (gen, token, size, rep)
+            self._where.move_to_end(key)
+            while len(self._where) > self._where_max:
+                self._where.popitem(last=False)
+
+    def _forget(self, keys: Sequence[str] | None) -> None:
+        """Drop remembered locations of ``keys`` (None: all)."""
+        with self._where_lock:
+            if keys is None:
+                self._where.clear()
+            else:
+                for k in keys:
+                    self._where.pop(k, None)
+
+    def _read_remembered(self, key: str, local_for: Callable[[int], _Local]) -> int | _Answer | None:
+        """A get of a remembered key: read the remembered replica while the master answers.
+
+        Returns the size when the bytes read are the object's, the master's answer when they
+        may not be (the caller reads again from it, without asking again), or None (nothing
+        usable: the caller does a plain get).
+        """
+        with self._where_lock:
+            hit = self._where.get(key)
+        if hit is None:
+            return None
+        gen, token, size, rep = hit
+        if gen != self.rpc.generation():  # a master connection failed since: versions may repeat
+            self._forget([key])
+            return None
+        try:
+            local = local_for(size)
+        except StoreError:  # the buffer is too small for the remembered size: let the plain path say so
+            return None
+        pending = self.rpc.start("get_replica_list", (key,))
+        if pending is None:
+            return None
+        try:
+            self._move("read", [(local, rep)])
+            moved = True
+        except (MooncakeError, OSError):  # the holder may be gone: the answer tells where to read
+            moved = False
+        except BaseException:
+            self.rpc.abandon(pending)
+            raise
+        try:
+            size2, reps, ttl, token2 = self._answer(self.rpc.finish(pending))
+        except (StoreError, OSError):
+            self._forget([key])
+            return None
+        if moved and token2 == token and size2 == size and rep in reps and gen == self.rpc.generation():
+            if time.monotonic() - pending.sent > ttl:
+                raise LeaseExpired(f"get {key!r}: the read took longer than the {ttl:.1f}s lease; retry")
+            self.location_hits += 1
+            with self._where_lock:
+                if key in self._where:
+                    self._where.move_to_end(key)
+            return size
+        self._forget([key])
+        return _Answer(size2, reps, ttl, pending.sent, token2, gen)
+
     # ------------------------------------------------------------------ get
-    def _replicas(self, key: str) -> tuple[int, list[list[SliceW]], float, float]:
-        """(size, replicas, lease ttl, time the granting request was sent)."""
+    @staticmethod
+    def _answer(res: Any) -> tuple[int, list[list[SliceW]], float, int]:
+        """(size, replicas, lease ttl, version token) from a ``get_replica_list`` answer."""
+        size, reps, ttl = res[0], res[1], res[2]
+        token = int(res[3]) if len(res) > 3 else 0  # masters before versions: no token, nothing remembered
+        return int(size), [[tuple(s) for s in rep] for rep in reps], float(ttl), token
+
+    def _replicas(self, key: str) -> _Answer:
+        """The master's answer for ``key``, with the time the granting request was sent."""
         sent = [0.0]
+        gen = self.rpc.generation()
 
         def once() -> Any:
             sent[0] = time.monotonic()
             return self._call("get_replica_list", (key,))
 
-        size, reps, ttl = self._retrying(once, f"get {key!r}")
-        return int(size), [[tuple(s) for s in rep] for rep in reps], float(ttl), sent[0]
+        size, reps, ttl, token = self._answer(self._retrying(once, f"get {key!r}"))
+        return _Answer(size, reps, ttl, sent[0], token, gen)
 
     def _read(self, key: str, local_for: Callable[[int], _Local]) -> int:
         last: BaseException | None = None
+        first = self._read_remembered(key, local_for) if self._where_max > 0 else None
+        if isinstance(first, int):
+            return first
         for _attempt in range(2):
-            size, reps, ttl, t0 = self._replicas(key)
-            local = local_for(size)
-            for rep in self._rank(reps):
+            a = first if first is not None else self._replicas(key)
+            first = None
+            local = local_for(a.size)
+            for rep in self._rank(a.replicas):
                 try:
                     self._move("read", [(local, rep)])
                 except TransportError as exc:
                     last = exc
                     logger.debug("reading %r from %s failed: %s", key, rep[0][1], exc)
                     continue
-                if time.monotonic() - t0 > ttl:
-                    raise LeaseExpired(f"get {key!r}: the read took longer than the {ttl:.1f}s lease; retry")
-                return size
+                if time.monotonic() - a.sent > a.ttl:
+                    raise LeaseExpired(f"get {key!r}: the read took longer than the {a.ttl:.1f}s lease; retry")
+                self._remember(key, a.gen, a.token, a.size, rep)
+                return a.size
             time.sleep(0.05)  # the master may be about to drop the dead holder's replicas
         raise TransportError(f"get {key!r}: every replica failed: {last}") from last
 
@@ -824,20 +937,24 @@ class StoreClient:
 
     def remove(self, key: str, *, force: bool = False) -> None:
         """Remove ``key``; ``ObjectBusy`` while it is leased or hard-pinned unless ``force``."""
+        self._forget([key])
         self._call("remove", (key, force))
 
     def batch_remove(self, keys: Sequence[str], *, force: bool = False) -> list[BaseException | None]:
+        self._forget(keys)
         codes = self._call("batch_remove", (list(keys), force))
         return [None if c == 0 else _error(c, f"remove {k!r} failed") for k, c in zip(keys, codes, strict=True)]
 
     def remove_by_regex(self, pattern: str, *, force: bool = False) -> int:
         """Remove every key matching ``pattern`` (``re.search``); returns how many."""
+        self._forget(None)
         return int(self._call("remove_by_regex", (pattern, force)))
 
     def keys_by_regex(self, pattern: str) -> list[str]:
         return list(self._call("keys_by_regex", (pattern, False)))
 
     def remove_all(self, *, force: bool = False) -> int:
+        self._forget(None)
         return int(self._call("remove_all", (force,)))
 
     def query(self, key: str) -> dict[str, Any]:

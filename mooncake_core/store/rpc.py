@@ -83,11 +83,13 @@ class _Sock:
                 raise ConnectionError("master closed the connection")
             return k
 
-    def roundtrip(self, method: str, params: Any, timeout: float | None) -> P.Response:
+    def send_request(self, method: str, params: Any, deadline: float | None) -> int:
+        """Send one request; returns its id (read the answer with :meth:`read_response`)."""
         self.next_id += 1
-        rid = self.next_id
-        deadline = None if timeout is None else time.monotonic() + timeout
-        self._send(P.encode_request(rid, method, params), deadline)
+        self._send(P.encode_request(self.next_id, method, params), deadline)
+        return self.next_id
+
+    def read_response(self, rid: int, deadline: float | None) -> P.Response:
         spin_until = time.perf_counter() + self.spin_s
         # one recv usually brings the whole (small) answer; large ones continue below
         buf = self.buf
@@ -114,11 +116,29 @@ class _Sock:
             raise ConnectionError(f"answer id {resp.id} does not match request {rid}")
         return resp
 
+    def roundtrip(self, method: str, params: Any, timeout: float | None) -> P.Response:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return self.read_response(self.send_request(method, params, deadline), deadline)
+
     def close(self) -> None:
         try:
             self.sock.close()
         except OSError:
             pass
+
+
+class Pending:
+    """A request sent by :meth:`MasterRPC.start` whose answer :meth:`MasterRPC.finish` reads."""
+
+    __slots__ = ("sock", "rid", "method", "params", "sent", "deadline")
+
+    def __init__(self, sock: _Sock, rid: int, method: str, params: Any, sent: float, deadline: float) -> None:
+        self.sock, self.rid, self.method, self.params = sock, rid, method, params
+        self.sent = sent  # time.monotonic() just before the request went out
+        self.deadline = deadline
+
+
+_RETRY = object()  # a standby answered: find the leader and call again
 
 
 class MasterRPC:
@@ -230,12 +250,10 @@ class MasterRPC:
                         raise MasterUnavailable(f"master {s.addr} did not answer {method} within the timeout") from exc
                 else:
                     self._release(s)
-                    if resp.code == P.Code.OK:
-                        return msgspec.msgpack.decode(resp.result, type=typ)
-                    msg = msgspec.msgpack.decode(resp.result)
-                    if resp.code != P.Code.NOT_LEADER:
-                        P.raise_for(resp.code, str(msg))
-                    last = P.NotLeader(str(msg))
+                    value = self._result(resp, typ)
+                    if value is not _RETRY:
+                        return value
+                    last = P.NotLeader(str(msgspec.msgpack.decode(resp.result)))
             # connection failure or standby: find the leader again
             if time.monotonic() >= deadline:
                 raise MasterUnavailable(f"no store master answered {method} at {self.address} within "
@@ -248,6 +266,61 @@ class MasterRPC:
             self._drop_all()
             time.sleep(delay)
             delay = min(delay * 2, 0.2)
+
+    @staticmethod
+    def _result(resp: P.Response, typ: Any) -> Any:
+        """The decoded result of an answer; raises error answers; ``_RETRY`` for a standby's answer."""
+        if resp.code == P.Code.OK:
+            return msgspec.msgpack.decode(resp.result, type=typ)
+        if resp.code == P.Code.NOT_LEADER:
+            return _RETRY
+        P.raise_for(resp.code, str(msgspec.msgpack.decode(resp.result)))
+        raise AssertionError("unreachable")  # raise_for raised
+
+    def start(self, method: str, params: Any) -> Pending | None:
+        """Send an (idempotent) request and return at once, so the caller can work while the master
+        answers; None when no connection is at hand (use :meth:`call`)."""
+        if self._closed:
+            return None
+        try:
+            s = self._acquire()
+        except (ConnectionError, MasterUnavailable, MetadataError):
+            return None
+        sent = time.monotonic()
+        deadline = sent + self.timeout_s
+        try:
+            rid = s.send_request(method, params, deadline)
+        except (OSError, ConnectionError):
+            s.close()
+            with self._lock:
+                self.failovers += 1
+            return None
+        return Pending(s, rid, method, params, sent, deadline)
+
+    def finish(self, p: Pending, *, typ: Any = Any) -> Any:
+        """The result of a :meth:`start` request, as :meth:`call` would return it.
+
+        If the connection failed or a standby answered, the request is made again with
+        :meth:`call` (so it must be idempotent), after counting a failover.
+        """
+        try:
+            resp = p.sock.read_response(p.rid, p.deadline)
+        except (OSError, ConnectionError, msgspec.DecodeError):
+            p.sock.close()
+        else:
+            self._release(p.sock)
+            value = self._result(resp, typ)
+            if value is not _RETRY:
+                return value
+        with self._lock:
+            self.failovers += 1
+            if self.address.startswith("etcd://"):
+                self._target = ""
+        return self.call(p.method, p.params, typ=typ)
+
+    def abandon(self, p: Pending) -> None:
+        """Give up on a :meth:`start` request (its answer is never read: the connection is closed)."""
+        p.sock.close()
 
     def close(self) -> None:
         self._closed = True

@@ -19,11 +19,18 @@ Contract:
   object with one call (:meth:`put_commit`), which carves the object's range out of the
   extent. Grants, carves and releases are replicated, so a new leader knows which ranges a
   client may still be writing; an extent unused for ``put_timeout_s`` is reclaimed.
+- Object versions: every object (and every new memory replica of it) gets a token that
+  this master never gave before (a random base per master, then counting), and
+  :meth:`get_replica_list` returns it. A client that remembers (token, replica) from an
+  earlier answer may read that replica while asking again: if the answer still lists the
+  replica under the same token, the object lived there, unchanged, since it was
+  remembered, so the bytes read are the object's.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import random
 import re
 import time
@@ -144,7 +151,8 @@ class MasterState:
         self.segments: dict[str, Segment] = {}
         self.objects: dict[str, Obj] = {}
         self.lru: OrderedDict[str, None] = OrderedDict()
-        self._token = 0
+        # tokens double as object versions (see module doc): never reused, even by a restarted master
+        self._token = int.from_bytes(os.urandom(5), "big") << 20
         self.offload_pending: dict[str, int] = {}  # segment -> bytes queued for SSD offload
         self.reservations: dict[int, Reservation] = {}
         self._rid = 0
@@ -446,11 +454,11 @@ class MasterState:
         return r.rid, [sg.name, sg.peer, sg.base, off, n, sg.host], self.cfg.put_timeout_s
 
     def put_commit(self, client_id: str, key: str, rid: int, offset: int, size: int, cfg: ReplicaCfg,
-                   now: float) -> float:
+                   now: float) -> tuple[float, int]:
         """Commit ``key`` = the ``size`` bytes the client wrote at ``offset`` inside reservation ``rid``.
 
-        Returns the reservation's renewed ttl. The range is carved out of the reservation
-        and belongs to the object from now on.
+        Returns the reservation's renewed ttl and the object's version token. The range is
+        carved out of the reservation and belongs to the object from now on.
         """
         self._client(client_id, now)
         check_key(key)
@@ -483,7 +491,7 @@ class MasterState:
         self.counters["reserved_puts"] += 1
         self._emit("carve", r.rid, offset, need)
         self._emit(*self._obj_entry(o))
-        return self.cfg.put_timeout_s
+        return self.cfg.put_timeout_s, o.token
 
     def _carve(self, r: Reservation, block: int, offset: int, need: int, *, release: bool) -> None:
         """Take ``[offset, offset+need)`` out of ``r``'s block at ``block`` (an allocated range of its own after)."""
@@ -555,20 +563,21 @@ class MasterState:
             raise ObjectNotFound(f"no object {key!r}")
         return o
 
-    def get_replica_list(self, key: str, now: float) -> tuple[int, list[Any], float]:
+    def get_replica_list(self, key: str, now: float) -> tuple[int, list[Any], float, int]:
+        """(size, replicas, lease ttl, version token) of a complete object; grants a lease."""
         o = self._complete(key)
         if not o.replicas:
             self._promote(o, now)
         o.lease_until = now + self.cfg.lease_ttl_s
         self.lru.move_to_end(key)
-        return o.size, [self._slices_out(rep) for rep in o.replicas], self.cfg.lease_ttl_s
+        return o.size, [self._slices_out(rep) for rep in o.replicas], self.cfg.lease_ttl_s, o.token
 
     def batch_get_replica_list(self, keys: list[str], now: float) -> list[Any]:
         _check_batch(keys)
         out: list[Any] = []
         for k in keys:
             try:
-                size, reps, ttl = self.get_replica_list(k, now)
+                size, reps, ttl, _token = self.get_replica_list(k, now)
                 out.append((0, size, reps, ttl))
             except Exception as exc:  # per-key errors travel as codes
                 out.append((int(code_of(exc)), str(exc), [], 0.0))
@@ -796,6 +805,7 @@ class MasterState:
                         self._drop_object(o)
                 return
             o.replicas.append(rep)
+            o.token = token  # a new memory replica: a new version (never seen by any client)
             self._emit(*self._obj_entry(o))
         else:
             raise InvalidArgument(f"task_done: unknown task kind {kind!r}")
@@ -871,8 +881,8 @@ class MasterState:
                 if all(x[0] in self.segments and self.segments[x[0]].allocator.reserve(x[1], x[2]) for x in rr):
                     reps.append(rr)
                     self._index_replica(key, rr)
-            o = Obj(key, size, reps, complete=True, hard_pin=bool(hard_pin), soft_pin_until=float(soft_pin_until),
-                    disk=str(disk), lease_until=now + self.cfg.lease_ttl_s)
+            o = Obj(key, size, reps, complete=True, token=self._next_token(), hard_pin=bool(hard_pin),
+                    soft_pin_until=float(soft_pin_until), disk=str(disk), lease_until=now + self.cfg.lease_ttl_s)
             if disk and disk in self.clients:
                 self.clients[disk].disk_keys.add(key)
             if reps or o.disk:

@@ -242,6 +242,8 @@ def _agent(argv: list[str]) -> int:
             return _stress(client, c)
         if op == "call":
             return getattr(client, c["method"])(*c.get("args", []), **c.get("kwargs", {}))
+        if op == "attr":
+            return getattr(client, c["name"])
         raise ValueError(f"unknown op {op!r}")
 
     for line in sys.stdin:

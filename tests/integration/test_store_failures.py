@@ -110,6 +110,11 @@ def test_a_restarted_master_gets_no_writes_into_extents_it_never_lent(tmp_path: 
             b.call("put", key=f"b/{i}", size=60_000, preferred_segment=holder.segment)
         offsets = sorted(b.call("call", method="query", args=[f"b/{i}"])["replicas"][0][0]["offset"] for i in range(20))
         assert offsets[0] <= before + 5056 <= offsets[-1] + 60_000, (before, offsets)  # they overlap a's extent
+        # a remembers where a/0 was; the new master knows another a/0: a must not trust the old place
+        b.call("put", key="a/0", size=5000, salt="v2", preferred_segment=holder.segment)
+        hits = a.call("attr", name="location_hits")
+        assert a.call("get", key="a/0", salt="v2") == {"size": 5000, "match": True}
+        assert a.call("attr", name="location_hits") == hits
         for i in range(1, 6):
             a.call("put", key=f"a/{i}", size=5000 + i, preferred_segment=holder.segment)
         for i in range(20):

@@ -65,6 +65,50 @@ def test_small_puts_take_one_master_call_through_a_reservation(cluster: tuple[Ma
     assert b.call("get", key="res/3") == {"size": 100_003, "match": True}
 
 
+def test_remembered_locations_serve_gets_and_never_return_replaced_bytes(
+        cluster: tuple[Master, Agent, Agent, Agent], tmp_path: Path) -> None:
+    """A client remembers where it put or read a key and reads there while the master answers.
+    Whatever another client does to the key meanwhile (replace it elsewhere, replace it at the
+    very same offset, remove it), the get returns the current object's bytes or its error."""
+    m, a, b, c = cluster
+    hits = a.call("attr", name="location_hits")
+    for i in range(3):
+        a.call("put", key=f"loc/{i}", size=300_000, preferred_segment=c.segment)
+    for i in range(3):
+        assert a.call("get", key=f"loc/{i}") == {"size": 300_000, "match": True}
+        assert a.call("get_into", key=f"loc/{i}", cap=400_000) == {"size": 300_000, "match": True}
+    assert a.call("attr", name="location_hits") - hits == 6  # every get read the remembered replica
+    # replaced by another client (elsewhere: its own extent), then removed
+    b.call("call", method="remove", args=["loc/0"], kwargs={"force": True})
+    b.call("put", key="loc/0", size=300_000, salt="v2", preferred_segment=c.segment)
+    b.call("call", method="remove", args=["loc/1"], kwargs={"force": True})
+    hits = a.call("attr", name="location_hits")
+    assert a.call("get", key="loc/0", salt="v2") == {"size": 300_000, "match": True}
+    with pytest.raises(AgentError, match="ObjectNotFound"):
+        a.call("get", key="loc/1")
+    assert a.call("attr", name="location_hits") == hits
+    # replaced at the very same offset (two-phase puts, no extents: best fit puts both at offset 0)
+    two_phase = {"MOONCAKE_STORE_CLIENT_RESERVATIONS": "false"}
+    holder = Agent(m.address, segment_size=4 << 20, env=two_phase, log=tmp_path / "holder.log")
+    reader = Agent(m.address, segment_size=0, env=two_phase, log=tmp_path / "reader.log")
+    try:
+        reader.call("put", key="loc/same", size=100_000, preferred_segment=holder.segment)
+        where = reader.call("call", method="query", args=["loc/same"])["replicas"]
+        hits = reader.call("attr", name="location_hits")
+        assert reader.call("get", key="loc/same") == {"size": 100_000, "match": True}
+        assert reader.call("attr", name="location_hits") == hits + 1
+        holder.call("call", method="remove", args=["loc/same"], kwargs={"force": True})
+        holder.call("put", key="loc/same", size=100_000, salt="v2", preferred_segment=holder.segment)
+        assert holder.call("call", method="query", args=["loc/same"])["replicas"] == where  # same offset
+        assert reader.call("get", key="loc/same", salt="v2") == {"size": 100_000, "match": True}
+        assert reader.call("attr", name="location_hits") == hits + 1  # the version told the bytes apart
+        assert reader.call("get", key="loc/same", salt="v2") == {"size": 100_000, "match": True}
+        assert reader.call("attr", name="location_hits") == hits + 2  # and the new version is remembered
+    finally:
+        reader.stop()
+        holder.stop()
+
+
 def test_zero_copy_registered_addresses(cluster: tuple[Master, Agent, Agent, Agent]) -> None:
     _m, a, b, c = cluster
     a.call("put_from_registered", key="zc/1", size=3 << 20, preferred_segment=c.segment)

@@ -47,6 +47,7 @@ def test_mooncake_json_file_env_and_overrides(tmp_path: Path) -> None:
     ({"transfer": {"slice_size": 10}}, "transfer.slice_size"),
     ({"transfer": {"connections_per_peer": "two"}}, "transfer.connections_per_peer"),
     ({"store": {"replica_num": 0}}, "store.replica_num"),
+    ({"store": {"location_cache": -1}}, "store.location_cache"),
     ({"transfer": 5}, "transfer"),
 ])
 def test_bad_values_name_the_key(tmp_path: Path, content: dict[str, object], key: str) -> None:

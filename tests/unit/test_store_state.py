@@ -8,7 +8,7 @@ import pytest
 
 from mooncake_core.config import StoreConfig
 from mooncake_core.errors import NoSpace, ObjectExists, ObjectNotFound
-from mooncake_core.store.protocol import InvalidArgument, ObjectBusy, ReplicaCfg, UnknownClient
+from mooncake_core.store.protocol import InvalidArgument, ObjectBusy, ReplicaCfg, RetryLater, UnknownClient
 from mooncake_core.store.state import MasterState
 
 MiB = 1 << 20
@@ -33,7 +33,7 @@ def test_put_get_remove_and_leases() -> None:
     _put(st, "a", MiB, 0.0)
     with pytest.raises(ObjectExists):
         st.put_start("c1", "a", 10, ReplicaCfg(), 0.0)
-    size, reps, ttl = st.get_replica_list("a", 1.0)
+    size, reps, ttl, _token = st.get_replica_list("a", 1.0)
     assert size == MiB and len(reps) == 1 and ttl == 2.0
     seg, peer, addr, n, host = reps[0][0]
     assert (seg, peer, n, host) == ("seg1", "p1", MiB, "h") and addr >= 1 << 30
@@ -200,9 +200,9 @@ def test_reserved_puts_carve_objects_out_of_the_extent_and_release_the_rest() ->
     assert used == length
     # commits in any order (several writer threads share one reservation), with gaps
     for i in (2, 0, 5, 1):
-        assert st.put_commit("c2", f"k{i}", rid, off + i * MiB, MiB - 7, cfg, 2.0) == 30.0
+        assert st.put_commit("c2", f"k{i}", rid, off + i * MiB, MiB - 7, cfg, 2.0)[0] == 30.0
     _no_overlap(st)
-    size, reps, _ = st.get_replica_list("k5", 3.0)
+    size, reps, _, _ = st.get_replica_list("k5", 3.0)
     assert size == MiB - 7 and reps == [[("seg1", "p-c1", base + off + 5 * MiB, MiB - 7, "h")]]
     assert st.segments["seg1"].allocator.used == used  # carving moves bytes from the extent to objects
     with pytest.raises(ObjectExists):
@@ -293,3 +293,39 @@ def test_reservations_never_trade_a_placement_preference_for_an_extent_elsewhere
     assert st.reserve("c2", MiB, ReplicaCfg(strategy="local-first"), [], 3.0) == (0, [], 0.0)
     assert st.reserve("c1", MiB, ReplicaCfg(), [], 3.0)[1][0] == "seg1"  # free-ratio-first: the emptier one
     _no_overlap(st)
+
+
+def test_versions_are_never_reused_and_change_with_each_new_memory_replica() -> None:
+    """The token ``get_replica_list`` returns is what lets a client trust a remembered replica:
+    a new object, a new master and a replica promoted back from SSD (even at the same offset)
+    all get a token never given before."""
+    st = MasterState(StoreConfig())
+    st.register_client("c1", "h", "p1", True, 0.0)  # with an SSD tier
+    st.mount("c1", "seg1", "p1", 1 << 30, 10 * MiB, "h", 0.0)
+    _put(st, "k", MiB, 0.0)
+    _, reps1, _, tok1 = st.get_replica_list("k", 0.0)
+    assert tok1
+    st.remove("k", True, 1.0)
+    _put(st, "k", MiB, 1.0)
+    _, reps2, _, tok2 = st.get_replica_list("k", 1.0)
+    assert reps2 == reps1 and tok2 != tok1  # same place, new object: a new version
+    other, _ = _state()
+    tok, _ = other.put_start("c1", "k", MiB, ReplicaCfg(), 0.0)
+    assert tok not in (tok1, tok2)  # a restarted master starts from a fresh random base
+    # offload to SSD, then promote back into memory: the same offset, a new version
+    assert st.evict_for(10 * MiB, 100.0) == 0  # queued as an offload
+    task = st.clients["c1"].tasks.pop()
+    assert task["kind"] == "offload"
+    st.task_done("c1", "offload", "k", task["token"], True, "", 100.0)
+    with pytest.raises(RetryLater):
+        st.get_replica_list("k", 101.0)
+    task = st.clients["c1"].tasks.pop()
+    assert task["kind"] == "promote"
+    st.task_done("c1", "promote", "k", task["token"], True, "", 101.0)
+    _, reps3, _, tok3 = st.get_replica_list("k", 102.0)
+    assert reps3 == reps1 and tok3 not in (tok1, tok2)
+    # a standby replaying the log gives its own fresh tokens too
+    replayed, _ = _state()
+    for e in st.export():
+        replayed.apply(e, 103.0)
+    assert replayed.get_replica_list("k", 103.0)[3] not in (tok1, tok2, tok3)
