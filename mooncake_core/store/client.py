@@ -229,6 +229,7 @@ class StoreClient:
         self._where_max = self.config.store.location_cache
         self._where_lock = threading.Lock()
         self.location_hits = 0  # gets served by the remembered replica
+        self.location_misses = 0  # gets that read a remembered replica in vain (stale, or its holder failed)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> StoreClient:
@@ -691,6 +692,12 @@ class StoreClient:
                 for k in keys:
                     self._where.pop(k, None)
 
+    def _forget_peers(self, peers: set[str]) -> None:
+        """Drop remembered locations on ``peers`` (a holder that failed a read may be gone)."""
+        with self._where_lock:
+            for k in [k for k, v in self._where.items() if any(s[1] in peers for s in v[3])]:
+                del self._where[k]
+
     def _read_remembered(self, key: str, local_for: Callable[[int], _Local]) -> int | _Answer | None:
         """A get of a remembered key: read the remembered replica while the master answers.
 
@@ -706,6 +713,9 @@ class StoreClient:
         if gen != self.rpc.generation():  # a master connection failed since: versions may repeat
             self._forget([key])
             return None
+        # only holders we are connected to: a lookup or a connect must not stall a guess
+        if not all(self._own(s) is not None or self.engine.is_resolved(s[1]) for s in rep):
+            return None
         try:
             local = local_for(size)
         except StoreError:  # the buffer is too small for the remembered size: let the plain path say so
@@ -716,8 +726,10 @@ class StoreClient:
         try:
             self._move("read", [(local, rep)])
             moved = True
-        except (MooncakeError, OSError):  # the holder may be gone: the answer tells where to read
+        except (MooncakeError, OSError) as exc:  # the holder may be gone: the answer tells where to read
             moved = False
+            logger.debug("reading remembered %r failed (%s); forgetting what was remembered on its holders", key, exc)
+            self._forget_peers({s[1] for s in rep})
         except BaseException:
             self.rpc.abandon(pending)
             raise
@@ -734,6 +746,7 @@ class StoreClient:
                 if key in self._where:
                     self._where.move_to_end(key)
             return size
+        self.location_misses += 1
         self._forget([key])
         return _Answer(size2, reps, ttl, pending.sent, token2, gen)
 

@@ -391,6 +391,11 @@ class TransferEngine:
             self._peers[name] = info
         return info
 
+    def is_resolved(self, name: str) -> bool:
+        """True when ``name`` is resolved and cached: a transfer to it starts without a lookup."""
+        with self._peers_lock:
+            return name in self._peers
+
     def forget_peer(self, name: str) -> None:
         with self._peers_lock:
             self._peers.pop(name, None)

@@ -244,6 +244,8 @@ def _agent(argv: list[str]) -> int:
             return getattr(client, c["method"])(*c.get("args", []), **c.get("kwargs", {}))
         if op == "attr":
             return getattr(client, c["name"])
+        if op == "remembered":  # key -> the holders (peer names) of the replica the client remembers
+            return {k: [x[1] for x in v[3]] for k, v in client._where.items()}
         raise ValueError(f"unknown op {op!r}")
 
     for line in sys.stdin:

@@ -18,7 +18,8 @@ def test_killed_holder_loses_nothing_with_two_replicas(tmp_path: Path) -> None:
     m = Master(tmp_path, "--client-ttl", "1.5")
     agents: list[Agent] = []
     try:
-        agents = [Agent(m.address, segment_size=24 << 20, log=tmp_path / f"a{i}.log") for i in range(4)]
+        agents = [Agent(m.address, segment_size=(24 << 20) if i != 1 else 0, log=tmp_path / f"a{i}.log")
+                  for i in range(4)]
         writer, reader, h1, h2 = agents
         sizes = [1000, 70_000, 1 << 20, 3 << 20]
         keys = [f"k/{i}" for i in range(24)]
@@ -29,10 +30,21 @@ def test_killed_holder_loses_nothing_with_two_replicas(tmp_path: Path) -> None:
                                         for rep in reader.call("call", method="query", args=[k])["replicas"]
                                         for s in rep)]
         assert on_h1, "placement never used the holder we are about to kill"
+        for i, k in enumerate(keys):  # the reader remembers one replica of each key
+            assert reader.call("get", key=k) == {"size": sizes[i % 4], "match": True}, k
+        remembered_on_h1 = [k for k, peers in reader.call("remembered").items() if h1.peer in peers]
+        assert remembered_on_h1  # 16 or so keys, each with even odds: never none in practice
+        hits = reader.call("attr", name="location_hits")
+        misses = reader.call("attr", name="location_misses")
         h1.kill()
-        # immediately (before the master notices): reads fail over to the surviving replica
+        # immediately (before the master notices): reads fail over to the surviving replica,
+        # remembered replicas on the dead holder included
         for i, k in enumerate(keys):
             assert reader.call("get", key=k) == {"size": sizes[i % 4], "match": True}, k
+        assert reader.call("attr", name="location_hits") - hits == len(keys) - len(remembered_on_h1)
+        # only the first remembered read from the dead holder was tried: it made the reader forget the rest
+        assert reader.call("attr", name="location_misses") - misses == 1
+        assert not [k for k, peers in reader.call("remembered").items() if h1.peer in peers]
         # after the client TTL the master drops the dead segment; objects keep one replica
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:

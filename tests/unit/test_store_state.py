@@ -8,7 +8,13 @@ import pytest
 
 from mooncake_core.config import StoreConfig
 from mooncake_core.errors import NoSpace, ObjectExists, ObjectNotFound
-from mooncake_core.store.protocol import InvalidArgument, ObjectBusy, ReplicaCfg, RetryLater, UnknownClient
+from mooncake_core.store.protocol import (
+    InvalidArgument,
+    ObjectBusy,
+    ReplicaCfg,
+    RetryLater,
+    UnknownClient,
+)
 from mooncake_core.store.state import MasterState
 
 MiB = 1 << 20
