@@ -216,14 +216,14 @@ class MasterRPC:
         Clients compare it with the value they saw when the master granted them something
         (a reservation) before relying on that grant without asking again.
         """
+        # Under the lock: an idle connection is then used by no other thread, so it is not
+        # readable because of an answer to someone's request (nor polled twice at once).
         with self._lock:
-            idle = list(self._idle)
-        for s in idle:
-            if s.poller.poll(0):
-                with self._lock:
-                    self.failovers += 1
-                self._drop_all()
-                break
+            dead = any(s.poller.poll(0) for s in self._idle)
+            if dead:
+                self.failovers += 1
+        if dead:
+            self._drop_all()
         return self.failovers
 
     # ------------------------------------------------------------------ calls

@@ -296,6 +296,10 @@ def _stress(client: Any, c: dict[str, Any]) -> dict[str, int]:
                     with lock:
                         counts["errors"] += 1
                         first_error.append(repr(exc))
+            except Exception as exc:  # anything else is a bug: count it instead of losing the thread
+                with lock:
+                    counts["errors"] += 1
+                    first_error.append(repr(exc))
 
     def reader(rid: str) -> None:
         rng = random.Random(rid)
@@ -312,7 +316,7 @@ def _stress(client: Any, c: dict[str, Any]) -> dict[str, int]:
                 with lock:
                     counts["lease_expired"] += 1
                 continue
-            except StoreError as exc:
+            except Exception as exc:  # StoreError, or a bug: counted, never lost with the thread
                 with lock:
                     counts["errors"] += 1
                     first_error.append(repr(exc))
