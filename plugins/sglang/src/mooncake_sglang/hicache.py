@@ -49,7 +49,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from mooncake_core.config import load_config, parse_size
-from mooncake_core.errors import ConfigError, MooncakeError, ObjectExists
+from mooncake_core.errors import ConfigError, MooncakeError, ObjectExists, ObjectNotFound
 from mooncake_core.store import ObjectBusy, StoreClient
 from mooncake_sglang.keys import KeyScheme
 from mooncake_sglang.layout import PoolView
@@ -265,6 +265,10 @@ class MooncakeCoreStorage(HiCacheStorage):
             return [False] * len(keys)
         self._ok()
         obj_ok = [isinstance(r, int) and not isinstance(r, bool) and r == view.object_nbytes for r in res]
+        odd = next((r for r in res if not isinstance(r, (int, ObjectNotFound))), None)
+        if odd is not None:  # a miss is normal (evicted since exists); anything else is worth a line
+            logger.warning("batch_get_v1: %d of %d objects not read; first error: %s: %s",
+                           len(obj_ok) - sum(obj_ok), len(obj_ok), type(odd).__name__, odd)
         ok = self._pages_ok(obj_ok, nparts)
         if staged:
             good = [i for i, g in enumerate(ok) if g]
