@@ -97,6 +97,7 @@ class TransferConfig:
     shm: bool = True
     spin_us: float = 100.0  # TCP: poll this long for a peer's answer before sleeping (0 = never spin)
     shm_dir: str = ""  # "" = memfd; else a tmpfs directory for shared segments (huge=always: 2 MiB pages)
+    shm_copy_threads: int = 0  # shared-memory copies of >= 2 MiB are split over this many threads (0: min(4, CPUs))
     interfaces: str = ""
     stripe_interfaces: bool = False
 
@@ -249,6 +250,8 @@ def _validate(cfg: Any, where: str) -> None:
         if not cfg.local_hostname:
             raise ConfigError("local_hostname: must not be empty")
     elif isinstance(cfg, TransferConfig):
+        if not 0 <= cfg.shm_copy_threads <= 64:
+            raise ConfigError(f"{where}shm_copy_threads: must be 0..64 (0 = automatic), got {cfg.shm_copy_threads}")
         if cfg.slice_size < 4096:
             raise ConfigError(f"{where}slice_size: must be at least 4096 bytes, got {cfg.slice_size}")
         if not 1 <= cfg.connections_per_peer <= 64:

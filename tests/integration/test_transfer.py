@@ -208,6 +208,43 @@ def test_single_slice_requests_take_the_direct_path_and_keep_retries_errors_and_
         engine.read(peer.name, back, raddr + 3, transport="tcp")
 
 
+@pytest.mark.parametrize("slice_size", [4 << 20, 256 << 10])
+def test_large_shm_copies_are_split_over_threads_and_stay_byte_exact(spawn_peer: Any, monkeypatch: pytest.MonkeyPatch,
+                                                                    slice_size: int) -> None:
+    """A same-host copy of >= 2 MiB is cut into equal shares (64 KiB multiples) run by
+    ``transfer.shm_copy_threads`` threads; every byte lands exactly once, both ways."""
+    from mooncake_core.transfer.transports import shm as shm_mod
+
+    calls: list[list[tuple[int, int, int]]] = []
+    real = shm_mod._run_copies
+
+    def record(jobs: list[tuple[int, int, int]]) -> None:
+        calls.append(list(jobs))
+        real(jobs)
+
+    monkeypatch.setattr(shm_mod, "_run_copies", record)
+    peer = spawn_peer()
+    size = (5 << 20) + 13
+    raddr = peer.call("alloc", size=size + 4096)["addr"] + 7  # odd addresses on both sides
+    data = np.random.default_rng(5).integers(0, 256, size + 3, dtype=np.uint8)[3:]
+    with TransferEngine(transfer={"slice_size": slice_size, "shm_copy_threads": 3, "timeout_s": 10}) as eng:
+        eng.write(peer.name, data, raddr, transport="shm")
+        assert peer.call("digest", addr=raddr, length=size)["sha"] == sha(data)
+        assert len(calls) == 3  # three threads' shares
+        pieces = sorted((src, n) for part in calls for _dst, src, n in part)
+        assert sum(n for _, n in pieces) == size
+        assert all(a + n == b for (a, n), (b, _) in zip(pieces, pieces[1:], strict=False))  # contiguous, no overlap
+        shares = sorted(sum(n for *_, n in part) for part in calls)  # threads finish in any order
+        assert shares[1] == shares[2] and shares[2] % (64 << 10) == 0 and 0 < shares[0] <= shares[2]
+        calls.clear()
+        back = np.zeros(size, dtype=np.uint8)
+        eng.read(peer.name, back, raddr, transport="shm")
+        assert sha(back) == sha(data) and len(calls) == 3
+        calls.clear()
+        eng.read(peer.name, back[: 1 << 20], raddr, transport="shm")  # 1 MiB: one thread, not worth splitting
+        assert len(calls) == 1 and bytes(back[: 1 << 20]) == bytes(data[: 1 << 20])
+
+
 def test_shared_segments_can_live_in_a_tmpfs_directory(engine: TransferEngine, spawn_peer: Any) -> None:
     """``transfer.shm_dir``: a peer's engine-allocated memory is an unnamed file there (a tmpfs
     mounted with huge=always gives it 2 MiB pages), and we still map it and copy directly."""

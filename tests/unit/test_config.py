@@ -48,6 +48,7 @@ def test_mooncake_json_file_env_and_overrides(tmp_path: Path) -> None:
     ({"transfer": {"connections_per_peer": "two"}}, "transfer.connections_per_peer"),
     ({"store": {"replica_num": 0}}, "store.replica_num"),
     ({"store": {"location_cache": -1}}, "store.location_cache"),
+    ({"transfer": {"shm_copy_threads": 65}}, "transfer.shm_copy_threads"),
     ({"transfer": 5}, "transfer"),
 ])
 def test_bad_values_name_the_key(tmp_path: Path, content: dict[str, object], key: str) -> None:
