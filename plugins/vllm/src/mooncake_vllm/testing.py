@@ -149,6 +149,11 @@ class VLLMServer:
         self.env = engine_env(env)
         self.proc: subprocess.Popen[bytes] | None = None
 
+    def _new_port(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd[self.cmd.index("--port") + 1] = str(self.port)
+
     def start(self) -> VLLMServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child
@@ -158,10 +163,19 @@ class VLLMServer:
         return self
 
     def wait_ready(self, timeout: float = 300.0) -> VLLMServer:
+        """Wait until /health answers. The API port was free when it was picked, but vLLM binds
+        it only after loading the model, and another process may take it meanwhile: then the
+        server is started again on a new port (up to 3 times; ``url`` and ``port`` follow)."""
         assert self.proc is not None
         deadline = time.monotonic() + timeout
+        restarts = 0
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if restarts < 3 and "Address already in use" in self.log_text():
+                    restarts += 1
+                    self._new_port()
+                    self.start()
+                    continue
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; log tail:\n{self.log_tail()}")
             try:
                 urllib.request.urlopen(self.url + "/health", timeout=2).close()
