@@ -128,7 +128,12 @@ class ShmTransport(Transport):
                 parts[-1].append((dst + off, src + off, take))
                 off += take
                 room -= take
-        futs = [self.engine.io_pool.submit(_run_copies, p) for p in parts[1:]]
+        futs = []
+        for p in parts[1:]:
+            try:
+                futs.append(self.engine.io_pool.submit(_run_copies, p))
+            except RuntimeError:  # the engine is shutting down its pool: copy here instead
+                _run_copies(p)
         try:
             _run_copies(parts[0])
         finally:
