@@ -131,6 +131,55 @@ def test_killed_peer_over_shm_is_reported(engine: TransferEngine, spawn_peer: An
         engine.write(victim.name, bytearray(1000), vaddr)
 
 
+def test_a_dead_peers_mapping_is_unmapped_only_when_no_copy_runs(engine: TransferEngine, spawn_peer: Any) -> None:
+    """Copies from a peer's mapping run in several threads. When one of them finds the peer
+    dead, the mapping must stay until the others are done: unmapping under a running
+    ``memmove`` would crash the process."""
+    victim = spawn_peer()
+    size = 64 << 20
+    vaddr = victim.call("alloc", size=size)["addr"]
+    engine.read(victim.name, np.zeros(1000, dtype=np.uint8), vaddr, transport="shm")  # mapped now
+    shm = engine.transports["shm"]
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def reader() -> None:  # large copies, split over threads, again and again
+        dst = np.zeros(size, dtype=np.uint8)
+        while not stop.is_set():
+            try:
+                engine.read(victim.name, dst, vaddr, transport="shm")
+            except TransportError as exc:
+                errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    victim.kill()
+    with pytest.raises(TransportError):  # this one notices the death and drops the mapping
+        engine.write(victim.name, bytearray(1000), vaddr, transport="shm")
+    stop.set()
+    for t in threads:
+        t.join(20)
+    assert not any(t.is_alive() for t in threads)
+    assert all(victim.name in str(e) for e in errors), errors
+    assert not shm._maps and not shm._retired and shm._inflight == 0  # type: ignore[attr-defined]
+    # the rule itself: while a copy is in flight, a forgotten mapping is only retired
+    other = spawn_peer()
+    oaddr = other.call("alloc", size=1 << 20)["addr"]
+    engine.read(other.name, bytearray(1000), oaddr, transport="shm")
+    (mm, _base), = [v for k, v in shm._maps.items() if k[0] == other.pid]  # type: ignore[attr-defined]
+    with shm._lock:  # type: ignore[attr-defined]
+        shm._inflight += 1  # type: ignore[attr-defined]
+    shm.forget(other.pid)  # type: ignore[attr-defined]
+    assert not mm.closed and shm._retired == [mm]  # type: ignore[attr-defined]
+    with shm._lock:  # type: ignore[attr-defined]
+        shm._inflight -= 1  # type: ignore[attr-defined]
+    shm._close_retired()  # type: ignore[attr-defined]
+    assert mm.closed and not shm._retired  # type: ignore[attr-defined]
+
+
 def test_broken_connection_is_retried_and_completes(engine: TransferEngine, spawn_peer: Any) -> None:
     peer = spawn_peer()
     size = 4 << 20

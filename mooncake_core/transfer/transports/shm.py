@@ -104,6 +104,10 @@ class ShmTransport(Transport):
         self._maps: dict[tuple[int, int, int], tuple[mmap.mmap, int]] = {}
         self._lock = threading.Lock()
         self._denied: set[int] = set()
+        # Mappings are unmapped only while no copy runs: a dead peer's mapping is retired
+        # first and closed when the last copy in flight (in any thread) is done.
+        self._inflight = 0
+        self._retired: list[mmap.mmap] = []
         n = engine.config.transfer.shm_copy_threads
         self.copy_threads = n if n > 0 else max(1, min(4, os.cpu_count() or 1))
 
@@ -176,15 +180,34 @@ class ShmTransport(Transport):
             return base
 
     def forget(self, pid: int) -> None:
+        """Drop our mappings of ``pid``'s memory (unmapped once no copy is in flight)."""
         with self._lock:
             for key in [k for k in self._maps if k[0] == pid]:
-                mm, _ = self._maps.pop(key)
-                try:
-                    mm.close()
-                except BufferError:
-                    pass
+                self._retired.append(self._maps.pop(key)[0])
+        self._close_retired()
+
+    def _close_retired(self) -> None:
+        with self._lock:
+            if self._inflight:
+                return
+            retired, self._retired = self._retired, []
+        for mm in retired:
+            try:
+                mm.close()
+            except BufferError:
+                pass
 
     def execute(self, peer: PeerInfo, items: list[WorkItem], deadline: float) -> None:
+        with self._lock:
+            self._inflight += 1
+        try:
+            self._execute(peer, items)
+        finally:
+            with self._lock:
+                self._inflight -= 1
+            self._close_retired()
+
+    def _execute(self, peer: PeerInfo, items: list[WorkItem]) -> None:
         jobs: list[tuple[int, int, int]] = []  # (dst, src, n) memmoves through mappings, run together below
         mapped: list[WorkItem] = []
         for it in items:
@@ -227,13 +250,9 @@ class ShmTransport(Transport):
 
     def close(self) -> None:
         with self._lock:
-            maps = list(self._maps.values())
+            self._retired.extend(mm for mm, _ in self._maps.values())
             self._maps.clear()
-        for mm, _ in maps:
-            try:
-                mm.close()
-            except BufferError:
-                pass
+        self._close_retired()
 
 
 @hookimpl
