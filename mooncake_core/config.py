@@ -129,6 +129,7 @@ class StoreConfig:
     rpc_spin_us: float = 100.0  # clients spin this long for a master answer before sleeping
     client_reservations: bool = True  # puts up to 4 MiB allocate from a lent extent: one master RPC per put
     location_cache: int = 4096  # keys whose last replica a client remembers: their gets read while asking (0: off)
+    early_commit: bool = True  # one-RPC puts send the commit with the write (masters without HA)
 
 
 @dataclass(frozen=True)

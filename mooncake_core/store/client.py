@@ -218,6 +218,7 @@ class StoreClient:
         self._poller: threading.Thread | None = None
         self._mount_lock = threading.Lock()
         self.reservations = self.config.store.client_reservations
+        self._early = False  # the master takes early commits (set at registration)
         self._lent_lock = threading.Lock()
         self._lent: dict[tuple[str, str], _Lent] = {}  # (preferred segment, strategy) -> current reservation
         self._lent_release: list[int] = []
@@ -260,6 +261,7 @@ class StoreClient:
                                                  self.ssd is not None))
         self.lease_ttl_s = float(info.get("lease_ttl_s", self.lease_ttl_s))
         self.heartbeat_s = float(info.get("heartbeat_s", self.heartbeat_s))
+        self._early = self.config.store.early_commit and bool(info.get("early_commit", False))
 
     def _remount(self) -> None:
         """After the master forgot us (expiry): register again and re-mount our segments."""
@@ -514,6 +516,10 @@ class StoreClient:
         lent, off = slot
         try:
             sl = (lent.segment, lent.peer, lent.base + off, local.length, lent.host)
+            if self._early:
+                done = self._put_early(key, local, cfg, lent, off, sl)
+                if done is not None:
+                    return done
             try:
                 self._move("write", [(local, [sl])])
             except BaseException:
@@ -544,6 +550,75 @@ class StoreClient:
             with self._lent_lock:
                 lent.inflight -= 1
                 self._release_if_idle(lent)
+
+    def _put_early(self, key: str, local: _Local, cfg: ReplicaCfg, lent: _Lent, off: int,
+                   sl: SliceW) -> bool | None:
+        """Put through a reservation with the commit sent before the write, so the master answers
+        while the bytes travel; then a one-way ``put_confirm`` on the same connection.
+
+        Until that confirm the master keeps the object invisible and makes every request on its
+        key wait; if the connection closes first, it drops the object. The put returns only when
+        both the write and the commit are acknowledged and the confirm is sent, so a reader
+        asking after it returns sees the object. Returns like :meth:`_put_reserved`; None: the
+        commit could not be sent, commit after the write instead.
+        """
+        gen = self.rpc.generation()
+        pend = self.rpc.start("put_commit", (self.client_id, key, lent.rid, off, local.length, cfg, True))
+        if pend is None:
+            return None
+        try:
+            self._move("write", [(local, [sl])])
+        except BaseException:
+            lent.dead = True  # the holder may be gone: do not write there again
+            self.rpc.abandon(pend)  # closing the connection drops the early commit
+            raise
+        resp = self.rpc.answer(pend)
+        if resp is None:  # the connection failed: an early commit it carried is dropped by the master
+            lent.dead = True
+            return False
+        try:
+            res = self.rpc.result(resp)
+        except P.InvalidArgument as exc:
+            self.rpc.release(pend)
+            if "reservation" not in str(exc) and "early commits are off" not in str(exc):
+                raise
+            logger.info("put %r: %s; putting in two phases", key, exc)
+            lent.dead = True
+            return False
+        except P.NotLeader:
+            self.rpc.abandon(pend)
+            lent.dead = True
+            return False
+        except P.UnknownClient:
+            self.rpc.release(pend)
+            if self._closed:
+                raise
+            logger.warning("the master forgot client %s; registering again", self.client_id)
+            self._remount()
+            lent.dead = True  # a reservation of the forgotten client is gone
+            return False
+        except BaseException:
+            self.rpc.release(pend)
+            raise
+        ttl, token = float(res[0]), int(res[1])
+        if time.monotonic() - pend.sent < ttl / 2:
+            sent = self.rpc.tell(pend, "put_confirm", (self.client_id, key, token, True, False))
+            if not sent:  # we cannot know whether the confirm got through
+                lent.dead = True
+                if self._committed_at(key, lent.segment, off):
+                    return True
+                return False
+        else:  # a slow write: the early commit may be near its timeout, so confirm and wait for the answer
+            self.rpc.release(pend)
+            try:
+                self._call("put_confirm", (self.client_id, key, token, True, True))
+            except P.InvalidArgument:
+                lent.dead = True
+                return False
+        with self._lent_lock:
+            lent.expires = max(lent.expires, pend.sent + ttl / 2)
+        self._remember(key, gen, token, local.length, [sl])
+        return True
 
     def _committed_at(self, key: str, segment: str, offset: int) -> bool:
         try:

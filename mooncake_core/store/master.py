@@ -57,6 +57,11 @@ class _Conn(asyncio.Protocol):
         self.server = server
         self.buf = bytearray()
         self.transport: Any = None
+        self.early: dict[str, int] = {}  # early commits made on this connection and not yet confirmed
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.early:
+            self.server.revoke_early(self)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # uvloop's transports are not asyncio.Transport subclasses
@@ -114,6 +119,19 @@ class _Conn(asyncio.Protocol):
 
 Handler = Callable[[Any, float], Any]
 
+# requests on these keys wait while a put of one of them is committed early but not yet confirmed
+_PARKED_ON_KEYS = frozenset({"get_replica_list", "exists", "get_size", "remove", "query_key", "put_start",
+                             "put_commit", "batch_get_replica_list", "batch_exists", "batch_remove",
+                             "batch_put_start"})
+
+
+def _early_key(method: str, args: Any, early: dict[str, int]) -> str | None:
+    """The first key of ``args`` with an unconfirmed early commit (None if none)."""
+    if method.startswith("batch_"):
+        return next((k for k in args.keys if k in early), None)
+    key = args.key
+    return key if key in early else None
+
 
 class MasterServer:
     """One master process (leader, or standby with HA).
@@ -170,6 +188,7 @@ class MasterServer:
         self._flush_waiters: list[asyncio.Future[None]] = []
         self._flush_wake: asyncio.Event | None = None
         self._pollers: dict[str, asyncio.Future[None]] = {}
+        self._parked: dict[str, list[tuple[_Conn, P.Request]]] = {}  # key -> requests waiting for its put_confirm
         self._tasks: list[asyncio.Task[Any]] = []
         self._server: asyncio.base_events.Server | None = None
         self._runner: web.AppRunner | None = None
@@ -217,8 +236,16 @@ class MasterServer:
                     out.append(error_tuple(exc))
             return out
 
+        def put_commit(a: Any, now: float) -> tuple[float, int]:
+            if a.early and self.ha_url is not None:
+                # an early commit is acknowledged before it could be logged: only without HA
+                raise P.InvalidArgument(f"put {a.key!r}: early commits are off on an HA master (its reservation "
+                                        f"stays usable); commit after the write")
+            return st.put_commit(a.client_id, a.key, a.rid, a.offset, a.size, a.cfg, now, early=a.early)
+
         return {
-            "register_client": lambda a, now: st.register_client(a.client_id, a.host, a.peer, a.ssd, now),
+            "register_client": lambda a, now: {**st.register_client(a.client_id, a.host, a.peer, a.ssd, now),
+                                               "early_commit": self.ha_url is None},
             "mount": lambda a, now: st.mount(a.client_id, a.segment, a.peer, a.base, a.size, a.host, now),
             "unmount": lambda a, now: st.unmount(a.client_id, a.segment, now),
             "task_done": lambda a, now: st.task_done(a.client_id, a.kind, a.key, a.token, a.ok, a.detail, now),
@@ -228,7 +255,8 @@ class MasterServer:
             "put_revoke": lambda a, now: st.put_revoke(a.client_id, a.key, a.token, now),
             "batch_put_end": batch_put_end,
             "reserve": lambda a, now: st.reserve(a.client_id, a.size, a.cfg, a.release, now),
-            "put_commit": lambda a, now: st.put_commit(a.client_id, a.key, a.rid, a.offset, a.size, a.cfg, now),
+            "put_commit": put_commit,
+            "put_confirm": lambda a, now: st.put_confirm(a.client_id, a.key, a.token, a.ok, now),
             "get_replica_list": lambda a, now: st.get_replica_list(a.key, now),
             "batch_get_replica_list": lambda a, now: st.batch_get_replica_list(a.keys, now),
             "exists": lambda a, now: st.exists(a.key, now),
@@ -259,9 +287,17 @@ class MasterServer:
             asyncio.ensure_future(self._poll(conn, req, t0))
             return
         ok = True
+        args: Any = None
         try:
             args = P.decode_params(method, req.params)
+            if self.state.early and method in _PARKED_ON_KEYS:
+                key = _early_key(method, args, self.state.early)
+                if key is not None:  # a put of this key is committed and about to be confirmed: wait for it
+                    self._parked.setdefault(key, []).append((conn, req))
+                    return
             result = self._handlers[method](args, time.monotonic())
+            if method == "put_commit" and args.early:
+                conn.early[args.key] = int(result[1])
             out = P.encode_response(req.id, P.Code.OK, result)
         except Exception as exc:
             ok = False
@@ -270,11 +306,42 @@ class MasterServer:
                 logger.exception("internal error in %s", method)
             out = P.encode_response(req.id, code, msg)
         self.metrics.observe(method, time.perf_counter() - t0, ok)
+        if method == "put_confirm" and args is not None:
+            conn.early.pop(args.key, None)
+            if not args.reply:
+                if not ok:
+                    logger.info("one-way %s", msgspec.msgpack.decode(P.decode_response(out[4:]).result))
+                out = b""
+        if self._parked:
+            self._unpark_resolved()
         if self._log and self._etcd is not None:
             asyncio.ensure_future(self._reply_when_durable(conn, out))
         else:
             self._log.clear()
-            conn.send(out)
+            if out:
+                conn.send(out)
+
+    def revoke_early(self, conn: _Conn) -> None:
+        """A connection closed: drop the early commits it made and never confirmed (their writes
+        may not have landed, and no put that made them returned)."""
+        early, conn.early = conn.early, {}
+        for key, token in early.items():
+            o = self.state.objects.get(key)
+            if o is not None and o.early and o.token == token:
+                logger.info("dropping the early commit of %r: its connection closed before put_confirm", key)
+                self.state.put_confirm(o.owner, key, token, False, time.monotonic())
+        if self._parked:
+            self._unpark_resolved()
+
+    def _unpark_resolved(self) -> None:
+        """Serve again the requests that waited for early commits which are now confirmed or dropped."""
+        done = [k for k in self._parked if k not in self.state.early]
+        for k in done:
+            for conn, req in self._parked.pop(k):
+                if self._loop is not None:
+                    self._loop.call_soon(self.handle, conn, req)
+                else:
+                    self.handle(conn, req)
 
     async def _reply_when_durable(self, conn: _Conn, out: bytes) -> None:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -388,6 +455,8 @@ class MasterServer:
                 self.state.expire_clients(now)
                 self.state.reclaim(now)
                 self.state.check_watermarks(now)
+                if self._parked:  # early commits that timed out
+                    self._unpark_resolved()
             except Exception:
                 logger.exception("background check failed")
             if self._log:

@@ -7,7 +7,8 @@ Contract:
 - A request is ``[version, request_id, method, params]``; ``params`` is a msgpack
   array whose layout is the method's ``*Args`` struct below (array-like structs).
 - A response is ``[request_id, code, result]``: ``code`` is :class:`Code`; on success
-  ``result`` is the method's result, otherwise a one-line error message.
+  ``result`` is the method's result, otherwise a one-line error message. The one
+  exception: a well-formed ``put_confirm`` with ``reply`` false gets no response.
 - A frame that is not valid msgpack or not a request array closes that connection only;
   a well-formed request with invalid parameters gets a ``Code.INVALID`` answer.
 
@@ -243,6 +244,15 @@ class PutCommitArgs(_A):
     offset: int  # inside the reservation's segment
     size: int
     cfg: ReplicaCfg
+    early: bool = False  # sent while the write is in flight: readers wait for put_confirm
+
+
+class PutConfirmArgs(_A):
+    client_id: str
+    key: str
+    token: int
+    ok: bool  # False: the write failed, drop the early commit
+    reply: bool = True  # False: a one-way request (no answer is sent, errors are only logged)
 
 
 class BatchPutEndArgs(_A):
@@ -296,6 +306,7 @@ METHOD_ARGS: dict[str, type[msgspec.Struct]] = {
     "batch_put_end": BatchPutEndArgs,
     "reserve": ReserveArgs,
     "put_commit": PutCommitArgs,
+    "put_confirm": PutConfirmArgs,
     "get_replica_list": KeyArgs,
     "batch_get_replica_list": KeysArgs,
     "exists": KeyArgs,

@@ -318,6 +318,42 @@ class MasterRPC:
                 self._target = ""
         return self.call(p.method, p.params, typ=typ)
 
+    def answer(self, p: Pending) -> P.Response | None:
+        """Read the answer to a :meth:`start` request and keep its connection (for :meth:`tell`
+        or :meth:`release`); None when the connection failed (it is closed, nothing is retried)."""
+        try:
+            return p.sock.read_response(p.rid, p.deadline)
+        except (OSError, ConnectionError, msgspec.DecodeError):
+            p.sock.close()
+            with self._lock:
+                self.failovers += 1
+            return None
+
+    @staticmethod
+    def result(resp: P.Response, typ: Any = Any) -> Any:
+        """The decoded result of ``resp``; raises its error (a standby's answer raises NotLeader)."""
+        value = MasterRPC._result(resp, typ)
+        if value is _RETRY:
+            raise P.NotLeader(str(msgspec.msgpack.decode(resp.result)))
+        return value
+
+    def tell(self, p: Pending, method: str, params: Any) -> bool:
+        """Send a one-way request (one the master does not answer) on ``p``'s connection, behind
+        the request it answered, then give the connection back. False if sending failed."""
+        try:
+            p.sock.send_request(method, params, p.deadline)
+        except (OSError, ConnectionError):
+            p.sock.close()
+            with self._lock:
+                self.failovers += 1
+            return False
+        self._release(p.sock)
+        return True
+
+    def release(self, p: Pending) -> None:
+        """Give back the connection of a :meth:`start` request whose answer :meth:`answer` read."""
+        self._release(p.sock)
+
     def abandon(self, p: Pending) -> None:
         """Give up on a :meth:`start` request (its answer is never read: the connection is closed)."""
         p.sock.close()

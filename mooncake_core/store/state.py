@@ -135,6 +135,7 @@ class Obj:
     offload_seg: str = ""
     promoting: int = 0  # token of a promotion in flight
     promo_replica: list[SliceT] | None = None
+    early: bool = False  # committed before its write was confirmed: readers wait for put_confirm
 
     @property
     def busy(self) -> bool:
@@ -151,6 +152,7 @@ class MasterState:
         self.segments: dict[str, Segment] = {}
         self.objects: dict[str, Obj] = {}
         self.lru: OrderedDict[str, None] = OrderedDict()
+        self.early: dict[str, int] = {}  # key -> token of objects committed early, awaiting put_confirm
         # tokens double as object versions (see module doc): never reused, even by a restarted master
         self._token = int.from_bytes(os.urandom(5), "big") << 20
         self.offload_pending: dict[str, int] = {}  # segment -> bytes queued for SSD offload
@@ -213,6 +215,8 @@ class MasterState:
         o.replicas = []
         self.objects.pop(o.key, None)
         self.lru.pop(o.key, None)
+        if o.early and self.early.get(o.key) == o.token:
+            del self.early[o.key]
         if o.disk:
             c = self.clients.get(o.disk)
             if c is not None:
@@ -454,11 +458,16 @@ class MasterState:
         return r.rid, [sg.name, sg.peer, sg.base, off, n, sg.host], self.cfg.put_timeout_s
 
     def put_commit(self, client_id: str, key: str, rid: int, offset: int, size: int, cfg: ReplicaCfg,
-                   now: float) -> tuple[float, int]:
+                   now: float, *, early: bool = False) -> tuple[float, int]:
         """Commit ``key`` = the ``size`` bytes the client wrote at ``offset`` inside reservation ``rid``.
 
         Returns the reservation's renewed ttl and the object's version token. The range is
         carved out of the reservation and belongs to the object from now on.
+
+        ``early``: the client sends the commit while its write is still in flight. The object
+        then exists but is not complete (``self.early``) until :meth:`put_confirm`; an early
+        commit never confirmed is dropped after ``put_timeout_s`` (the master also drops it
+        when the committing connection closes). Early commits are not logged (no HA).
         """
         self._client(client_id, now)
         check_key(key)
@@ -482,16 +491,42 @@ class MasterState:
             raise InvalidArgument(f"put {key!r}: reservation {rid} was reclaimed; put again")
         self._carve(r, block, offset, need, release=False)
         rep: list[SliceT] = [(r.segment, offset, size)]
-        o = Obj(key, size, [rep], complete=True, token=self._next_token(), owner=client_id, hard_pin=cfg.hard_pin,
-                soft_pin_until=(now + cfg.soft_pin_ttl_s) if cfg.soft_pin_ttl_s else 0.0)
+        o = Obj(key, size, [rep], complete=not early, token=self._next_token(), owner=client_id,
+                hard_pin=cfg.hard_pin, soft_pin_until=(now + cfg.soft_pin_ttl_s) if cfg.soft_pin_ttl_s else 0.0,
+                early=early, deadline=(now + self.cfg.put_timeout_s) if early else 0.0)
         self.objects[key] = o
         self._index_replica(key, rep)
-        self.lru[key] = None
         r.deadline = now + self.cfg.put_timeout_s
         self.counters["reserved_puts"] += 1
         self._emit("carve", r.rid, offset, need)
-        self._emit(*self._obj_entry(o))
+        if early:
+            self.early[key] = o.token
+        else:
+            self.lru[key] = None
+            self._emit(*self._obj_entry(o))
         return self.cfg.put_timeout_s, o.token
+
+    def put_confirm(self, client_id: str, key: str, token: int, ok: bool, now: float) -> None:
+        """Complete (``ok``) or drop an early commit of ``key`` once its writer knows how the write went."""
+        o = self.objects.get(key)
+        if o is None or not o.early or o.token != token or o.owner != client_id:
+            raise InvalidArgument(f"put_confirm {key!r}: no early commit with this token (it timed out after "
+                                  f"{self.cfg.put_timeout_s:.0f}s or its connection closed); put again")
+        c = self.clients.get(client_id)
+        if c is not None:
+            c.last_seen = now
+        if not ok:
+            self._drop_object(o, emit=False)
+            return
+        if not o.replicas:
+            self._drop_object(o, emit=False)
+            raise NoSpace(f"put_confirm {key!r}: its segment went away during the write; put again")
+        o.early = False
+        o.complete = True
+        o.deadline = 0.0
+        del self.early[key]
+        self.lru[key] = None
+        self._emit(*self._obj_entry(o))
 
     def _carve(self, r: Reservation, block: int, offset: int, need: int, *, release: bool) -> None:
         """Take ``[offset, offset+need)`` out of ``r``'s block at ``block`` (an allocated range of its own after)."""

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from store_support import Agent, AgentError, Master
+from store_support import Agent, AgentError, Master, payload
+
+from mooncake_core.store import StoreClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -224,3 +229,77 @@ def test_store_node_command_contributes_memory(cluster: tuple[Master, Agent, Age
         node.terminate()
         assert node.wait(timeout=15) == 0
     assert b.call("call", method="exists", args=["node/1"]) is False  # its segment left with it
+
+
+def _in_thread(fn: Any, *args: Any, **kw: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["result"] = fn(*args, **kw)
+        except Exception as exc:  # noqa: BLE001 - handed to the test
+            out["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_early_commit_makes_readers_wait_for_the_write_and_a_failed_write_leaves_nothing(
+        cluster: tuple[Master, Agent, Agent, Agent]) -> None:
+    """A one-RPC put sends its commit before the write. Until the writer confirms, requests of
+    that key from other clients wait at the master (they never see an object whose bytes have
+    not landed); a write that fails closes the connection and the master drops the commit."""
+    m, a, b, c = cluster
+    gate = threading.Event()
+    entered = threading.Event()
+    fail = {"on": False}
+    with StoreClient(master=m.address, segment_size=0) as w:
+        assert w._early  # a master without HA takes early commits
+        real_move = w._move
+
+        def held_move(*args: Any, **kw: Any) -> Any:
+            entered.set()
+            assert gate.wait(30)
+            if fail["on"]:
+                raise OSError("write failed (injected)")
+            return real_move(*args, **kw)
+
+        w._move = held_move  # type: ignore[method-assign]
+        size = 200_000
+        for key, failing in (("early/ok", False), ("early/failed", True)):
+            gate.clear()
+            entered.clear()
+            fail["on"] = failing
+            commits = _method_count(m, "put_commit")
+            confirms = _method_count(m, "put_confirm")
+            put_t, put_out = _in_thread(w.put, key, payload(key, size), preferred_segment=c.segment)
+            assert entered.wait(30)
+            deadline = time.monotonic() + 30
+            while _method_count(m, "put_commit") == commits:  # the master has the commit; no byte is written
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            get_t, get_out = _in_thread(b.call, "get", key=key)
+            exists_t, exists_out = _in_thread(a.call, "call", method="exists", args=[key])
+            get_t.join(0.5)
+            exists_t.join(0.1)
+            assert get_t.is_alive() and exists_t.is_alive()  # both wait for the writer
+            gate.set()
+            put_t.join(30)
+            get_t.join(30)
+            exists_t.join(30)
+            assert not put_t.is_alive() and not get_t.is_alive() and not exists_t.is_alive()
+            if failing:
+                assert isinstance(put_out.get("error"), OSError)
+                assert isinstance(get_out.get("error"), AgentError) and get_out["error"].type == "ObjectNotFound"
+                assert exists_out["result"] is False
+                assert _method_count(m, "put_confirm") == confirms  # the closed connection said it
+            else:
+                assert "error" not in put_out
+                assert get_out["result"] == {"size": size, "match": True}
+                assert exists_out["result"] is True
+                assert _method_count(m, "put_confirm") == confirms + 1
+        w._move = real_move  # type: ignore[method-assign]
+        # the client carries on: its next put takes a fresh extent (the failed one may hold a dead holder)
+        w.put("early/after", payload("early/after", size), preferred_segment=c.segment)
+        assert b.call("get", key="early/after") == {"size": size, "match": True}

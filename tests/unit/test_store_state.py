@@ -8,6 +8,7 @@ import pytest
 
 from mooncake_core.config import StoreConfig
 from mooncake_core.errors import NoSpace, ObjectExists, ObjectNotFound
+from mooncake_core.store.allocator import align
 from mooncake_core.store.protocol import (
     InvalidArgument,
     ObjectBusy,
@@ -228,6 +229,54 @@ def test_reserved_puts_carve_objects_out_of_the_extent_and_release_the_rest() ->
         st.put_commit("c2", "late", rid, off + 9 * MiB, 100, cfg, 5.0)
     st.remove("k0", True, 6.0)  # an object carved from an extent frees like any other
     assert st.segments["seg1"].allocator.used == 3 * MiB
+
+
+def test_early_commits_stay_invisible_until_confirmed_and_are_dropped_when_not() -> None:
+    """A commit sent while the write is in flight makes an object nobody sees until its
+    writer confirms the write; a failed write, a wrong token or no confirm within
+    ``put_timeout_s`` drops it and frees its bytes."""
+    st, _ = _big_state(put_timeout_s=10.0)
+    cfg = ReplicaCfg()
+    rid, ext, _ = st.reserve("c2", MiB, cfg, [], 1.0)
+    off = ext[3]
+    used = st.segments["seg1"].allocator.used
+    _ttl, tok = st.put_commit("c2", "e", rid, off, 1000, cfg, 2.0, early=True)
+    assert st.early == {"e": tok}
+    with pytest.raises(ObjectNotFound):
+        st.get_replica_list("e", 2.0)
+    assert not st.exists("e", 2.0) and st.keys_by_regex("") == [] and st.remove_by_regex("", True, 2.0) == 0
+    assert st.check_watermarks(2.0) == 0 and "e" not in st.lru  # never an eviction candidate
+    with pytest.raises(InvalidArgument, match="no early commit with this token"):
+        st.put_confirm("c2", "e", tok + 1, True, 3.0)
+    with pytest.raises(InvalidArgument, match="no early commit with this token"):
+        st.put_confirm("c1", "e", tok, True, 3.0)  # only its writer confirms it
+    st.put_confirm("c2", "e", tok, True, 3.0)
+    assert st.early == {} and st.get_replica_list("e", 3.0)[3] == tok
+    with pytest.raises(InvalidArgument, match="no early commit with this token"):
+        st.put_confirm("c2", "e", tok, True, 3.0)  # twice: the object is complete, nothing changes
+    assert st.exists("e", 3.0)
+    # a failed write: dropped, its bytes freed
+    _ttl, tok2 = st.put_commit("c2", "f", rid, off + 4096, 1000, cfg, 4.0, early=True)
+    st.put_confirm("c2", "f", tok2, False, 4.0)
+    assert "f" not in st.objects and st.early == {}
+    assert st.segments["seg1"].allocator.used == used - align(1000)  # f's range left the extent and was freed
+    # never confirmed: reclaimed with the unfinished puts
+    st.put_commit("c2", "g", rid, off + 8192, 1000, cfg, 5.0, early=True)
+    st.reclaim(14.0)
+    assert "g" in st.early
+    st.reclaim(15.5)
+    assert "g" not in st.objects and st.early == {}
+    # a second early commit of a key whose first is unconfirmed: the key is busy
+    rid, ext, _ = st.reserve("c2", MiB, cfg, [], 16.0)  # the first one expired with g
+    st.put_commit("c2", "h", rid, ext[3], 1000, cfg, 16.0, early=True)
+    with pytest.raises(ObjectBusy):
+        st.put_commit("c2", "h", rid, ext[3] + 4096, 1000, cfg, 16.0, early=True)
+    # its segment goes away before the confirm: the object goes with it, the confirm is refused
+    tok_h = st.early["h"]
+    st.drop_client("c1")
+    assert "h" not in st.objects and st.early == {}
+    with pytest.raises(InvalidArgument, match="no early commit with this token"):
+        st.put_confirm("c2", "h", tok_h, True, 17.0)
 
 
 def test_unused_reservations_expire_and_limits_are_kept() -> None:
