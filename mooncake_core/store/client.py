@@ -455,8 +455,9 @@ class StoreClient:
                 delay = min(delay * 2, 0.05)
 
     # ------------------------------------------------------------------ one-RPC puts through reservations
-    def _slot(self, cfg: ReplicaCfg, size: int) -> tuple[_Lent, int] | None:
-        """A free range of ``size`` bytes in our reservation for ``cfg`` (asking the master for one if needed)."""
+    def _slot(self, cfg: ReplicaCfg, size: int, count: int = 0) -> tuple[_Lent, int] | None:
+        """A free range of ``size`` bytes in our reservation for ``cfg`` (asking the master for one if needed;
+        ``count``: objects of about ``size`` about to follow, for the size of a new reservation)."""
         need = align(size)
         k = (cfg.preferred_segment, cfg.strategy)
         with self._lent_lock:
@@ -478,7 +479,7 @@ class StoreClient:
             release, self._lent_release = self._lent_release, []
             try:
                 gen = self.rpc.generation()
-                rid, ext, ttl = self._call("reserve", (self.client_id, size, cfg, release))
+                rid, ext, ttl = self._call("reserve", (self.client_id, size, cfg, release, count))
             except (StoreError, OSError) as exc:
                 logger.debug("no reservation (%s); putting in two phases", exc)
                 self._lent_release = release + self._lent_release  # hand them back with a later call
@@ -706,6 +707,20 @@ class StoreClient:
             return []
         locals_ = [_Local(b, None if sizes is None else sizes[i], writable=False) for i, b in enumerate(bufs)]
         cfg = self._cfg(replica_num, preferred_segment, hard_pin, soft_pin_ttl_s, strategy)
+        if (self.reservations and cfg.replica_num == 1
+                and all(0 < x.length <= RESERVE_MAX_OBJECT for x in locals_)
+                and all(isinstance(k, str) and 0 < len(k) <= P.MAX_KEY // 4 for k in keys)):  # odd input: the master
+            out: list[BaseException | None] = [None] * len(keys)
+            rest = self._batch_put_reserved(keys, locals_, cfg, out)
+            if rest:
+                sub = self._batch_put_two_phase([keys[i] for i in rest], [locals_[i] for i in rest], cfg)
+                for i, r in zip(rest, sub, strict=True):
+                    out[i] = r
+            return out
+        return self._batch_put_two_phase(keys, locals_, cfg)
+
+    def _batch_put_two_phase(self, keys: Sequence[str], locals_: list[_Local],
+                             cfg: ReplicaCfg) -> list[BaseException | None]:
         res = self._retrying(lambda: self._call("batch_put_start", (self.client_id, list(keys),
                                                                     [x.length for x in locals_], cfg)),
                              "batch_put_start")
@@ -741,6 +756,147 @@ class StoreClient:
             for i, (code, msg) in zip(started, ends, strict=True):
                 if code != 0 and out[i] is None:
                     out[i] = _error(code, msg)
+        return out
+
+    def _batch_put_reserved(self, keys: Sequence[str], locals_: list[_Local], cfg: ReplicaCfg,
+                            out: list[BaseException | None]) -> list[int]:
+        """Put ``keys`` into our reservations: one ``batch_put_commit`` (sent before the write when the
+        master takes early commits, then a one-way ``batch_put_confirm``), one transfer batch.
+
+        Sets ``out[i]`` for the keys that failed; returns the indexes still to put in two phases.
+        """
+        n = len(keys)
+        slots: list[tuple[_Lent, int]] = []
+        for i in range(n):
+            slot = self._slot(cfg, locals_[i].length, n - i)
+            if slot is None:
+                break
+            slots.append(slot)
+        m = len(slots)
+        rest = list(range(m, n))
+        if not slots:
+            return rest
+        try:
+            sls: list[SliceW] = [(lent.segment, lent.peer, lent.base + off, locals_[j].length, lent.host)
+                                 for j, (lent, off) in enumerate(slots)]
+            params = (self.client_id, list(keys[:m]), [lent.rid for lent, _ in slots], [off for _, off in slots],
+                      [x.length for x in locals_[:m]], cfg)
+            pend = self.rpc.start("batch_put_commit", (*params, True)) if self._early else None
+            try:
+                wrote = self._batch_write(locals_[:m], sls, out)
+            except BaseException:
+                if pend is not None:
+                    self.rpc.abandon(pend)  # closing the connection drops the early commits
+                for lent, _ in slots:
+                    lent.dead = True
+                raise
+            for j in range(m):
+                if not wrote[j]:
+                    slots[j][0].dead = True  # the holder may be gone: do not write there again
+            res = self._batch_commit_answer(pend) if pend is not None else self._call("batch_put_commit",
+                                                                                    (*params, False))
+            if res is None:  # nothing committed (the master drops the early commits of a failed connection)
+                for lent, _ in slots:
+                    lent.dead = True
+                return [j for j in range(m) if wrote[j]] + rest
+            again: list[int] = []
+            confirm: list[int] = []
+            ttl = float("inf")
+            for j, (code, msg, _token) in enumerate(res):
+                if code == 0:
+                    ttl = min(ttl, float(msg))
+                    confirm.append(j)
+                    continue
+                if not wrote[j]:
+                    continue  # the write's error stands
+                if code == P.Code.INVALID and "reservation" in str(msg):
+                    slots[j][0].dead = True
+                    again.append(j)
+                elif code == P.Code.EXISTS and pend is None and self._committed_at(keys[j], slots[j][0].segment,
+                                                                                  slots[j][1]):
+                    continue  # our commit, answered by a leader that then died
+                else:
+                    out[j] = _error(int(code), str(msg))
+            if pend is not None:
+                got = self._batch_confirm(pend, [keys[j] for j in confirm], [int(res[j][2]) for j in confirm],
+                                          [wrote[j] for j in confirm], ttl)
+                for j, err in zip(confirm, got, strict=True):
+                    if err is not None and wrote[j]:
+                        out[j] = err
+            return again + rest
+        finally:
+            with self._lent_lock:
+                for lent, _ in slots:
+                    lent.inflight -= 1
+                    self._release_if_idle(lent)
+
+    def _batch_write(self, locals_: list[_Local], slices: list[SliceW], out: list[BaseException | None]) -> list[bool]:
+        """Write ``locals_[j]`` to ``slices[j]`` in one transfer batch; per object: did all its bytes land."""
+        wrote = [True] * len(locals_)
+        reqs: list[TransferRequest] = []
+        owner: list[int] = []
+        for j, (local, sl) in enumerate(zip(locals_, slices, strict=True)):
+            r = self._requests("write", [(local, [sl])])
+            reqs.extend(r)
+            owner.extend([j] * len(r))
+        if reqs:
+            batch = self.engine.submit(reqs)
+            try:
+                batch.wait()
+            except (TransportError, OSError):
+                for q, st in enumerate(batch.statuses):
+                    if st.state != "completed":
+                        j = owner[q]
+                        wrote[j] = False
+                        out[j] = out[j] or st.error or TransportError("transfer failed")
+        return wrote
+
+    def _batch_commit_answer(self, pend: Any) -> list[Any] | None:
+        """The per-key answer to an early ``batch_put_commit``; None when nothing was committed."""
+        resp = self.rpc.answer(pend)
+        if resp is None:
+            return None
+        try:
+            res: list[Any] = self.rpc.result(resp)
+        except P.UnknownClient:
+            self.rpc.release(pend)
+            if self._closed:
+                raise
+            logger.warning("the master forgot client %s; registering again", self.client_id)
+            self._remount()
+            return None
+        except P.NotLeader:
+            self.rpc.abandon(pend)
+            return None
+        except P.InvalidArgument as exc:
+            self.rpc.release(pend)
+            logger.info("batch put: %s; putting in two phases", exc)
+            return None
+        except BaseException:
+            self.rpc.release(pend)
+            raise
+        return res
+
+    def _batch_confirm(self, pend: Any, keys: list[str], tokens: list[int], ok: list[bool],
+                       ttl: float) -> list[BaseException | None]:
+        """Confirm (or drop, for failed writes) the early commits of a batch: one-way on the commit's
+        connection, or with an answer when the write took so long that the commits may have
+        expired. Per key: None, or the master's refusal (when it answered)."""
+        if not keys:
+            self.rpc.release(pend)
+            return []
+        args = (self.client_id, keys, tokens, ok)
+        if time.monotonic() - pend.sent < ttl / 2:
+            if self.rpc.tell(pend, "batch_put_confirm", (*args, False)):
+                return [None] * len(keys)
+            # we cannot know whether it got through: again, with an answer (a repeat is refused per key,
+            # so a refusal of a key whose object exists means the first one landed)
+        else:
+            self.rpc.release(pend)
+        res = self._call("batch_put_confirm", (*args, True))
+        out: list[BaseException | None] = []
+        for k, (code, msg) in zip(keys, res, strict=True):
+            out.append(None if code == 0 or self._call("exists", (k,)) else _error(int(code), str(msg)))
         return out
 
     def put_batch(self, keys: Sequence[str], values: Sequence[Any], *, replica_num: int | None = None,

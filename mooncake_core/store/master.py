@@ -122,7 +122,8 @@ Handler = Callable[[Any, float], Any]
 # requests on these keys wait while a put of one of them is committed early but not yet confirmed
 _PARKED_ON_KEYS = frozenset({"get_replica_list", "exists", "get_size", "remove", "query_key", "put_start",
                              "put_commit", "batch_get_replica_list", "batch_exists", "batch_remove",
-                             "batch_put_start"})
+                             "batch_put_start", "batch_put_commit"})
+_CONFIRMS = frozenset({"put_confirm", "batch_put_confirm"})
 
 
 def _early_key(method: str, args: Any, early: dict[str, int]) -> str | None:
@@ -243,6 +244,39 @@ class MasterServer:
                                         f"stays usable); commit after the write")
             return st.put_commit(a.client_id, a.key, a.rid, a.offset, a.size, a.cfg, now, early=a.early)
 
+        def batch_put_commit(a: Any, now: float) -> list[Any]:
+            n = len(a.keys)
+            if not n == len(a.rids) == len(a.offsets) == len(a.sizes):
+                raise P.InvalidArgument("batch_put_commit: keys, rids, offsets and sizes must have the same length")
+            if n > P.MAX_BATCH:
+                raise P.InvalidArgument(f"batch of {n} keys exceeds the limit of {P.MAX_BATCH}")
+            if a.early and self.ha_url is not None:
+                raise P.InvalidArgument("batch_put_commit: early commits are off on an HA master (its reservations "
+                                        "stay usable); commit after the write")
+            out: list[Any] = []
+            for k, rid, off, size in zip(a.keys, a.rids, a.offsets, a.sizes, strict=True):
+                try:
+                    ttl, token = st.put_commit(a.client_id, k, rid, off, size, a.cfg, now, early=a.early)
+                    out.append((0, ttl, token))
+                except P.UnknownClient:
+                    raise
+                except Exception as exc:
+                    code, msg = error_tuple(exc)
+                    out.append((code, msg, 0))
+            return out
+
+        def batch_put_confirm(a: Any, now: float) -> list[Any]:
+            if not len(a.keys) == len(a.tokens) == len(a.ok):
+                raise P.InvalidArgument("batch_put_confirm: keys, tokens and ok must have the same length")
+            out: list[Any] = []
+            for k, t, ok in zip(a.keys, a.tokens, a.ok, strict=True):
+                try:
+                    st.put_confirm(a.client_id, k, t, ok, now)
+                    out.append((0, ""))
+                except Exception as exc:
+                    out.append(error_tuple(exc))
+            return out
+
         return {
             "register_client": lambda a, now: {**st.register_client(a.client_id, a.host, a.peer, a.ssd, now),
                                                "early_commit": self.ha_url is None},
@@ -254,7 +288,9 @@ class MasterServer:
             "put_end": lambda a, now: st.put_end(a.client_id, a.key, a.token, now),
             "put_revoke": lambda a, now: st.put_revoke(a.client_id, a.key, a.token, now),
             "batch_put_end": batch_put_end,
-            "reserve": lambda a, now: st.reserve(a.client_id, a.size, a.cfg, a.release, now),
+            "reserve": lambda a, now: st.reserve(a.client_id, a.size, a.cfg, a.release, now, a.count),
+            "batch_put_commit": batch_put_commit,
+            "batch_put_confirm": batch_put_confirm,
             "put_commit": put_commit,
             "put_confirm": lambda a, now: st.put_confirm(a.client_id, a.key, a.token, a.ok, now),
             "get_replica_list": lambda a, now: st.get_replica_list(a.key, now),
@@ -298,6 +334,10 @@ class MasterServer:
             result = self._handlers[method](args, time.monotonic())
             if method == "put_commit" and args.early:
                 conn.early[args.key] = int(result[1])
+            elif method == "batch_put_commit" and args.early:
+                for k, (code, _ttl, token) in zip(args.keys, result, strict=True):
+                    if code == 0:
+                        conn.early[k] = int(token)
             out = P.encode_response(req.id, P.Code.OK, result)
         except Exception as exc:
             ok = False
@@ -306,11 +346,14 @@ class MasterServer:
                 logger.exception("internal error in %s", method)
             out = P.encode_response(req.id, code, msg)
         self.metrics.observe(method, time.perf_counter() - t0, ok)
-        if method == "put_confirm" and args is not None:
-            conn.early.pop(args.key, None)
+        if method in _CONFIRMS and args is not None:
+            for k in (args.keys if method == "batch_put_confirm" else (args.key,)):
+                conn.early.pop(k, None)
             if not args.reply:
                 if not ok:
                     logger.info("one-way %s", msgspec.msgpack.decode(P.decode_response(out[4:]).result))
+                elif method == "batch_put_confirm" and any(r[0] for r in result):
+                    logger.info("one-way batch_put_confirm: %s", next(r[1] for r in result if r[0]))
                 out = b""
         if self._parked:
             self._unpark_resolved()

@@ -8,7 +8,8 @@ Contract:
   array whose layout is the method's ``*Args`` struct below (array-like structs).
 - A response is ``[request_id, code, result]``: ``code`` is :class:`Code`; on success
   ``result`` is the method's result, otherwise a one-line error message. The one
-  exception: a well-formed ``put_confirm`` with ``reply`` false gets no response.
+  exception: a well-formed ``put_confirm`` or ``batch_put_confirm`` with ``reply`` false
+  gets no response.
 - A frame that is not valid msgpack or not a request array closes that connection only;
   a well-formed request with invalid parameters gets a ``Code.INVALID`` answer.
 
@@ -235,6 +236,7 @@ class ReserveArgs(_A):
     size: int  # typical object size; 0 = only release
     cfg: ReplicaCfg
     release: list[int] = []
+    count: int = 0  # objects of about ``size`` the client is about to put (a batch): room for them if possible
 
 
 class PutCommitArgs(_A):
@@ -245,6 +247,24 @@ class PutCommitArgs(_A):
     size: int
     cfg: ReplicaCfg
     early: bool = False  # sent while the write is in flight: readers wait for put_confirm
+
+
+class BatchPutCommitArgs(_A):
+    client_id: str
+    keys: list[str]
+    rids: list[int]
+    offsets: list[int]
+    sizes: list[int]
+    cfg: ReplicaCfg
+    early: bool = False
+
+
+class BatchPutConfirmArgs(_A):
+    client_id: str
+    keys: list[str]
+    tokens: list[int]
+    ok: list[bool]
+    reply: bool = True
 
 
 class PutConfirmArgs(_A):
@@ -307,6 +327,8 @@ METHOD_ARGS: dict[str, type[msgspec.Struct]] = {
     "reserve": ReserveArgs,
     "put_commit": PutCommitArgs,
     "put_confirm": PutConfirmArgs,
+    "batch_put_commit": BatchPutCommitArgs,
+    "batch_put_confirm": BatchPutConfirmArgs,
     "get_replica_list": KeyArgs,
     "batch_get_replica_list": KeysArgs,
     "exists": KeyArgs,

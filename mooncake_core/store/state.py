@@ -400,7 +400,7 @@ class MasterState:
 
     # ------------------------------------------------------------------ reservations (one-RPC puts)
     def reserve(self, client_id: str, size: int, cfg: ReplicaCfg, release: list[int],
-                now: float) -> tuple[int, list[Any], float]:
+                now: float, count: int = 0) -> tuple[int, list[Any], float]:
         """Release the client's listed reservations, then lend it an extent for objects of about ``size``.
 
         Returns ``(rid, [segment, peer, base address, offset, length, host], ttl_s)``, or
@@ -424,7 +424,9 @@ class MasterState:
             raise InvalidArgument(f"reserve: preferred segment {cfg.preferred_segment!r} is not mounted")
         if sum(1 for r in self.reservations.values() if r.client_id == client_id) >= _RESERVE_PER_CLIENT:
             return 0, [], 0.0
-        want = min(max(16 * align(size), _RESERVE_MIN), _RESERVE_MAX)
+        if count < 0:
+            raise InvalidArgument(f"reserve: count must not be negative, got {count}")
+        want = min(max(max(16, min(count, 1 << 16)) * align(size), _RESERVE_MIN), _RESERVE_MAX)
         hw = self.cfg.eviction_high_watermark
 
         def extent(sg: Segment) -> int:

@@ -303,3 +303,70 @@ def test_early_commit_makes_readers_wait_for_the_write_and_a_failed_write_leaves
         # the client carries on: its next put takes a fresh extent (the failed one may hold a dead holder)
         w.put("early/after", payload("early/after", size), preferred_segment=c.segment)
         assert b.call("get", key="early/after") == {"size": size, "match": True}
+
+
+def test_batch_puts_go_through_reservations_with_early_commits(cluster: tuple[Master, Agent, Agent, Agent]) -> None:
+    """A batch of small single-replica objects: one ``batch_put_commit`` sent before the write and
+    one one-way ``batch_put_confirm``, no ``batch_put_start``/``batch_put_end``. Readers of its keys
+    wait for the confirm; keys whose write failed are dropped, the rest of the batch stands."""
+    m, a, b, c = cluster
+    starts, ends = _method_count(m, "batch_put_start"), _method_count(m, "batch_put_end")
+    commits, confirms = _method_count(m, "batch_put_commit"), _method_count(m, "batch_put_confirm")
+    keys = [f"bres/{i}" for i in range(10)]
+    assert a.call("put_batch", keys=keys, size=150_000, preferred_segment=c.segment) == [None] * 10
+    assert b.call("get_batch", keys=keys) == [True] * 10
+    assert b.call("batch_get_into", keys=keys, cap=200_000) == [True] * 10
+    assert _method_count(m, "batch_put_commit") == commits + 1 and _method_count(m, "batch_put_confirm") == confirms + 1
+    assert _method_count(m, "batch_put_start") == starts and _method_count(m, "batch_put_end") == ends
+    # per-key errors: an existing key and a key twice in one batch; the others land
+    res = a.call("put_batch", keys=["bres/3", "bres/new", "bres/dup", "bres/dup"], size=1000,
+                 preferred_segment=c.segment)
+    assert res == ["ObjectExists", None, None, "ObjectBusy"]
+    assert b.call("get", key="bres/3") == {"size": 150_000, "match": True}  # unchanged
+    assert b.call("get", key="bres/new") == {"size": 1000, "match": True}
+    assert b.call("get", key="bres/dup") == {"size": 1000, "match": True}
+    # held and partly failed writes, from a client in this process
+    gate = threading.Event()
+    entered = threading.Event()
+    with StoreClient(master=m.address, segment_size=0) as w:
+        real = w._batch_write
+
+        def held(locals_: Any, slices: Any, out: Any) -> list[bool]:
+            entered.set()
+            assert gate.wait(30)
+            wrote = real(locals_, slices, out)
+            wrote[1] = False  # as if the second object's bytes never landed
+            out[1] = OSError("write failed (injected)")
+            return wrote
+
+        w._batch_write = held  # type: ignore[method-assign]
+        bk = [f"bheld/{i}" for i in range(3)]
+        put_t, put_out = _in_thread(w.put_batch, bk, [payload(k, 70_000) for k in bk], preferred_segment=c.segment)
+        assert entered.wait(30)
+        deadline = time.monotonic() + 30
+        while _method_count(m, "batch_put_commit") == commits + 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        get_t, get_out = _in_thread(b.call, "get_batch", keys=bk)
+        get_t.join(0.5)
+        assert get_t.is_alive()  # waits for the confirm
+        gate.set()
+        put_t.join(30)
+        get_t.join(30)
+        assert not put_t.is_alive() and not get_t.is_alive()
+        assert [type(r).__name__ if r is not None else None for r in put_out["result"]] == [None, "OSError", None]
+        assert get_out["result"] == [True, None, True]
+        assert b.call("call", method="exists", args=["bheld/1"]) is False
+        # an exception in the write closes the commit's connection: nothing of the batch stays
+        gate.set()
+
+        def broken(locals_: Any, slices: Any, out: Any) -> list[bool]:
+            raise OSError("the engine broke (injected)")
+
+        w._batch_write = broken  # type: ignore[method-assign]
+        with pytest.raises(OSError, match="injected"):
+            w.put_batch(["bgone/0", "bgone/1"], [b"x" * 5000, b"y" * 5000], preferred_segment=c.segment)
+        assert b.call("call", method="batch_exists", args=[["bgone/0", "bgone/1"]]) == [False, False]
+        w._batch_write = real  # type: ignore[method-assign]
+        assert w.put_batch(["bgone/0"], [payload("bgone/0", 5000)], preferred_segment=c.segment) == [None]
+        assert b.call("get", key="bgone/0") == {"size": 5000, "match": True}

@@ -292,6 +292,14 @@ def test_unused_reservations_expire_and_limits_are_kept() -> None:
     assert st.segments["seg1"].allocator.used == 1024  # only the object
     with pytest.raises(InvalidArgument, match="unknown or expired"):
         st.put_commit("c2", "k2", rid, ext[3] + 4096, 1000, cfg, 19.0)
+    # a batch asks for room for all its objects (up to the extent limit)
+    assert st.reserve("c2", MiB // 4, cfg, [], 9.0)[1][4] == 4 * MiB  # room for 16 objects by default
+    big_rid, big_ext, _ = st.reserve("c2", MiB // 4, cfg, [], 9.0, count=40)
+    assert big_ext[4] == 10 * MiB
+    assert st.reserve("c2", MiB // 4, cfg, [big_rid], 9.0, count=1000)[1][4] == 16 * MiB  # 1/16 of the segment
+    with pytest.raises(InvalidArgument, match="count must not be negative"):
+        st.reserve("c2", MiB, cfg, [], 9.0, count=-1)
+    st.reserve("c2", 0, cfg, [r for r in st.reservations if r != rid], 9.0)
     # at most 8 per client; none for large objects or several replicas; never past the watermark
     rids = [st.reserve("c2", MiB, cfg, [], 20.0)[0] for _ in range(9)]
     assert all(rids[:8]) and rids[8] == 0
