@@ -458,45 +458,61 @@ class StoreClient:
     def _slot(self, cfg: ReplicaCfg, size: int, count: int = 0) -> tuple[_Lent, int] | None:
         """A free range of ``size`` bytes in our reservation for ``cfg`` (asking the master for one if needed;
         ``count``: objects of about ``size`` about to follow, for the size of a new reservation)."""
+        with self._lent_lock:
+            return self._slot_locked(cfg, size, count, self.rpc.generation())
+
+    def _slots(self, cfg: ReplicaCfg, sizes: Sequence[int]) -> list[tuple[_Lent, int]]:
+        """Ranges for objects of ``sizes`` (a batch) while our reservations have room: a prefix of them."""
+        out: list[tuple[_Lent, int]] = []
+        with self._lent_lock:
+            gen = self.rpc.generation()
+            for i, n in enumerate(sizes):
+                slot = self._slot_locked(cfg, n, len(sizes) - i, gen)
+                if slot is None:
+                    break
+                out.append(slot)
+        return out
+
+    def _slot_locked(self, cfg: ReplicaCfg, size: int, count: int, generation: int) -> tuple[_Lent, int] | None:
+        """:meth:`_slot` with ``_lent_lock`` held; ``generation``: the master connections' generation now."""
         need = align(size)
         k = (cfg.preferred_segment, cfg.strategy)
-        with self._lent_lock:
-            now = time.monotonic()
-            lent = self._lent.get(k)
-            # a master that died may come back without knowing the extent: never write there again
-            if lent is not None and self.rpc.generation() != lent.generation:
-                lent.dead = True
-            if lent is not None and not lent.dead and now < lent.expires and lent.next + need <= lent.end:
-                off = lent.next
-                lent.next += need
-                lent.inflight += 1
-                return lent, off
-            if lent is not None:
-                del self._lent[k]
-                self._retire(lent)
-            if now < self._lent_refused.get(k, 0.0):
-                return None
-            release, self._lent_release = self._lent_release, []
-            try:
-                gen = self.rpc.generation()
-                rid, ext, ttl = self._call("reserve", (self.client_id, size, cfg, release, count))
-            except (StoreError, OSError) as exc:
-                logger.debug("no reservation (%s); putting in two phases", exc)
-                self._lent_release = release + self._lent_release  # hand them back with a later call
-                self._lent_refused[k] = now + 1.0
-                return None
-            if not rid:
-                self._lent_refused[k] = now + 1.0
-                return None
-            seg, peer, base, off0, length, host = ext
-            # use it for half its ttl at most: the master keeps it for the whole ttl after each commit
-            if self.rpc.generation() != gen:  # answered by a master we reconnected to during the call
-                self._lent_release.append(int(rid))
-                return None
-            lent = _Lent(int(rid), str(seg), str(peer), int(base), str(host), int(off0) + need,
-                         int(off0) + int(length), now + float(ttl) / 2, gen, inflight=1)
-            self._lent[k] = lent
-            return lent, int(off0)
+        now = time.monotonic()
+        lent = self._lent.get(k)
+        # a master that died may come back without knowing the extent: never write there again
+        if lent is not None and generation != lent.generation:
+            lent.dead = True
+        if lent is not None and not lent.dead and now < lent.expires and lent.next + need <= lent.end:
+            off = lent.next
+            lent.next += need
+            lent.inflight += 1
+            return lent, off
+        if lent is not None:
+            del self._lent[k]
+            self._retire(lent)
+        if now < self._lent_refused.get(k, 0.0):
+            return None
+        release, self._lent_release = self._lent_release, []
+        try:
+            gen = self.rpc.generation()
+            rid, ext, ttl = self._call("reserve", (self.client_id, size, cfg, release, count))
+        except (StoreError, OSError) as exc:
+            logger.debug("no reservation (%s); putting in two phases", exc)
+            self._lent_release = release + self._lent_release  # hand them back with a later call
+            self._lent_refused[k] = now + 1.0
+            return None
+        if not rid:
+            self._lent_refused[k] = now + 1.0
+            return None
+        seg, peer, base, off0, length, host = ext
+        # use it for half its ttl at most: the master keeps it for the whole ttl after each commit
+        if self.rpc.generation() != gen:  # answered by a master we reconnected to during the call
+            self._lent_release.append(int(rid))
+            return None
+        lent = _Lent(int(rid), str(seg), str(peer), int(base), str(host), int(off0) + need,
+                     int(off0) + int(length), now + float(ttl) / 2, gen, inflight=1)
+        self._lent[k] = lent
+        return lent, int(off0)
 
     def _retire(self, lent: _Lent) -> None:
         """Stop using a reservation; it goes back to the master once no write into it is in flight."""
@@ -766,12 +782,7 @@ class StoreClient:
         Sets ``out[i]`` for the keys that failed; returns the indexes still to put in two phases.
         """
         n = len(keys)
-        slots: list[tuple[_Lent, int]] = []
-        for i in range(n):
-            slot = self._slot(cfg, locals_[i].length, n - i)
-            if slot is None:
-                break
-            slots.append(slot)
+        slots = self._slots(cfg, [x.length for x in locals_])
         m = len(slots)
         rest = list(range(m, n))
         if not slots:
