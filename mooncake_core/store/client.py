@@ -980,7 +980,9 @@ class StoreClient:
         except (StoreError, OSError):
             self._forget([key])
             return None
-        if moved and token2 == token and size2 == size and rep in reps and gen == self.rpc.generation():
+        # failovers, not generation(): idle connections were checked above; what matters now is
+        # whether the answer came over a connection that failed over since
+        if moved and token2 == token and size2 == size and rep in reps and gen == self.rpc.failovers:
             if time.monotonic() - pending.sent > ttl:
                 raise LeaseExpired(f"get {key!r}: the read took longer than the {ttl:.1f}s lease; retry")
             self.location_hits += 1

@@ -224,14 +224,13 @@ class ShmTransport(Transport):
                 jobs.append((it.local_addr, base, it.length) if it.op == READ else (base, it.local_addr, it.length))
                 mapped.append(it)
                 continue
-            else:
-                try:
-                    cma_copy(peer.pid, it.op, it.local_addr, it.remote_addr, it.length)
-                except PeerUnreachable:
-                    raise
-                except TransportError:
-                    self._denied.add(peer.pid)
-                    raise
+            try:
+                cma_copy(peer.pid, it.op, it.local_addr, it.remote_addr, it.length)
+            except PeerUnreachable:
+                raise
+            except TransportError:
+                self._denied.add(peer.pid)
+                raise
             it.done = True
         if jobs:
             self._copy(jobs)
