@@ -783,6 +783,7 @@ class StoreClient:
         """
         n = len(keys)
         slots = self._slots(cfg, [x.length for x in locals_])
+        gen = self.rpc.failovers  # _slots just checked the idle connections
         m = len(slots)
         rest = list(range(m, n))
         if not slots:
@@ -834,6 +835,9 @@ class StoreClient:
                 for j, err in zip(confirm, got, strict=True):
                     if err is not None and wrote[j]:
                         out[j] = err
+            for j in confirm:
+                if wrote[j] and out[j] is None:
+                    self._remember(keys[j], gen, int(res[j][2]), locals_[j].length, [sls[j]])
             return again + rest
         finally:
             with self._lent_lock:
@@ -1069,13 +1073,23 @@ class StoreClient:
         if not keys:
             return []
         t0 = time.monotonic()
-        res = self._call("batch_get_replica_list", (list(keys),))
+        gen = self.rpc.generation()
+        early = self._batch_read_remembered(keys, bufs, sizes, gen) if self._where_max > 0 else None
+        if early is not None:
+            res, hit = early
+        else:
+            res, hit = self._call("batch_get_replica_list", (list(keys),)), {}
         out: list[int | BaseException] = [0] * len(keys)
         reqs: list[TransferRequest] = []
         owner: list[int] = []
         chosen: dict[int, tuple[_Local, list[list[SliceW]]]] = {}
         ttl = self.lease_ttl_s
-        for i, (code, size, reps, lttl) in enumerate(res):
+        for i, row in enumerate(res):
+            code, size, reps, lttl = row[0], row[1], row[2], row[3]
+            if i in hit:
+                out[i] = hit[i]
+                ttl = min(ttl, float(lttl))
+                continue
             if code != 0:
                 if code == P.Code.RETRY:
                     try:
@@ -1122,7 +1136,73 @@ class StoreClient:
         if time.monotonic() - t0 > ttl:
             return [LeaseExpired(f"batch get: the reads took longer than the {ttl:.1f}s lease; retry")
                     if isinstance(x, int) else x for x in out]
+        if self._where_max > 0:
+            for i, (_local, ranked) in chosen.items():
+                if isinstance(out[i], int) and i not in failed and len(res[i]) > 4:
+                    self._remember(keys[i], gen, int(res[i][4]), int(res[i][1]), ranked[0])
         return out
+
+    def _batch_read_remembered(self, keys: Sequence[str], bufs: Sequence[Any], sizes: Sequence[int] | None,
+                               gen: int) -> tuple[list[Any], dict[int, int]] | None:
+        """A batch get with remembered keys: read their remembered replicas while the master
+        answers ``batch_get_replica_list`` (as :meth:`_read_remembered` does for one key).
+
+        Returns the master's answer and, per key whose bytes read are the object's, its size;
+        None when no key is remembered (the caller asks first).
+        """
+        with self._where_lock:
+            entries = [self._where.get(k) for k in keys]
+        picks: list[tuple[int, int, int, list[SliceW], _Local]] = []
+        for i, e in enumerate(entries):
+            if e is None:
+                continue
+            egen, token, size, rep = e
+            if egen != gen or not all(self._own(s) is not None or self.engine.is_resolved(s[1]) for s in rep):
+                continue
+            try:
+                local = _Local(bufs[i], None if sizes is None else sizes[i], writable=True)
+            except StoreError:
+                continue
+            if size > local.length:
+                continue
+            picks.append((i, token, size, rep, _Local(bufs[i] if local.view is not None else local.addr, size, True)))
+        if not picks:
+            return None
+        pending = self.rpc.start("batch_get_replica_list", (list(keys),))
+        if pending is None:
+            return None
+        reqs: list[TransferRequest] = []
+        owner: list[int] = []
+        try:
+            for j, (_i, _token, _size, rep, local) in enumerate(picks):
+                r = self._requests("read", [(local, rep)])
+                reqs.extend(r)
+                owner.extend([j] * len(r))
+            failed: set[int] = set()
+            if reqs:
+                batch = self.engine.submit(reqs)
+                try:
+                    batch.wait()
+                except (TransportError, OSError):
+                    failed = {owner[q] for q, st in enumerate(batch.statuses) if st.state != "completed"}
+        except BaseException:
+            self.rpc.abandon(pending)
+            raise
+        if failed:  # their holders may be gone: forget what was remembered there
+            self._forget_peers({s[1] for j in failed for s in picks[j][3]})
+        res: list[Any] = self.rpc.finish(pending)
+        hit: dict[int, int] = {}
+        same_masters = gen == self.rpc.failovers
+        for j, (i, token, size, rep, _local) in enumerate(picks):
+            row = res[i]
+            if (same_masters and j not in failed and row[0] == 0 and len(row) > 4 and int(row[4]) == token
+                    and int(row[1]) == size and rep in [[tuple(s) for s in r] for r in row[2]]):
+                hit[i] = size
+            else:
+                self._forget([keys[i]])
+        self.location_hits += len(hit)
+        self.location_misses += len(picks) - len(hit)
+        return res, hit
 
     def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
         """The objects' bytes; None for keys that are missing or failed."""

@@ -614,10 +614,10 @@ class MasterState:
         out: list[Any] = []
         for k in keys:
             try:
-                size, reps, ttl, _token = self.get_replica_list(k, now)
-                out.append((0, size, reps, ttl))
+                size, reps, ttl, token = self.get_replica_list(k, now)
+                out.append((0, size, reps, ttl, token))
             except Exception as exc:  # per-key errors travel as codes
-                out.append((int(code_of(exc)), str(exc), [], 0.0))
+                out.append((int(code_of(exc)), str(exc), [], 0.0, 0))
         return out
 
     def exists(self, key: str, now: float) -> bool:

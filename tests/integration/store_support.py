@@ -222,7 +222,8 @@ def _agent(argv: list[str]) -> int:
         if op == "batch_get_into":
             bufs = [bytearray(c["cap"]) for _ in c["keys"]]
             res = client.batch_get_into(c["keys"], bufs)
-            return [bytes(b[:r]) == payload(k, r) if isinstance(r, int) else type(r).__name__
+            salts = c.get("salts", {})
+            return [bytes(b[:r]) == payload(k, r, salts.get(k, "")) if isinstance(r, int) else type(r).__name__
                     for k, b, r in zip(c["keys"], bufs, res, strict=True)]
         if op == "put_array":
             client.put_array(c["key"], np.arange(c["n"], dtype=c["dtype"]).reshape(c["shape"]))

@@ -231,6 +231,52 @@ def test_store_node_command_contributes_memory(cluster: tuple[Master, Agent, Age
     assert b.call("call", method="exists", args=["node/1"]) is False  # its segment left with it
 
 
+def test_batch_gets_read_remembered_locations_and_never_return_replaced_bytes(
+        cluster: tuple[Master, Agent, Agent, Agent], tmp_path: Path) -> None:
+    """Batch puts and batch gets remember where each key lives; the next batch get of them
+    reads there while the master answers, and keeps only what the answer confirms."""
+    m, a, b, c = cluster
+    keys = [f"bloc/{i}" for i in range(5)]
+    assert a.call("put_batch", keys=keys, size=120_000, preferred_segment=c.segment) == [None] * 5
+    hits, misses = a.call("attr", name="location_hits"), a.call("attr", name="location_misses")
+    assert a.call("batch_get_into", keys=keys, cap=130_000) == [True] * 5
+    assert a.call("attr", name="location_hits") - hits == 5  # remembered from the put
+    # another client: replaces bloc/0 (elsewhere), removes bloc/1
+    b.call("call", method="remove", args=["bloc/0"], kwargs={"force": True})
+    b.call("put", key="bloc/0", size=120_000, salt="v2", preferred_segment=c.segment)
+    b.call("call", method="remove", args=["bloc/1"], kwargs={"force": True})
+    hits, misses = a.call("attr", name="location_hits"), a.call("attr", name="location_misses")
+    got = a.call("batch_get_into", keys=keys, cap=130_000, salts={"bloc/0": "v2"})
+    assert got == [True, "ObjectNotFound", True, True, True]
+    assert a.call("attr", name="location_hits") - hits == 3
+    assert a.call("attr", name="location_misses") - misses == 2  # read in vain, then the answer decided
+    # a reader that remembers nothing learns the locations with its first batch get
+    hits_b = b.call("attr", name="location_hits")
+    assert b.call("batch_get_into", keys=keys[2:], cap=130_000) == [True] * 3
+    assert b.call("batch_get_into", keys=keys[2:], cap=130_000) == [True] * 3
+    assert b.call("attr", name="location_hits") - hits_b == 3
+    # replaced at the very same offset (two-phase puts, best fit): only the version tells
+    two_phase = {"MOONCAKE_STORE_CLIENT_RESERVATIONS": "false"}
+    holder = Agent(m.address, segment_size=4 << 20, env=two_phase, log=tmp_path / "holder.log")
+    reader = Agent(m.address, segment_size=0, env=two_phase, log=tmp_path / "reader.log")
+    try:
+        for k in ("bsame/0", "bsame/1"):
+            reader.call("put", key=k, size=100_000, preferred_segment=holder.segment)
+        where = reader.call("call", method="query", args=["bsame/0"])["replicas"]
+        hits = reader.call("attr", name="location_hits")
+        assert reader.call("batch_get_into", keys=["bsame/0", "bsame/1"], cap=100_000) == [True, True]
+        assert reader.call("attr", name="location_hits") == hits + 2
+        holder.call("call", method="remove", args=["bsame/0"], kwargs={"force": True})
+        holder.call("put", key="bsame/0", size=100_000, salt="v2", preferred_segment=holder.segment)
+        assert holder.call("call", method="query", args=["bsame/0"])["replicas"] == where  # same offset
+        assert reader.call("batch_get_into", keys=["bsame/0", "bsame/1"], cap=100_000,
+                           salts={"bsame/0": "v2"}) == [True, True]
+        assert reader.call("attr", name="location_hits") == hits + 3  # bsame/1 only
+    finally:
+        reader.stop()
+        holder.stop()
+
+
 def _in_thread(fn: Any, *args: Any, **kw: Any) -> tuple[threading.Thread, dict[str, Any]]:
     out: dict[str, Any] = {}
 
