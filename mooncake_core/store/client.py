@@ -57,7 +57,7 @@ from mooncake_core.errors import (
 from mooncake_core.store import protocol as P
 from mooncake_core.store.allocator import align
 from mooncake_core.store.protocol import ReplicaCfg
-from mooncake_core.store.rpc import MasterRPC, Pending
+from mooncake_core.store.rpc import MasterRPC
 from mooncake_core.store.ssd import SsdTier
 from mooncake_core.store.state import RESERVE_MAX_OBJECT
 from mooncake_core.transfer import TransferEngine, TransferRequest
@@ -94,9 +94,6 @@ def _as_view(obj: Any, writable: bool) -> tuple[memoryview, Any]:
     if mv.ndim != 1 or mv.format not in ("B", "b", "c"):
         mv = mv.cast("B")
     return mv, obj
-
-
-_ASK_AFTER_SEND = 256 << 10  # remembered gets of at least this size send get_replica_list after the read request
 
 
 @dataclass(slots=True)
@@ -403,18 +400,11 @@ class StoreClient:
             return buf
         return None
 
-    def _move(self, op: str, jobs: Sequence[tuple[_Local, Sequence[SliceW]]],
-              on_sent: Callable[[], None] | None = None) -> None:
-        """Move each local object to/from its replica slices; raises on any failure.
-
-        ``on_sent``: called once, as soon as the bytes or the read request are on their way (see
-        :meth:`TransferEngine.transfer`), or after a move that needed no transfer.
-        """
+    def _move(self, op: str, jobs: Sequence[tuple[_Local, Sequence[SliceW]]]) -> None:
+        """Move each local object to/from its replica slices; raises on any failure."""
         reqs = self._requests(op, jobs)
         if reqs:
-            self.engine.transfer(reqs, on_sent=on_sent)
-        elif on_sent is not None:
-            on_sent()
+            self.engine.transfer(reqs)
 
     def _requests(self, op: str, jobs: Sequence[tuple[_Local, Sequence[SliceW]]]) -> list[TransferRequest]:
         reqs: list[TransferRequest] = []
@@ -547,13 +537,11 @@ class StoreClient:
                 done = self._put_early(key, local, cfg, lent, off, sl)
                 if done is not None:
                     return done
-                # written, but the early commit could not be sent: commit now, the usual way
-            else:
-                try:
-                    self._move("write", [(local, [sl])])
-                except BaseException:
-                    lent.dead = True  # the holder may be gone: do not write there again
-                    raise
+            try:
+                self._move("write", [(local, [sl])])
+            except BaseException:
+                lent.dead = True  # the holder may be gone: do not write there again
+                raise
             t0 = time.monotonic()
             gen = self.rpc.generation()
             try:
@@ -582,34 +570,25 @@ class StoreClient:
 
     def _put_early(self, key: str, local: _Local, cfg: ReplicaCfg, lent: _Lent, off: int,
                    sl: SliceW) -> bool | None:
-        """Put through a reservation with the commit sent as soon as the bytes are on their way (before
-        the holder acknowledged them), so the master answers while they land; then a one-way
-        ``put_confirm`` on the same connection.
+        """Put through a reservation with the commit sent before the write, so the master answers
+        while the bytes travel; then a one-way ``put_confirm`` on the same connection.
 
         Until that confirm the master keeps the object invisible and makes every request on its
         key wait; if the connection closes first, it drops the object. The put returns only when
         both the write and the commit are acknowledged and the confirm is sent, so a reader
         asking after it returns sees the object. Returns like :meth:`_put_reserved`; None: the
-        write is done but the commit could not be sent early: commit it the usual way.
+        commit could not be sent, commit after the write instead.
         """
         gen = self.rpc.generation()
-        box: list[Pending | None] = []
-
-        def commit() -> None:  # once the bytes are on their way: the master answers while they land
-            box.append(self.rpc.start("put_commit", (self.client_id, key, lent.rid, off, local.length, cfg, True)))
-
+        pend = self.rpc.start("put_commit", (self.client_id, key, lent.rid, off, local.length, cfg, True))
+        if pend is None:
+            return None
         try:
-            self._move("write", [(local, [sl])], on_sent=commit)
+            self._move("write", [(local, [sl])])
         except BaseException:
             lent.dead = True  # the holder may be gone: do not write there again
-            if box and box[0] is not None:
-                self.rpc.abandon(box[0])  # closing the connection drops the early commit
+            self.rpc.abandon(pend)  # closing the connection drops the early commit
             raise
-        if not box:
-            commit()
-        pend = box[0]
-        if pend is None:  # no connection to send it on: commit after the write, the usual way
-            return None
         resp = self.rpc.answer(pend)
         if resp is None:  # the connection failed: an early commit it carried is dropped by the master
             lent.dead = True
@@ -987,30 +966,19 @@ class StoreClient:
             local = local_for(size)
         except StoreError:  # the buffer is too small for the remembered size: let the plain path say so
             return None
-        box: list[Pending | None] = []
-
-        def ask() -> None:
-            box.append(self.rpc.start("get_replica_list", (key,)))
-
-        if size < _ASK_AFTER_SEND:  # the master's round trip outlasts a small read: ask first
-            ask()
+        pending = self.rpc.start("get_replica_list", (key,))
+        if pending is None:
+            return None
         try:
-            # a large read: ask once its request is out (the holder starts sending a little sooner)
-            self._move("read", [(local, rep)], on_sent=None if box else ask)
+            self._move("read", [(local, rep)])
             moved = True
         except (MooncakeError, OSError) as exc:  # the holder may be gone: the answer tells where to read
             moved = False
             logger.debug("reading remembered %r failed (%s); forgetting what was remembered on its holders", key, exc)
             self._forget_peers({s[1] for s in rep})
         except BaseException:
-            if box and box[0] is not None:
-                self.rpc.abandon(box[0])
+            self.rpc.abandon(pending)
             raise
-        if not box:
-            ask()
-        pending = box[0]
-        if pending is None:
-            return None
         try:
             size2, reps, ttl, token2 = self._answer(self.rpc.finish(pending))
         except (StoreError, OSError):

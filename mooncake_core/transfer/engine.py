@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -479,21 +479,13 @@ class TransferEngine:
         self._batch_pool.submit(self._run_batch, batch, items, timeout)
         return batch
 
-    def transfer(self, requests: Sequence[TransferRequest] | TransferRequest, *, timeout: float | None = None,
-                 on_sent: Callable[[], None] | None = None) -> Batch:
-        """Run a batch to completion in the calling thread; raise on any failure.
-
-        ``on_sent`` is called once, in this thread, as soon as a single request has been handed
-        to the network (TCP: its request and payload are sent, its answer not yet read), so the
-        caller can do something while the peer works; for other transports and batches it is
-        called once the requests are validated, before the transfer starts. A transfer that
-        fails may or may not have called it; an invalid request never does.
-        """
+    def transfer(self, requests: Sequence[TransferRequest] | TransferRequest, *, timeout: float | None = None) -> Batch:
+        """Run a batch to completion in the calling thread; raise on any failure."""
         reqs = [requests] if isinstance(requests, TransferRequest) else list(requests)
         if not reqs:
             raise InvalidRequest("empty batch: give at least one request")
         if len(reqs) == 1:
-            moved = self._transfer_one(reqs[0], timeout, on_sent)
+            moved = self._transfer_one(reqs[0], timeout)
             if moved:
                 batch: Batch = _DoneBatch(reqs)
                 batch.statuses[0].state = "completed"
@@ -501,14 +493,11 @@ class TransferEngine:
                 return batch
         batch = _DoneBatch(reqs)
         items = self._plan(batch)
-        if on_sent is not None:
-            on_sent()
         self._run_batch(batch, items, timeout)
         batch.wait()
         return batch
 
-    def _transfer_one(self, req: TransferRequest, timeout: float | None,
-                      on_sent: Callable[[], None] | None = None) -> int:
+    def _transfer_one(self, req: TransferRequest, timeout: float | None) -> int:
         """The common small case without the batch machinery: one host-memory request that fits one
         slice, to a peer already resolved, at an absolute address inside its registered memory.
 
@@ -555,17 +544,9 @@ class TransferEngine:
         if not chain:
             return 0
         it = WorkItem(0, op, addr, view, remote, length)
-        if on_sent is not None:
-            if chain[0].name == "tcp":
-                it.extra["on_sent"] = on_sent  # TCPConnection.run calls it after sending
-            else:
-                on_sent()
         deadline = time.monotonic() + (timeout if timeout is not None else self.config.transfer.timeout_s)
         self._execute_chain(req.peer, peer, chain, [it], deadline)
         if it.done:
-            cb = it.extra.pop("on_sent", None)  # done by a transport that had no such moment
-            if cb is not None:
-                cb()
             return length
         cause = it.error or TransportError(f"request 0 to {req.peer!r} did not complete")
         batch = _DoneBatch([req])

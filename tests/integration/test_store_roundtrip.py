@@ -293,10 +293,9 @@ def _in_thread(fn: Any, *args: Any, **kw: Any) -> tuple[threading.Thread, dict[s
 
 def test_early_commit_makes_readers_wait_for_the_write_and_a_failed_write_leaves_nothing(
         cluster: tuple[Master, Agent, Agent, Agent]) -> None:
-    """A one-RPC put sends its commit as soon as its bytes are on their way, before the holder
-    acknowledged them. Until the writer confirms, requests of that key from other clients wait at
-    the master (they never see an object whose bytes have not landed); a write that fails closes
-    the connection and the master drops the commit."""
+    """A one-RPC put sends its commit before the write. Until the writer confirms, requests of
+    that key from other clients wait at the master (they never see an object whose bytes have
+    not landed); a write that fails closes the connection and the master drops the commit."""
     m, a, b, c = cluster
     gate = threading.Event()
     entered = threading.Event()
@@ -305,15 +304,12 @@ def test_early_commit_makes_readers_wait_for_the_write_and_a_failed_write_leaves
         assert w._early  # a master without HA takes early commits
         real_move = w._move
 
-        def held_move(op: str, jobs: Any, on_sent: Any = None) -> None:
-            def sent() -> None:  # the bytes are out and the commit with them; hold before the ack
-                on_sent()
-                entered.set()
-                assert gate.wait(30)
-
-            real_move(op, jobs, on_sent=sent if on_sent is not None else None)
+        def held_move(*args: Any, **kw: Any) -> Any:
+            entered.set()
+            assert gate.wait(30)
             if fail["on"]:
                 raise OSError("write failed (injected)")
+            return real_move(*args, **kw)
 
         w._move = held_move  # type: ignore[method-assign]
         size = 200_000

@@ -257,56 +257,6 @@ def test_single_slice_requests_take_the_direct_path_and_keep_retries_errors_and_
         engine.read(peer.name, back, raddr + 3, transport="tcp")
 
 
-def test_on_sent_runs_once_after_a_tcp_request_is_out_and_before_other_work(engine: TransferEngine,
-                                                                           spawn_peer: Any) -> None:
-    """``transfer(on_sent=...)`` lets a caller work while the peer does (the store asks its master
-    then): once per transfer, in the calling thread; over TCP after the request left and before its
-    answer was read, elsewhere first; never for an invalid request."""
-    peer = spawn_peer()
-    raddr = peer.call("alloc", size=1 << 20)["addr"]
-    data = np.random.default_rng(9).integers(0, 256, 50_000, dtype=np.uint8)
-    engine.write(peer.name, memoryview(data.data).cast("B"), raddr, transport="tcp")  # resolves the peer
-    tcp = engine.transports["tcp"]
-    assert isinstance(tcp, TCPTransport)
-    seen: list[tuple[str, int, bool]] = []
-    real_run = tcp.connection(engine.peer(peer.name), 0, time.monotonic() + 5).__class__.run
-
-    def spying_run(conn: Any, items: Any, on_send: Any = None) -> None:
-        seen.append(("run", threading.get_ident(), False))
-        real_run(conn, items, on_send)
-        seen.append(("answered", threading.get_ident(), False))
-
-    def mark(what: str) -> Any:
-        return lambda: seen.append((what, threading.get_ident(), True))
-
-    me = threading.get_ident()
-    TCPConnection = type(tcp.connection(engine.peer(peer.name), 0, time.monotonic() + 5))
-    TCPConnection.run = spying_run  # type: ignore[method-assign]
-    try:
-        back = bytearray(50_000)
-        engine.transfer(TransferRequest("read", peer.name, back, None, raddr, transport="tcp"), on_sent=mark("read"))
-        assert [w for w, _, _ in seen] == ["run", "read", "answered"] and all(t == me for _, t, _ in seen)
-        assert sha(back) == sha(data)
-        seen.clear()
-        engine.transfer(TransferRequest("write", peer.name, memoryview(data.data).cast("B"), None, raddr + 65536,
-                                        transport="tcp"), on_sent=mark("write"))
-        assert [w for w, _, _ in seen] == ["run", "write", "answered"]
-        seen.clear()
-        two = [TransferRequest("read", peer.name, bytearray(10), None, raddr + i, transport="tcp") for i in (0, 100)]
-        engine.transfer(two, on_sent=mark("batch"))
-        assert [w for w, _, _ in seen].count("batch") == 1 and seen[0][0] == "batch"  # a batch: first
-    finally:
-        TCPConnection.run = real_run  # type: ignore[method-assign]
-    seen.clear()
-    engine.transfer(TransferRequest("read", peer.name, back, None, raddr, transport="shm"), on_sent=mark("shm"))
-    assert [w for w, _, _ in seen] == ["shm"] and sha(back) == sha(data)
-    seen.clear()
-    with pytest.raises(InvalidRequest, match="op must be"):
-        engine.transfer(TransferRequest("copy", peer.name, bytearray(10), None, raddr, transport="tcp"),
-                        on_sent=mark("never"))
-    assert "never" not in [w for w, _, _ in seen]
-
-
 @pytest.mark.parametrize("slice_size", [4 << 20, 256 << 10])
 def test_large_shm_copies_are_split_over_threads_and_stay_byte_exact(spawn_peer: Any, monkeypatch: pytest.MonkeyPatch,
                                                                     slice_size: int) -> None:

@@ -177,10 +177,6 @@ class TCPConnection:
                 else:
                     send_parts(sock, [REQ.pack(MAGIC, Op.WRITE, 0, 0, sent, 0, it.remote_addr, it.length), it.local_view])
                 sent += 1
-                if it.extra:
-                    cb = it.extra.pop("on_sent", None)
-                    if cb is not None:
-                        cb()  # the caller's work overlaps the peer's
             it = items[recvd]
             if self.spin_s:
                 self._spin()
