@@ -210,6 +210,24 @@ def test_broken_connection_is_retried_and_completes(engine: TransferEngine, spaw
     assert sha(back) == sha(data)
 
 
+def test_a_connection_closed_by_another_thread_is_retried_not_raised(engine: TransferEngine, spawn_peer: Any) -> None:
+    """A thread can take a pooled connection just before another thread drops it (a transfer
+    that found the peer dead closes all its connections): the socket is then closed under it.
+    That is a failed connection to retry, never a raw OSError (a CI run got EBADF from it)."""
+    peer = spawn_peer()
+    raddr = peer.call("alloc", size=1 << 20)["addr"]
+    engine.write(peer.name, bytearray(100), raddr, transport="tcp")  # connections exist now
+    tcp = engine.transports["tcp"]
+    assert isinstance(tcp, TCPTransport)
+    for conn in tcp._pools[peer.name].conns:  # type: ignore[attr-defined]
+        if conn is not None:
+            conn.sock.close()  # closed, but not yet marked broken: the window of the race
+    data = np.random.default_rng(3).integers(0, 256, 5000, dtype=np.uint8)
+    engine.write(peer.name, memoryview(data.data).cast("B"), raddr + 64, transport="tcp")
+    assert peer.call("digest", addr=raddr + 64, length=5000)["sha"] == sha(data)
+    assert tcp.retried_slices >= 1
+
+
 def test_single_slice_requests_take_the_direct_path_and_keep_retries_errors_and_stats(
         engine: TransferEngine, spawn_peer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """One request that fits one slice, to a known peer, skips the batch planner (the store's hot

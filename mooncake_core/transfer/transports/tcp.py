@@ -296,7 +296,6 @@ class TCPTransport(Transport):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return TransferTimeout(f"timed out before sending to peer {peer.name!r}")
-            conn.sock.settimeout(min(remaining, self.engine.config.transfer.timeout_s))
             hook = self.fault_hook
 
             def on_send() -> None:
@@ -304,6 +303,9 @@ class TCPTransport(Transport):
                     conn.break_now()
 
             try:
+                # inside the try: another thread may have closed this connection since we took it
+                # (a transfer that found the peer dead drops all its connections)
+                conn.sock.settimeout(min(remaining, self.engine.config.transfer.timeout_s))
                 conn.run(items, on_send if hook is not None else None)
                 return None
             except TimeoutError as exc:
