@@ -749,22 +749,8 @@ class StoreClient:
             for rep in reps:
                 jobs.append((i, locals_[i], [tuple(s) for s in rep]))
         ok = [out[i] is None for i in range(len(keys))]
-        reqs: list[TransferRequest] = []
-        owner: list[int] = []
-        for i, local, slices in jobs:
-            r = self._requests("write", [(local, slices)])
-            reqs.extend(r)
-            owner.extend([i] * len(r))
-        if reqs:
-            batch = self.engine.submit(reqs)
-            try:
-                batch.wait()
-            except (TransportError, OSError):
-                for j, st in enumerate(batch.statuses):
-                    if st.state != "completed":
-                        i = owner[j]
-                        ok[i] = False
-                        out[i] = out[i] or st.error or TransportError("transfer failed")
+        for i in self._batch_write(jobs, out):
+            ok[i] = False
         started = [i for i in range(len(keys)) if res[i][0] == 0]
         if started:
             ends = self._call("batch_put_end", (self.client_id, [keys[i] for i in started],
@@ -795,7 +781,8 @@ class StoreClient:
                       [x.length for x in locals_[:m]], cfg)
             pend = self.rpc.start("batch_put_commit", (*params, True)) if self._early else None
             try:
-                wrote = self._batch_write(locals_[:m], sls, out)
+                failed = self._batch_write([(j, locals_[j], [sls[j]]) for j in range(m)], out)
+                wrote = [j not in failed for j in range(m)]
             except BaseException:
                 if pend is not None:
                     self.rpc.abandon(pend)  # closing the connection drops the early commits
@@ -845,15 +832,17 @@ class StoreClient:
                     lent.inflight -= 1
                     self._release_if_idle(lent)
 
-    def _batch_write(self, locals_: list[_Local], slices: list[SliceW], out: list[BaseException | None]) -> list[bool]:
-        """Write ``locals_[j]`` to ``slices[j]`` in one transfer batch; per object: did all its bytes land."""
-        wrote = [True] * len(locals_)
+    def _batch_write(self, jobs: Sequence[tuple[int, _Local, Sequence[SliceW]]],
+                     out: list[BaseException | None]) -> set[int]:
+        """Write each job's object ``(i, local, slices)`` in one transfer batch; returns the ``i`` whose
+        bytes did not all land (``out[i]`` gets the first error)."""
         reqs: list[TransferRequest] = []
         owner: list[int] = []
-        for j, (local, sl) in enumerate(zip(locals_, slices, strict=True)):
-            r = self._requests("write", [(local, [sl])])
+        for i, local, slices in jobs:
+            r = self._requests("write", [(local, slices)])
             reqs.extend(r)
-            owner.extend([j] * len(r))
+            owner.extend([i] * len(r))
+        failed: set[int] = set()
         if reqs:
             batch = self.engine.submit(reqs)
             try:
@@ -861,10 +850,10 @@ class StoreClient:
             except (TransportError, OSError):
                 for q, st in enumerate(batch.statuses):
                     if st.state != "completed":
-                        j = owner[q]
-                        wrote[j] = False
-                        out[j] = out[j] or st.error or TransportError("transfer failed")
-        return wrote
+                        i = owner[q]
+                        failed.add(i)
+                        out[i] = out[i] or st.error or TransportError("transfer failed")
+        return failed
 
     def _batch_commit_answer(self, pend: Any) -> list[Any] | None:
         """The per-key answer to an early ``batch_put_commit``; None when nothing was committed."""

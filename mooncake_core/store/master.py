@@ -220,22 +220,24 @@ class MasterServer:
                     out.append((code, msg, []))
             return out
 
-        def batch_put_end(a: Any, now: float) -> list[Any]:
+        def each_key(name: str, a: Any, fn: Callable[[str, int, bool], None]) -> list[Any]:
+            """Per key of ``a`` (keys, tokens, ok): (0, "") or the error of ``fn(key, token, ok)``."""
             if not len(a.keys) == len(a.tokens) == len(a.ok):
-                raise P.InvalidArgument("batch_put_end: keys, tokens and ok must have the same length")
+                raise P.InvalidArgument(f"{name}: keys, tokens and ok must have the same length")
             out: list[Any] = []
             for k, t, ok in zip(a.keys, a.tokens, a.ok, strict=True):
                 try:
-                    if ok:
-                        st.put_end(a.client_id, k, t, now)
-                    else:
-                        st.put_revoke(a.client_id, k, t, now)
+                    fn(k, t, ok)
                     out.append((0, ""))
                 except P.UnknownClient:
                     raise
                 except Exception as exc:
                     out.append(error_tuple(exc))
             return out
+
+        def batch_put_end(a: Any, now: float) -> list[Any]:
+            return each_key("batch_put_end", a, lambda k, t, ok: st.put_end(a.client_id, k, t, now) if ok
+                            else st.put_revoke(a.client_id, k, t, now))
 
         def put_commit(a: Any, now: float) -> tuple[float, int]:
             if a.early and self.ha_url is not None:
@@ -266,16 +268,7 @@ class MasterServer:
             return out
 
         def batch_put_confirm(a: Any, now: float) -> list[Any]:
-            if not len(a.keys) == len(a.tokens) == len(a.ok):
-                raise P.InvalidArgument("batch_put_confirm: keys, tokens and ok must have the same length")
-            out: list[Any] = []
-            for k, t, ok in zip(a.keys, a.tokens, a.ok, strict=True):
-                try:
-                    st.put_confirm(a.client_id, k, t, ok, now)
-                    out.append((0, ""))
-                except Exception as exc:
-                    out.append(error_tuple(exc))
-            return out
+            return each_key("batch_put_confirm", a, lambda k, t, ok: st.put_confirm(a.client_id, k, t, ok, now))
 
         return {
             "register_client": lambda a, now: {**st.register_client(a.client_id, a.host, a.peer, a.ssd, now),

@@ -377,13 +377,13 @@ def test_batch_puts_go_through_reservations_with_early_commits(cluster: tuple[Ma
     with StoreClient(master=m.address, segment_size=0) as w:
         real = w._batch_write
 
-        def held(locals_: Any, slices: Any, out: Any) -> list[bool]:
+        def held(jobs: Any, out: Any) -> set[int]:
             entered.set()
             assert gate.wait(30)
-            wrote = real(locals_, slices, out)
-            wrote[1] = False  # as if the second object's bytes never landed
+            failed = real(jobs, out)
+            failed.add(1)  # as if the second object's bytes never landed
             out[1] = OSError("write failed (injected)")
-            return wrote
+            return failed
 
         w._batch_write = held  # type: ignore[method-assign]
         bk = [f"bheld/{i}" for i in range(3)]
@@ -406,7 +406,7 @@ def test_batch_puts_go_through_reservations_with_early_commits(cluster: tuple[Ma
         # an exception in the write closes the commit's connection: nothing of the batch stays
         gate.set()
 
-        def broken(locals_: Any, slices: Any, out: Any) -> list[bool]:
+        def broken(jobs: Any, out: Any) -> set[int]:
             raise OSError("the engine broke (injected)")
 
         w._batch_write = broken  # type: ignore[method-assign]
