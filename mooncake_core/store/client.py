@@ -57,7 +57,7 @@ from mooncake_core.errors import (
 from mooncake_core.store import protocol as P
 from mooncake_core.store.allocator import align
 from mooncake_core.store.protocol import ReplicaCfg
-from mooncake_core.store.rpc import MasterRPC
+from mooncake_core.store.rpc import MasterRPC, Pending
 from mooncake_core.store.ssd import SsdTier
 from mooncake_core.store.state import RESERVE_MAX_OBJECT
 from mooncake_core.transfer import TransferEngine, TransferRequest
@@ -606,12 +606,8 @@ class StoreClient:
             self.rpc.abandon(pend)
             lent.dead = True
             return False
-        except P.UnknownClient:
-            self.rpc.release(pend)
-            if self._closed:
-                raise
-            logger.warning("the master forgot client %s; registering again", self.client_id)
-            self._remount()
+        except P.UnknownClient as exc:
+            self._register_again(pend, exc)
             lent.dead = True  # a reservation of the forgotten client is gone
             return False
         except BaseException:
@@ -836,10 +832,16 @@ class StoreClient:
                      out: list[BaseException | None]) -> set[int]:
         """Write each job's object ``(i, local, slices)`` in one transfer batch; returns the ``i`` whose
         bytes did not all land (``out[i]`` gets the first error)."""
+        return self._batch_move("write", jobs, out)
+
+    def _batch_move(self, op: str, jobs: Sequence[tuple[int, _Local, Sequence[SliceW]]],
+                    out: list[BaseException | None] | None) -> set[int]:
+        """Move each job's object ``(i, local, slices)`` in one transfer batch; returns the ``i`` whose
+        bytes did not all move (``out[i]``, if given, gets the first error)."""
         reqs: list[TransferRequest] = []
         owner: list[int] = []
         for i, local, slices in jobs:
-            r = self._requests("write", [(local, slices)])
+            r = self._requests(op, [(local, slices)])
             reqs.extend(r)
             owner.extend([i] * len(r))
         failed: set[int] = set()
@@ -852,8 +854,18 @@ class StoreClient:
                     if st.state != "completed":
                         i = owner[q]
                         failed.add(i)
-                        out[i] = out[i] or st.error or TransportError("transfer failed")
+                        if out is not None:
+                            out[i] = out[i] or st.error or TransportError("transfer failed")
         return failed
+
+    def _register_again(self, pend: Pending, exc: BaseException) -> None:
+        """An early commit's answer said the master forgot us: give its connection back and register
+        again (or raise ``exc`` if we are closing)."""
+        self.rpc.release(pend)
+        if self._closed:
+            raise exc
+        logger.warning("the master forgot client %s; registering again", self.client_id)
+        self._remount()
 
     def _batch_commit_answer(self, pend: Any) -> list[Any] | None:
         """The per-key answer to an early ``batch_put_commit``; None when nothing was committed."""
@@ -862,12 +874,8 @@ class StoreClient:
             return None
         try:
             res: list[Any] = self.rpc.result(resp)
-        except P.UnknownClient:
-            self.rpc.release(pend)
-            if self._closed:
-                raise
-            logger.warning("the master forgot client %s; registering again", self.client_id)
-            self._remount()
+        except P.UnknownClient as exc:
+            self._register_again(pend, exc)
             return None
         except P.NotLeader:
             self.rpc.abandon(pend)
@@ -1160,20 +1168,8 @@ class StoreClient:
         pending = self.rpc.start("batch_get_replica_list", (list(keys),))
         if pending is None:
             return None
-        reqs: list[TransferRequest] = []
-        owner: list[int] = []
         try:
-            for j, (_i, _token, _size, rep, local) in enumerate(picks):
-                r = self._requests("read", [(local, rep)])
-                reqs.extend(r)
-                owner.extend([j] * len(r))
-            failed: set[int] = set()
-            if reqs:
-                batch = self.engine.submit(reqs)
-                try:
-                    batch.wait()
-                except (TransportError, OSError):
-                    failed = {owner[q] for q, st in enumerate(batch.statuses) if st.state != "completed"}
+            failed = self._batch_move("read", [(j, pick[4], pick[3]) for j, pick in enumerate(picks)], None)
         except BaseException:
             self.rpc.abandon(pending)
             raise
