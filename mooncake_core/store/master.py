@@ -239,11 +239,14 @@ class MasterServer:
             return each_key("batch_put_end", a, lambda k, t, ok: st.put_end(a.client_id, k, t, now) if ok
                             else st.put_revoke(a.client_id, k, t, now))
 
-        def put_commit(a: Any, now: float) -> tuple[float, int]:
+        def no_early_with_ha(a: Any, what: str) -> None:
             if a.early and self.ha_url is not None:
                 # an early commit is acknowledged before it could be logged: only without HA
-                raise P.InvalidArgument(f"put {a.key!r}: early commits are off on an HA master (its reservation "
-                                        f"stays usable); commit after the write")
+                raise P.InvalidArgument(f"{what}: early commits are off on an HA master (its reservations stay "
+                                        f"usable); commit after the write")
+
+        def put_commit(a: Any, now: float) -> tuple[float, int]:
+            no_early_with_ha(a, f"put {a.key!r}")
             return st.put_commit(a.client_id, a.key, a.rid, a.offset, a.size, a.cfg, now, early=a.early)
 
         def batch_put_commit(a: Any, now: float) -> list[Any]:
@@ -252,9 +255,7 @@ class MasterServer:
                 raise P.InvalidArgument("batch_put_commit: keys, rids, offsets and sizes must have the same length")
             if n > P.MAX_BATCH:
                 raise P.InvalidArgument(f"batch of {n} keys exceeds the limit of {P.MAX_BATCH}")
-            if a.early and self.ha_url is not None:
-                raise P.InvalidArgument("batch_put_commit: early commits are off on an HA master (its reservations "
-                                        "stay usable); commit after the write")
+            no_early_with_ha(a, "batch_put_commit")
             out: list[Any] = []
             for k, rid, off, size in zip(a.keys, a.rids, a.offsets, a.sizes, strict=True):
                 try:
