@@ -812,14 +812,15 @@ class StoreClient:
                     continue  # our commit, answered by a leader that then died
                 else:
                     out[j] = _error(int(code), str(msg))
-            if pend is not None:
-                got = self._batch_confirm(pend, [keys[j] for j in confirm], [int(res[j][2]) for j in confirm],
-                                          [wrote[j] for j in confirm], ttl)
-                for j, err in zip(confirm, got, strict=True):
-                    if err is not None and wrote[j]:
-                        out[j] = err
-            for j in confirm:
-                if wrote[j] and out[j] is None:
+            got = (self._batch_confirm(pend, [keys[j] for j in confirm], [int(res[j][2]) for j in confirm],
+                                       [wrote[j] for j in confirm], ttl)
+                   if pend is not None else [None] * len(confirm))
+            for j, err in zip(confirm, got, strict=True):
+                if not wrote[j]:
+                    continue  # confirmed as failed; the write's error stands
+                if err is not None:
+                    out[j] = err
+                else:
                     self._remember(keys[j], gen, int(res[j][2]), locals_[j].length, [sls[j]])
             return again + rest
         finally:
