@@ -48,6 +48,7 @@ from typing import Any, TypeVar
 from mooncake_core.config import MooncakeConfig, load_config
 from mooncake_core.errors import (
     LeaseExpired,
+    MasterUnavailable,
     MooncakeError,
     ObjectExists,
     SegmentError,
@@ -214,6 +215,9 @@ class StoreClient:
         self._seg_names: list[str] = []
         self._started = False
         self._closed = False
+        self._start_lock = threading.RLock()
+        self._starting = False
+        self.rpc.before_use = self._start_on_first_use
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
         self._mount_lock = threading.Lock()
@@ -234,21 +238,38 @@ class StoreClient:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> StoreClient:
-        """Start the engine, register with the master, mount the segment. Idempotent."""
-        if self._started:
-            return self
-        self.engine.start()
-        try:
-            self._register()
-            if self.segment_size > 0:
-                self.mount_segment(self.segment_size)
-        except BaseException:
-            self.close()
-            raise
-        self._started = True
-        self._poller = threading.Thread(target=self._poll_loop, name="mc-store-poll", daemon=True)
-        self._poller.start()
+        """Start the engine, register with the master, mount the segment. Idempotent.
+
+        A client that was not started starts itself on its first operation.
+        """
+        with self._start_lock:  # other threads' first operations wait here until the start is over
+            if self._closed:
+                raise MasterUnavailable("the store client is closed")
+            if self._started:
+                return self
+            self._starting = True
+            try:
+                self.engine.start()
+                self._register()
+                if self.segment_size > 0:
+                    self.mount_segment(self.segment_size)
+            except BaseException:
+                self.close()
+                raise
+            finally:
+                self._starting = False
+            self._started = True
+            self.rpc.before_use = None
+            self._poller = threading.Thread(target=self._poll_loop, name="mc-store-poll", daemon=True)
+            self._poller.start()
         return self
+
+    def _start_on_first_use(self) -> None:
+        with self._start_lock:
+            # _starting: this thread's own start() is asking the master (the lock is re-entrant)
+            if not (self._started or self._closed or self._starting):
+                logger.debug("store client %s starts on its first operation", self.client_id)
+                self.start()
 
     def __enter__(self) -> StoreClient:
         return self.start()

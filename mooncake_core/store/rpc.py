@@ -14,6 +14,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -164,6 +165,8 @@ class MasterRPC:
         self._etcd: Any = None
         self._closed = False
         self.failovers = 0
+        # called before each request while set (the store client starts itself on first use)
+        self.before_use: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ leader resolution
     def _resolve(self) -> str:
@@ -229,6 +232,9 @@ class MasterRPC:
     # ------------------------------------------------------------------ calls
     def call(self, method: str, params: Any, *, timeout: float | None = None, typ: Any = Any) -> Any:
         """Send one request and return its decoded result (raises on error answers)."""
+        hook = self.before_use
+        if hook is not None:
+            hook()
         deadline = time.monotonic() + self.failover_timeout_s
         delay = 0.01
         last: BaseException | None = None
@@ -280,6 +286,9 @@ class MasterRPC:
     def start(self, method: str, params: Any) -> Pending | None:
         """Send an (idempotent) request and return at once, so the caller can work while the master
         answers; None when no connection is at hand (use :meth:`call`)."""
+        hook = self.before_use
+        if hook is not None:
+            hook()
         if self._closed:
             return None
         try:

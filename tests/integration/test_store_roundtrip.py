@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from store_support import Agent, AgentError, Master, payload
 
+from mooncake_core.errors import MasterUnavailable
 from mooncake_core.store import StoreClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -416,3 +417,49 @@ def test_batch_puts_go_through_reservations_with_early_commits(cluster: tuple[Ma
         w._batch_write = real  # type: ignore[method-assign]
         assert w.put_batch(["bgone/0"], [payload("bgone/0", 5000)], preferred_segment=c.segment) == [None]
         assert b.call("get", key="bgone/0") == {"size": 5000, "match": True}
+
+
+def test_a_client_that_was_not_started_starts_on_its_first_operation(
+        cluster: tuple[Master, Agent, Agent, Agent]) -> None:
+    """``StoreClient(...)`` without ``start()`` or ``with``: the first operation starts it (once,
+    even when several threads make their first operation at the same time); after ``close()``
+    every operation gets a clear error."""
+    m, _a, b, c = cluster
+    data = payload("lazy/0", 300_000)
+    lazy = StoreClient(master=m.address, segment_size=0)
+    try:
+        lazy.put("lazy/0", data, preferred_segment=c.segment)
+        assert b.call("get", key="lazy/0") == {"size": len(data), "match": True}
+        assert lazy.get("lazy/0") == data
+    finally:
+        lazy.close()
+    with pytest.raises(MasterUnavailable, match="closed"):
+        lazy.get("lazy/0")
+    with pytest.raises(MasterUnavailable, match="closed"):
+        lazy.start()
+
+    registered = _method_count(m, "register_client")
+    racy = StoreClient(master=m.address, segment_size=4 << 20)
+    try:
+        go = threading.Barrier(4)
+        errors: list[BaseException] = []
+
+        def first_op(i: int) -> None:
+            try:
+                go.wait(10)
+                racy.put(f"lazy/r{i}", payload(f"lazy/r{i}", 70_000), preferred_segment=c.segment)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=first_op, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not errors, errors
+        assert _method_count(m, "register_client") - registered == 1
+        assert racy.segment_names  # its segment was lent on the way
+        for i in range(4):
+            assert b.call("get", key=f"lazy/r{i}") == {"size": 70_000, "match": True}
+    finally:
+        racy.close()
