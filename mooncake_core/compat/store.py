@@ -30,6 +30,7 @@ import enum
 import logging
 import os
 import socket
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -574,8 +575,21 @@ class MooncakeDistributedStore:
         return self._client
 
     def __del__(self) -> None:
+        # The garbage collector runs this in whatever thread it interrupts (an engine's hot
+        # loop, a transfer waiting on its batch): never make that thread wait for the master.
+        # The client closes on a thread of its own.
+        client = self._client
+        if client is None or self._closed:
+            return
         try:
-            if self._client is not None and not self._closed:
-                self._client.close()
-        except Exception:  # interpreter shutdown: nothing sensible left to do
+            threading.Thread(target=_close_quietly, args=(client,), name="mc-compat-close", daemon=True).start()
+        except Exception:  # interpreter shutdown: no new threads; nothing sensible left to do
             pass
+
+
+def _close_quietly(client: StoreClient) -> None:
+    """Close a client whose owner was garbage-collected (see ``MooncakeDistributedStore.__del__``)."""
+    try:
+        client.close()
+    except Exception as exc:  # nobody is left to tell but the log
+        logger.debug("closing an abandoned store client: %s", exc)

@@ -67,6 +67,9 @@ from mooncake_core.transfer.memory import ManagedBuffer, Region, buffer_address,
 __all__ = ["StoreClient", "ReplicaCfg"]
 
 logger = logging.getLogger(__name__)
+
+_CLOSE_WAIT_S = 2.0  # close(): at most this long for the goodbye RPCs (reservations, unmounts)
+
 T = TypeVar("T")
 
 _TMAGIC = b"MCT1"
@@ -344,13 +347,19 @@ class StoreClient:
         self._closed = True
         self._stop.set()
         if self._started:
-            self._release_reservations()
+            # saying goodbye is a courtesy (a master that hears nothing expires us): bounded, so a
+            # master that is gone cannot hold close() (or a finalizer that calls it) for long
+            end = time.monotonic() + _CLOSE_WAIT_S
+            self._release_reservations(end)
             for name in list(self._seg_names):
+                left = end - time.monotonic()
                 try:
-                    self.rpc.call("unmount", (self.client_id, name), timeout=2.0)
+                    if left <= 0:
+                        raise MasterUnavailable("no time left")
+                    self.rpc.call("unmount", (self.client_id, name), timeout=left, failover_s=left)
                 except (StoreError, OSError) as exc:
                     logger.debug("unmount %s at close: %s", name, exc)
-        self.rpc.close()
+        self.rpc.close()  # also wakes the heartbeat thread if it waits for an answer
         if self._poller is not None:
             self._poller.join(timeout=2 * self.heartbeat_s + 1)
         if self._own_engine:
@@ -662,14 +671,15 @@ class StoreClient:
         return any(len(rep) == 1 and rep[0]["segment"] == segment and rep[0]["offset"] == offset
                    for rep in info.get("replicas", []))
 
-    def _release_reservations(self) -> None:
+    def _release_reservations(self, end: float) -> None:
         with self._lent_lock:
             rids = self._lent_release + [lent.rid for lent in self._lent.values()]
             self._lent.clear()
             self._lent_release = []
-        if rids:
+        left = end - time.monotonic()
+        if rids and left > 0:
             try:
-                self.rpc.call("reserve", (self.client_id, 0, ReplicaCfg(), rids), timeout=2.0)
+                self.rpc.call("reserve", (self.client_id, 0, ReplicaCfg(), rids), timeout=left, failover_s=left)
             except (StoreError, OSError) as exc:
                 logger.debug("releasing reservations at close: %s", exc)
 
@@ -1098,6 +1108,7 @@ class StoreClient:
             res, hit = early
         else:
             res, hit = self._call("batch_get_replica_list", (list(keys),)), {}
+        answered = time.monotonic()
         out: list[int | BaseException] = [0] * len(keys)
         reqs: list[TransferRequest] = []
         owner: list[int] = []
@@ -1152,8 +1163,10 @@ class StoreClient:
             else:
                 if len(ranked) == 1:
                     out[i] = TransportError(f"get {keys[i]!r}: its only replica could not be read")
-        if time.monotonic() - t0 > ttl:
-            return [LeaseExpired(f"batch get: the reads took longer than the {ttl:.1f}s lease; retry")
+        done = time.monotonic()
+        if done - t0 > ttl:
+            return [LeaseExpired(f"batch get: the reads took longer than the {ttl:.1f}s lease (the master answered "
+                                 f"after {answered - t0:.2f}s, the reads took {done - answered:.2f}s); retry")
                     if isinstance(x, int) else x for x in out]
         if self._where_max > 0:
             for i, (_local, ranked) in chosen.items():

@@ -14,6 +14,7 @@ import select
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +35,7 @@ class _Sock:
     RPC; on virtual machines that wake-up alone costs tens of microseconds.
     """
 
-    __slots__ = ("sock", "addr", "buf", "next_id", "poller", "spin_s")
+    __slots__ = ("sock", "addr", "buf", "next_id", "poller", "spin_s", "__weakref__")
 
     def __init__(self, addr: str, timeout: float, spin_s: float = 100e-6) -> None:
         host, _, port = addr.rpartition(":")
@@ -164,6 +165,7 @@ class MasterRPC:
         self._target = "" if address.startswith("etcd://") else address
         self._etcd: Any = None
         self._closed = False
+        self._open: weakref.WeakSet[_Sock] = weakref.WeakSet()  # every connection, idle or in use (for close)
         self.failovers = 0
         # called before each request while set (the store client starts itself on first use)
         self.before_use: Callable[[], None] | None = None
@@ -200,9 +202,16 @@ class MasterRPC:
             with self._lock:
                 self._target = target
         try:
-            return _Sock(target, min(self.timeout_s, 5.0), self.spin_s)
+            s = _Sock(target, min(self.timeout_s, 5.0), self.spin_s)
         except OSError as exc:
             raise ConnectionError(f"cannot connect to master {target}: {exc.strerror or exc}") from exc
+        with self._lock:
+            self._open.add(s)
+            closed = self._closed
+        if closed:  # close() ran while we connected: it could not see this socket
+            s.close()
+            raise MasterUnavailable("the store client is closed")
+        return s
 
     def _release(self, s: _Sock) -> None:
         with self._lock:
@@ -230,12 +239,18 @@ class MasterRPC:
         return self.failovers
 
     # ------------------------------------------------------------------ calls
-    def call(self, method: str, params: Any, *, timeout: float | None = None, typ: Any = Any) -> Any:
-        """Send one request and return its decoded result (raises on error answers)."""
+    def call(self, method: str, params: Any, *, timeout: float | None = None, typ: Any = Any,
+             failover_s: float | None = None) -> Any:
+        """Send one request and return its decoded result (raises on error answers).
+
+        ``failover_s`` bounds how long to keep trying while no master answers (default: the
+        client's ``failover_timeout_s``).
+        """
         hook = self.before_use
         if hook is not None:
             hook()
-        deadline = time.monotonic() + self.failover_timeout_s
+        wait = self.failover_timeout_s if failover_s is None else failover_s
+        deadline = time.monotonic() + wait
         delay = 0.01
         last: BaseException | None = None
         while True:
@@ -263,7 +278,7 @@ class MasterRPC:
             # connection failure or standby: find the leader again
             if time.monotonic() >= deadline:
                 raise MasterUnavailable(f"no store master answered {method} at {self.address} within "
-                                        f"{self.failover_timeout_s:.0f}s: {last}") from last
+                                        f"{wait:.0f}s: {last}") from last
             self.failovers += 1
             logger.debug("master call %s failed (%s); re-resolving", method, last)
             with self._lock:
@@ -368,8 +383,16 @@ class MasterRPC:
         p.sock.close()
 
     def close(self) -> None:
+        """Close every connection; calls blocked on an answer return at once (the client is closed)."""
         self._closed = True
         self._drop_all()
+        with self._lock:
+            busy = list(self._open)
+        for s in busy:  # in use by another thread: wake it (it closes the socket itself)
+            try:
+                s.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         if self._etcd is not None:
             self._etcd.close()
             self._etcd = None

@@ -10,6 +10,7 @@ must agree.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -282,3 +283,30 @@ def test_setup_with_shared_engine_and_p2p_metadata() -> None:
         master.shutdown()
     assert reader.health_check() == 1
     assert MooncakeDistributedStore().put("k", b"v") < 0  # not set up
+
+
+@pytest.mark.timeout(60)
+def test_an_abandoned_store_closes_without_blocking_the_thread_that_collects_it() -> None:
+    """Engines drop MooncakeDistributedStore objects without close(); the finalizer then runs in
+    whatever thread the garbage collector interrupts. With the master gone, it must not make that
+    thread wait for the master (it used to: 15 s, enough to expire a lease in a batch get that
+    happened to trigger the collection); the store still closes, on a thread of its own."""
+    from mooncake_core.compat.store import MooncakeDistributedStore
+    from mooncake_core.store import MasterServer
+
+    master = MasterServer(rpc_port=0, http_port=-1).start_in_thread()
+    store = MooncakeDistributedStore()
+    try:
+        assert store.setup("127.0.0.1", "P2PHANDSHAKE", 8 << 20, 0, "tcp", "", master.address) == 0
+        assert store.put("k", b"v" * 70_000) == 0
+        inner = store.get_client()
+        assert inner is not None and inner._poller is not None
+    finally:
+        master.shutdown()
+    t0 = time.monotonic()
+    del store
+    gc.collect()
+    took = time.monotonic() - t0
+    assert took < 1.0, f"dropping the store blocked the collecting thread for {took:.1f}s"
+    inner._poller.join(15)
+    assert inner._closed and not inner._poller.is_alive()

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from store_support import Agent, Master
 
+from mooncake_core.store import StoreClient
+
 pytestmark = [pytest.mark.slow]
 
 
@@ -139,4 +141,24 @@ def test_a_restarted_master_gets_no_writes_into_extents_it_never_lent(tmp_path: 
             ag.stop()
         if m2 is not None:
             m2.stop()
+        m.stop()
+
+
+@pytest.mark.timeout(60)
+def test_close_does_not_wait_out_the_failover_when_the_master_is_gone(tmp_path: Path) -> None:
+    """Saying goodbye at close (give back reservations, unmount) is bounded: a master that died
+    must not hold ``close()`` for the client's failover wait (15 s here), and the heartbeat
+    thread, blocked on the dead master, is woken and stops."""
+    m = Master(tmp_path)
+    try:
+        c = StoreClient(master=m.address, segment_size=4 << 20).start()
+        assert c.rpc.failover_timeout_s == 15.0
+        c.put("k", b"x" * 70_000)  # takes a reservation: close has one to give back, and a segment
+        m.kill()
+        t0 = time.monotonic()
+        c.close()
+        took = time.monotonic() - t0
+        assert took < 6, f"close() took {took:.1f}s with the master gone"
+        assert c._poller is not None and not c._poller.is_alive()
+    finally:
         m.stop()
