@@ -1110,8 +1110,7 @@ class StoreClient:
             res, hit = self._call("batch_get_replica_list", (list(keys),)), {}
         answered = time.monotonic()
         out: list[int | BaseException] = [0] * len(keys)
-        reqs: list[TransferRequest] = []
-        owner: list[int] = []
+        jobs: list[tuple[int, _Local, Sequence[SliceW]]] = []
         chosen: dict[int, tuple[_Local, list[list[SliceW]]]] = {}
         ttl = self.lease_ttl_s
         for i, row in enumerate(res):
@@ -1142,16 +1141,8 @@ class StoreClient:
             ranked = self._rank([[tuple(s) for s in rep] for rep in reps])
             chosen[i] = (local, ranked)
             out[i] = int(size)
-            r = self._requests("read", [(local, ranked[0])])
-            reqs.extend(r)
-            owner.extend([i] * len(r))
-        failed: set[int] = set()
-        if reqs:
-            batch = self.engine.submit(reqs)
-            try:
-                batch.wait()
-            except (TransportError, OSError):
-                failed = {owner[j] for j, st in enumerate(batch.statuses) if st.state != "completed"}
+            jobs.append((i, local, ranked[0]))
+        failed = self._batch_move("read", jobs, None)
         for i in failed:  # fall back to the other replicas, one key at a time
             local, ranked = chosen[i]
             for rep in ranked[1:]:
