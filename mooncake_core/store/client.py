@@ -353,9 +353,10 @@ class StoreClient:
             self._release_reservations(end)
             for name in list(self._seg_names):
                 left = end - time.monotonic()
+                if left <= 0:
+                    logger.debug("no time left to unmount %s at close", name)
+                    break
                 try:
-                    if left <= 0:
-                        raise MasterUnavailable("no time left")
                     self.rpc.call("unmount", (self.client_id, name), timeout=left, failover_s=left)
                 except (StoreError, OSError) as exc:
                     logger.debug("unmount %s at close: %s", name, exc)
