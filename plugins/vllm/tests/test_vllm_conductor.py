@@ -171,6 +171,28 @@ def test_requests_follow_the_instance_that_holds_their_prefix(cluster: Cluster) 
             assert _prefix_hits(by_url[went]) >= hits + 11 * BLOCK, "no prefix-cache hit on the holder"
 
 
+def _kv_events(proxy: ProxyProcess) -> int:
+    """How many KV events the proxy has taken in so far."""
+    with urllib.request.urlopen(proxy.url + "/proxy/stats", timeout=10) as r:
+        return int(json.loads(r.read())["policy_stats"]["kv_events"])
+
+
+def _wait_for_kv_events(proxy: ProxyProcess, before: int, timeout: float = 60.0) -> None:
+    """Until the proxy has taken in new KV events and no more arrived for half a second (a fixed
+    sleep was too short on a busy CI machine)."""
+    deadline = time.monotonic() + timeout
+    seen, quiet_since = before, time.monotonic()
+    while time.monotonic() < deadline:
+        now = _kv_events(proxy)
+        if now != seen:
+            seen, quiet_since = now, time.monotonic()
+        elif seen > before and time.monotonic() - quiet_since >= 0.5:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the proxy took in no KV events within {timeout:.0f}s (count stayed at {before})"
+                         if seen == before else f"KV events kept arriving for {timeout:.0f}s")
+
+
 def test_kv_events_reveal_prefixes_the_proxy_did_not_route(cluster: Cluster) -> None:
     servers, proxy = cluster.servers, cluster.proxy
     prompt = token_prompt(10 * BLOCK, salt=404)
@@ -179,8 +201,9 @@ def test_kv_events_reveal_prefixes_the_proxy_did_not_route(cluster: Cluster) -> 
         # computed on `target` directly, bypassing the proxy: only its KV events tell
         req = urllib.request.Request(target.url + "/v1/completions", headers={"Content-Type": "application/json"},
                                      data=json.dumps({"model": "tiny", "prompt": p, "max_tokens": 1}).encode())
+        before = _kv_events(proxy)
         urllib.request.urlopen(req, timeout=120).read()
-        time.sleep(1.0)  # events are published asynchronously
+        _wait_for_kv_events(proxy, before)  # events are published asynchronously
         went = _complete(proxy, p + token_prompt(BLOCK, salt=600))
         assert went == target.url, f"prefix computed on {target.url} but the proxy chose {went}"
 
