@@ -42,6 +42,10 @@ __all__ = [
     "load_config",
     "parse_size",
     "format_size",
+    "env_flag",
+    "env_str",
+    "env_list",
+    "environment",
 ]
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
@@ -66,6 +70,47 @@ def parse_size(value: object, key: str = "size") -> int:
     if n < 0:
         raise ConfigError(f"{key}: size must not be negative, got {value!r}")
     return n
+
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"", "0", "false", "no", "off"})
+
+
+def environment(environ: Mapping[str, str] | None = None) -> Mapping[str, str]:
+    """The environment to read: ``environ`` when given, else the process's.
+
+    This module is the only place that reads ``os.environ``; every other module asks
+    through :func:`env_flag`, :func:`env_str`, :func:`env_list` or :func:`load_config`.
+    """
+    return os.environ if environ is None else environ
+
+
+def env_str(name: str, default: str = "", environ: Mapping[str, str] | None = None) -> str:
+    """The value of environment variable ``name``, stripped (``default`` when unset or blank)."""
+    value = environment(environ).get(name, "").strip()
+    return value or default
+
+
+def env_flag(name: str, default: bool = False, environ: Mapping[str, str] | None = None) -> bool:
+    """A boolean environment flag: 1/true/yes/on or 0/false/no/off (any case).
+
+    Raises:
+        ConfigError: the value is none of those; the message names the variable.
+    """
+    raw = environment(environ).get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False if value else default
+    raise ConfigError(f"{name}: expected 1/true/yes/on or 0/false/no/off, got {raw!r}")
+
+
+def env_list(name: str, sep: str = ",", environ: Mapping[str, str] | None = None) -> list[str]:
+    """A ``sep``-separated list from environment variable ``name`` (blank items dropped)."""
+    return [item.strip() for item in env_str(name, "", environ).split(sep) if item.strip()]
 
 
 def format_size(n: float) -> str:
@@ -100,6 +145,7 @@ class TransferConfig:
     shm_copy_threads: int = 0  # shared-memory copies of >= 2 MiB are split over this many threads (0: min(4, CPUs))
     interfaces: str = ""
     stripe_interfaces: bool = False
+    gid_index: int = 0  # RDMA: GID index of the port (also MC_GID_INDEX, as in Mooncake)
 
 
 @dataclass(frozen=True)
@@ -332,7 +378,11 @@ def load_config(
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: expected a JSON object at the top level")
         data = _merge(data, loaded)
-    data = _merge(data, _from_env(env))
+    from_env = _from_env(env)
+    gid = env.get("MC_GID_INDEX", "").strip()  # Mooncake's name for the RDMA GID index
+    if gid and "gid_index" not in from_env.get("transfer", {}):
+        from_env.setdefault("transfer", {})["gid_index"] = gid
+    data = _merge(data, from_env)
     data = _merge(data, {k: v for k, v in overrides.items() if v is not None})
     cfg: MooncakeConfig = _build(MooncakeConfig, data, "")
     return cfg
