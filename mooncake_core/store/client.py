@@ -21,152 +21,46 @@ for the replica list (granting a read lease), reads from the best replica (own s
 by memcpy, same host by shared memory, else TCP) and fails with ``LeaseExpired`` if the
 read outlived the lease. Errors are :mod:`mooncake_core.errors` classes.
 
-Location cache (``store.location_cache`` keys): a client remembers, per key it put or
-read, the replica and the object's version token. A get of such a key sends the
-replica-list request, reads the remembered replica while the master answers, and keeps
-the bytes only if the answer lists that replica under the same token (the object then sat
-there unchanged since it was remembered, and is now leased); otherwise it reads again
-from the answer. So a hit costs one transfer with the master round trip hidden behind it.
-A miss or stale entry costs a wasted read, and a failed ``get_into`` may leave the
-remembered object's old bytes in the buffer.
+Where things live: this module is the front (lifecycle, heartbeat and SSD tasks, put and get,
+metadata); :mod:`~mooncake_core.store.client_core` the shared base (master calls, moving bytes),
+:mod:`~mooncake_core.store.lending` one-RPC puts through reservations,
+:mod:`~mooncake_core.store.locations` the location cache (``store.location_cache`` keys: reads of
+remembered replicas), :mod:`~mooncake_core.store.buffers` the caller's buffers,
+:mod:`~mooncake_core.store.values` typed values.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import random
-import struct
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from mooncake_core.config import MooncakeConfig, load_config
-from mooncake_core.errors import (
-    LeaseExpired,
-    MasterUnavailable,
-    MooncakeError,
-    ObjectExists,
-    SegmentError,
-    StoreError,
-    TransportError,
-)
+from mooncake_core.errors import LeaseExpired, MasterUnavailable, StoreError, TransportError
 from mooncake_core.store import protocol as P
-from mooncake_core.store.allocator import align
-from mooncake_core.store.protocol import ReplicaCfg
-from mooncake_core.store.rpc import MasterRPC, Pending
+from mooncake_core.store import values
+from mooncake_core.store.buffers import LocalBuffer, as_view
+from mooncake_core.store.client_core import Job
+from mooncake_core.store.lending import ReservationLending
+from mooncake_core.store.locations import LocationCache, RememberedReads, ReplicaAnswer
+from mooncake_core.store.protocol import ReplicaCfg, SliceW
+from mooncake_core.store.rpc import MasterRPC
 from mooncake_core.store.ssd import SsdTier
 from mooncake_core.store.state import RESERVE_MAX_OBJECT
-from mooncake_core.transfer import TransferEngine, TransferRequest
-from mooncake_core.transfer.memory import ManagedBuffer, Region, buffer_address, host_view, memmove
+from mooncake_core.transfer import TransferEngine
+from mooncake_core.transfer.memory import ManagedBuffer, Region
 
-__all__ = ["StoreClient", "ReplicaCfg"]
+__all__ = ["StoreClient", "ReplicaCfg", "SliceW"]
 
 logger = logging.getLogger(__name__)
 
 _CLOSE_WAIT_S = 2.0  # close(): at most this long for the goodbye RPCs (reservations, unmounts)
 
-T = TypeVar("T")
 
-_TMAGIC = b"MCT1"
-_THDR = struct.Struct("<4sI")
-SliceW = tuple[str, str, int, int, str]  # segment, peer, absolute addr, length, host
-
-
-def _as_view(obj: Any, writable: bool) -> tuple[memoryview, Any]:
-    """A flat byte memoryview of ``obj`` (plus an object to keep alive)."""
-    if isinstance(obj, memoryview):
-        mv = obj
-    elif isinstance(obj, (bytes, bytearray)):
-        mv = memoryview(obj)
-    else:
-        try:
-            addr, n, kind = buffer_address(obj, writable=writable)
-        except SegmentError as exc:
-            raise P.InvalidArgument(str(exc)) from None
-        if kind != "host":
-            raise P.InvalidArgument("device memory is not supported by the store client; copy it to the host first")
-        return host_view(addr, n), obj
-    if mv.readonly and writable:
-        raise P.InvalidArgument(f"{type(obj).__name__} is read-only; get_into needs a writable buffer")
-    if not mv.contiguous:
-        raise P.InvalidArgument("buffer must be contiguous")
-    if mv.ndim != 1 or mv.format not in ("B", "b", "c"):
-        mv = mv.cast("B")
-    return mv, obj
-
-
-@dataclass(slots=True)
-class _Lent:
-    """A reservation the master lent us: we allocate from ``next`` up to ``end`` ourselves."""
-
-    rid: int
-    segment: str
-    peer: str
-    base: int
-    host: str
-    next: int
-    end: int
-    expires: float  # local monotonic time after which we stop starting writes into it
-    generation: int  # the master connection's generation when it was lent (see MasterRPC.generation)
-    inflight: int = 0
-    dead: bool = False  # a write or commit failed: never use again
-    retired: bool = False  # replaced by a newer one
-    released: bool = False
-
-
-class _Local:
-    """The local side of one object: a memoryview or an address in registered memory."""
-
-    __slots__ = ("view", "addr", "length", "keep", "_a")
-
-    def __init__(self, obj: Any, size: int | None, writable: bool) -> None:
-        self.keep: Any = obj
-        if isinstance(obj, int) and not isinstance(obj, bool):
-            if size is None or size <= 0:
-                raise P.InvalidArgument(f"an address needs a positive size, got {size!r}")
-            self.view: memoryview | None = None
-            self.addr = obj
-            self.length = size
-            return
-        mv, self.keep = _as_view(obj, writable)
-        if size is not None:
-            if size <= 0 or size > len(mv):
-                raise P.InvalidArgument(f"size {size} must be 1..{len(mv)} (the buffer's length)")
-            mv = mv[:size]
-        self.view = mv
-        self.addr = 0
-        self.length = len(mv)
-
-    def part(self, off: int, n: int) -> Any:
-        return self.view[off : off + n] if self.view is not None else self.addr + off
-
-    def address(self) -> int:
-        if self.view is None:
-            return self.addr
-        a: int = getattr(self, "_a", 0)
-        if not a:
-            a = self._a = buffer_address(self.view, writable=False)[0]
-        return a
-
-
-@dataclass(slots=True)
-class _Answer:
-    """The master's answer to ``get_replica_list`` and when (and under which rpc generation) it was asked."""
-
-    size: int
-    replicas: list[list[SliceW]]
-    ttl: float
-    sent: float
-    token: int
-    gen: int
-
-
-class StoreClient:
+class StoreClient(ReservationLending, RememberedReads):
     """A store client (see module doc).
 
     Args:
@@ -227,15 +121,13 @@ class StoreClient:
         self.reservations = self.config.store.client_reservations
         self._early = False  # the master takes early commits (set at registration)
         self._lent_lock = threading.Lock()
-        self._lent: dict[tuple[str, str], _Lent] = {}  # (preferred segment, strategy) -> current reservation
-        self._lent_release: list[int] = []
-        self._lent_refused: dict[tuple[str, str], float] = {}  # no reservation to ask for before this time
+        self._lent = {}
+        self._lent_release = []
+        self._lent_refused = {}
         self.lease_ttl_s = self.config.store.lease_ttl_s
         self.heartbeat_s = self.config.store.heartbeat_interval_s
-        # key -> (rpc generation, version token, size, replica): see "Location cache" in the module doc
-        self._where: OrderedDict[str, tuple[int, int, int, list[SliceW]]] = OrderedDict()
-        self._where_max = self.config.store.location_cache
-        self._where_lock = threading.Lock()
+        self._where = LocationCache(self.config.store.location_cache)  # see mooncake_core.store.locations
+        self._where_max = self._where.capacity
         self.location_hits = 0  # gets served by the remembered replica
         self.location_misses = 0  # gets that read a remembered replica in vain (stale, or its holder failed)
 
@@ -279,35 +171,6 @@ class StoreClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _register(self) -> None:
-        info = self.rpc.call("register_client", (self.client_id, self.engine.host_id, self.engine.name,
-                                                 self.ssd is not None))
-        self.lease_ttl_s = float(info.get("lease_ttl_s", self.lease_ttl_s))
-        self.heartbeat_s = float(info.get("heartbeat_s", self.heartbeat_s))
-        self._early = self.config.store.early_commit and bool(info.get("early_commit", False))
-
-    def _remount(self) -> None:
-        """After the master forgot us (expiry): register again and re-mount our segments."""
-        with self._mount_lock:
-            self._register()
-            for name in self._seg_names:
-                buf = self._segments[name]
-                try:
-                    self.rpc.call("mount", (self.client_id, name, self.engine.name, buf.addr, buf.length,
-                                            self.engine.host_id))
-                except P.InvalidArgument as exc:
-                    logger.warning("re-mounting %s failed: %s", name, exc)
-
-    def _call(self, method: str, params: Any, typ: Any = Any) -> Any:
-        try:
-            return self.rpc.call(method, params, typ=typ)
-        except P.UnknownClient:
-            if self._closed:
-                raise
-            logger.warning("the master forgot client %s; registering again", self.client_id)
-            self._remount()
-            return self.rpc.call(method, params, typ=typ)
 
     def mount_segment(self, size: int) -> str:
         """Allocate ``size`` bytes of shared memory and lend them to the pool; returns its name."""
@@ -411,60 +274,18 @@ class StoreClient:
             self.ssd.write(key, buf.view[off : off + n])
             self._call("task_done", (self.client_id, kind, key, token, True, ""))
         elif kind == "promote":
-            slices: list[SliceW] = [tuple(s) for s in t["slices"]]
-            size = sum(s[3] for s in slices)
+            slices = [SliceW._make(s) for s in t["slices"]]
+            size = sum(s.length for s in slices)
             staging = bytearray(size)
             if not self.ssd.read_into(key, memoryview(staging)):
                 self._call("task_done", (self.client_id, kind, key, token, False, "SSD copy missing"))
                 return
             try:
-                self._move("write", [(_Local(staging, None, False), slices)])
+                self._move("write", [(LocalBuffer(staging, None, False), slices)])
             except (TransportError, StoreError) as exc:
                 self._call("task_done", (self.client_id, kind, key, token, False, str(exc)))
                 return
             self._call("task_done", (self.client_id, kind, key, token, True, ""))
-
-    # ------------------------------------------------------------------ data movement
-    def _own(self, s: SliceW) -> ManagedBuffer | None:
-        buf = self._segments.get(s[0])
-        if buf is not None and buf.addr <= s[2] and s[2] + s[3] <= buf.addr + buf.length:
-            return buf
-        return None
-
-    def _move(self, op: str, jobs: Sequence[tuple[_Local, Sequence[SliceW]]]) -> None:
-        """Move each local object to/from its replica slices; raises on any failure."""
-        reqs = self._requests(op, jobs)
-        if reqs:
-            self.engine.transfer(reqs)
-
-    def _requests(self, op: str, jobs: Sequence[tuple[_Local, Sequence[SliceW]]]) -> list[TransferRequest]:
-        reqs: list[TransferRequest] = []
-        for local, slices in jobs:
-            off = 0
-            for s in slices:
-                n = s[3]
-                if self._own(s) is not None:
-                    la = local.address() + off
-                    if op == "read":
-                        memmove(la, s[2], n)
-                    else:
-                        memmove(s[2], la, n)
-                else:
-                    reqs.append(TransferRequest(op, s[1], local.part(off, n), n, s[2], transport=self.transport))
-                off += n
-        return reqs
-
-    def _rank(self, replicas: list[list[SliceW]]) -> list[list[SliceW]]:
-        host = self.engine.host_id
-
-        def score(rep: list[SliceW]) -> tuple[int, float]:
-            if all(self._own(s) is not None for s in rep):
-                return (0, 0.0)
-            if all(s[4] == host for s in rep):
-                return (1, random.random())
-            return (2, random.random())
-
-        return sorted(replicas, key=score)
 
     # ------------------------------------------------------------------ put
     def _cfg(self, replica_num: int | None, preferred_segment: str, hard_pin: bool, soft_pin_ttl_s: float,
@@ -473,218 +294,8 @@ class StoreClient:
                           preferred_segment=preferred_segment, hard_pin=hard_pin, soft_pin_ttl_s=soft_pin_ttl_s,
                           strategy=strategy)
 
-    def _retrying(self, fn: Callable[[], T], what: str, timeout: float = 10.0) -> T:
-        deadline = time.monotonic() + timeout
-        delay = 0.001
-        while True:
-            try:
-                return fn()
-            except P.RetryLater:
-                if time.monotonic() > deadline:
-                    raise StoreError(f"{what}: the master kept asking to retry for {timeout:.0f}s") from None
-                time.sleep(delay)
-                delay = min(delay * 2, 0.05)
-
     # ------------------------------------------------------------------ one-RPC puts through reservations
-    def _slot(self, cfg: ReplicaCfg, size: int, count: int = 0) -> tuple[_Lent, int] | None:
-        """A free range of ``size`` bytes in our reservation for ``cfg`` (asking the master for one if needed;
-        ``count``: objects of about ``size`` about to follow, for the size of a new reservation)."""
-        with self._lent_lock:
-            return self._slot_locked(cfg, size, count, self.rpc.generation())
-
-    def _slots(self, cfg: ReplicaCfg, sizes: Sequence[int]) -> list[tuple[_Lent, int]]:
-        """Ranges for objects of ``sizes`` (a batch) while our reservations have room: a prefix of them."""
-        out: list[tuple[_Lent, int]] = []
-        with self._lent_lock:
-            gen = self.rpc.generation()
-            for i, n in enumerate(sizes):
-                slot = self._slot_locked(cfg, n, len(sizes) - i, gen)
-                if slot is None:
-                    break
-                out.append(slot)
-        return out
-
-    def _slot_locked(self, cfg: ReplicaCfg, size: int, count: int, generation: int) -> tuple[_Lent, int] | None:
-        """:meth:`_slot` with ``_lent_lock`` held; ``generation``: the master connections' generation now."""
-        need = align(size)
-        k = (cfg.preferred_segment, cfg.strategy)
-        now = time.monotonic()
-        lent = self._lent.get(k)
-        # a master that died may come back without knowing the extent: never write there again
-        if lent is not None and generation != lent.generation:
-            lent.dead = True
-        if lent is not None and not lent.dead and now < lent.expires and lent.next + need <= lent.end:
-            off = lent.next
-            lent.next += need
-            lent.inflight += 1
-            return lent, off
-        if lent is not None:
-            del self._lent[k]
-            self._retire(lent)
-        if now < self._lent_refused.get(k, 0.0):
-            return None
-        release, self._lent_release = self._lent_release, []
-        try:
-            gen = self.rpc.generation()
-            rid, ext, ttl = self._call("reserve", (self.client_id, size, cfg, release, count))
-        except (StoreError, OSError) as exc:
-            logger.debug("no reservation (%s); putting in two phases", exc)
-            self._lent_release = release + self._lent_release  # hand them back with a later call
-            self._lent_refused[k] = now + 1.0
-            return None
-        if not rid:
-            self._lent_refused[k] = now + 1.0
-            return None
-        seg, peer, base, off0, length, host = ext
-        # use it for half its ttl at most: the master keeps it for the whole ttl after each commit
-        if self.rpc.generation() != gen:  # answered by a master we reconnected to during the call
-            self._lent_release.append(int(rid))
-            return None
-        lent = _Lent(int(rid), str(seg), str(peer), int(base), str(host), int(off0) + need,
-                     int(off0) + int(length), now + float(ttl) / 2, gen, inflight=1)
-        self._lent[k] = lent
-        return lent, int(off0)
-
-    def _retire(self, lent: _Lent) -> None:
-        """Stop using a reservation; it goes back to the master once no write into it is in flight."""
-        lent.retired = True
-        self._release_if_idle(lent)
-
-    def _release_if_idle(self, lent: _Lent) -> None:
-        """Queue a retired or dead reservation for release (with the next ``reserve``) when idle; once."""
-        if lent.inflight == 0 and (lent.retired or lent.dead) and not lent.released:
-            lent.released = True
-            self._lent_release.append(lent.rid)
-
-    def _put_reserved(self, key: str, local: _Local, cfg: ReplicaCfg) -> bool:
-        """Put through a reservation: write, then one ``put_commit``. False: not done, put in two phases."""
-        slot = self._slot(cfg, local.length)
-        if slot is None:
-            return False
-        lent, off = slot
-        try:
-            sl = (lent.segment, lent.peer, lent.base + off, local.length, lent.host)
-            if self._early:
-                done = self._put_early(key, local, cfg, lent, off, sl)
-                if done is not None:
-                    return done
-            try:
-                self._move("write", [(local, [sl])])
-            except BaseException:
-                lent.dead = True  # the holder may be gone: do not write there again
-                raise
-            t0 = time.monotonic()
-            gen = self.rpc.generation()
-            try:
-                res = self._call("put_commit", (self.client_id, key, lent.rid, off, local.length, cfg))
-            except P.InvalidArgument as exc:
-                if "reservation" not in str(exc):
-                    raise
-                if self._committed_at(key, lent.segment, off):  # a retried commit after a leader change
-                    return True
-                logger.info("put %r: %s; putting in two phases", key, exc)
-                lent.dead = True
-                return False
-            except ObjectExists:
-                if self._committed_at(key, lent.segment, off):  # our commit, answered by a leader that then died
-                    return True
-                raise
-            ttl, token = (float(res[0]), int(res[1])) if isinstance(res, list) else (float(res), 0)
-            with self._lent_lock:
-                lent.expires = max(lent.expires, t0 + ttl / 2)
-            self._remember(key, gen, token, local.length, [sl])
-            return True
-        finally:
-            with self._lent_lock:
-                lent.inflight -= 1
-                self._release_if_idle(lent)
-
-    def _put_early(self, key: str, local: _Local, cfg: ReplicaCfg, lent: _Lent, off: int,
-                   sl: SliceW) -> bool | None:
-        """Put through a reservation with the commit sent before the write, so the master answers
-        while the bytes travel; then a one-way ``put_confirm`` on the same connection.
-
-        Until that confirm the master keeps the object invisible and makes every request on its
-        key wait; if the connection closes first, it drops the object. The put returns only when
-        both the write and the commit are acknowledged and the confirm is sent, so a reader
-        asking after it returns sees the object. Returns like :meth:`_put_reserved`; None: the
-        commit could not be sent, commit after the write instead.
-        """
-        gen = self.rpc.generation()
-        pend = self.rpc.start("put_commit", (self.client_id, key, lent.rid, off, local.length, cfg, True))
-        if pend is None:
-            return None
-        try:
-            self._move("write", [(local, [sl])])
-        except BaseException:
-            lent.dead = True  # the holder may be gone: do not write there again
-            self.rpc.abandon(pend)  # closing the connection drops the early commit
-            raise
-        resp = self.rpc.answer(pend)
-        if resp is None:  # the connection failed: an early commit it carried is dropped by the master
-            lent.dead = True
-            return False
-        try:
-            res = self.rpc.result(resp)
-        except P.InvalidArgument as exc:
-            self.rpc.release(pend)
-            if "reservation" not in str(exc) and "early commits are off" not in str(exc):
-                raise
-            logger.info("put %r: %s; putting in two phases", key, exc)
-            lent.dead = True
-            return False
-        except P.NotLeader:
-            self.rpc.abandon(pend)
-            lent.dead = True
-            return False
-        except P.UnknownClient as exc:
-            self._register_again(pend, exc)
-            lent.dead = True  # a reservation of the forgotten client is gone
-            return False
-        except BaseException:
-            self.rpc.release(pend)
-            raise
-        ttl, token = float(res[0]), int(res[1])
-        if time.monotonic() - pend.sent < ttl / 2:
-            sent = self.rpc.tell(pend, "put_confirm", (self.client_id, key, token, True, False))
-            if not sent:  # we cannot know whether the confirm got through
-                lent.dead = True
-                if self._committed_at(key, lent.segment, off):
-                    return True
-                return False
-        else:  # a slow write: the early commit may be near its timeout, so confirm and wait for the answer
-            self.rpc.release(pend)
-            try:
-                self._call("put_confirm", (self.client_id, key, token, True, True))
-            except P.InvalidArgument:
-                lent.dead = True
-                return False
-        with self._lent_lock:
-            lent.expires = max(lent.expires, pend.sent + ttl / 2)
-        self._remember(key, gen, token, local.length, [sl])
-        return True
-
-    def _committed_at(self, key: str, segment: str, offset: int) -> bool:
-        try:
-            info = self._call("query_key", (key,))
-        except (StoreError, OSError):
-            return False
-        return any(len(rep) == 1 and rep[0]["segment"] == segment and rep[0]["offset"] == offset
-                   for rep in info.get("replicas", []))
-
-    def _release_reservations(self, end: float) -> None:
-        with self._lent_lock:
-            rids = self._lent_release + [lent.rid for lent in self._lent.values()]
-            self._lent.clear()
-            self._lent_release = []
-        left = end - time.monotonic()
-        if rids and left > 0:
-            try:
-                self.rpc.call("reserve", (self.client_id, 0, ReplicaCfg(), rids), timeout=left, failover_s=left)
-            except (StoreError, OSError) as exc:
-                logger.debug("releasing reservations at close: %s", exc)
-
-    def _put_local(self, key: str, local: _Local, cfg: ReplicaCfg) -> None:
+    def _put_local(self, key: str, local: LocalBuffer, cfg: ReplicaCfg) -> None:
         if (self.reservations and cfg.replica_num == 1 and 0 < local.length <= RESERVE_MAX_OBJECT
                 and isinstance(key, str) and 0 < len(key) <= P.MAX_KEY // 4):  # odd input: the master's checks
             if self._put_reserved(key, local, cfg):
@@ -695,11 +306,11 @@ class StoreClient:
             logger.info("put %r was lost in a leader change; putting it again", key)
             self._put_once(key, local, cfg)
 
-    def _put_once(self, key: str, local: _Local, cfg: ReplicaCfg) -> None:
+    def _put_once(self, key: str, local: LocalBuffer, cfg: ReplicaCfg) -> None:
         P_ = (self.client_id, key, local.length, cfg)
         gen = self.rpc.generation()
         token, reps = self._retrying(lambda: self._call("put_start", P_), f"put {key!r}")
-        reps = [[tuple(s) for s in rep] for rep in reps]
+        reps = [[SliceW._make(s) for s in rep] for rep in reps]
         try:
             self._move("write", [(local, rep) for rep in reps])
         except BaseException:
@@ -716,7 +327,7 @@ class StoreClient:
                 return
             raise _PutLost(str(exc)) from exc
         if reps:
-            self._remember(key, gen, int(token), local.length, self._rank(reps)[0])
+            self._where.remember(key, gen, int(token), local.length, self._rank(reps)[0])
 
     def put(self, key: str, value: Any, *, replica_num: int | None = None, preferred_segment: str = "",
             hard_pin: bool = False, soft_pin_ttl_s: float = 0.0, strategy: str = "") -> None:
@@ -728,12 +339,12 @@ class StoreClient:
                  preferred_segment: str = "", hard_pin: bool = False, soft_pin_ttl_s: float = 0.0,
                  strategy: str = "") -> None:
         """Zero-copy put from a buffer or an address in registered memory (``size`` bytes)."""
-        local = _Local(buf, size, writable=False)
+        local = LocalBuffer(buf, size, writable=False)
         self._put_local(key, local, self._cfg(replica_num, preferred_segment, hard_pin, soft_pin_ttl_s, strategy))
 
     def put_parts(self, key: str, *parts: Any, replica_num: int | None = None) -> None:
         """Store the concatenation of ``parts`` (one staging copy)."""
-        views = [_as_view(p, False)[0] for p in parts]
+        views = [as_view(p, False)[0] for p in parts]
         if not views:
             raise P.InvalidArgument("put_parts needs at least one part")
         self.put(key, b"".join(views), replica_num=replica_num)
@@ -749,7 +360,7 @@ class StoreClient:
             raise P.InvalidArgument("keys, buffers and sizes must have the same length")
         if not keys:
             return []
-        locals_ = [_Local(b, None if sizes is None else sizes[i], writable=False) for i, b in enumerate(bufs)]
+        locals_ = [LocalBuffer(b, None if sizes is None else sizes[i], writable=False) for i, b in enumerate(bufs)]
         cfg = self._cfg(replica_num, preferred_segment, hard_pin, soft_pin_ttl_s, strategy)
         if (self.reservations and cfg.replica_num == 1
                 and all(0 < x.length <= RESERVE_MAX_OBJECT for x in locals_)
@@ -763,19 +374,19 @@ class StoreClient:
             return out
         return self._batch_put_two_phase(keys, locals_, cfg)
 
-    def _batch_put_two_phase(self, keys: Sequence[str], locals_: list[_Local],
+    def _batch_put_two_phase(self, keys: Sequence[str], locals_: list[LocalBuffer],
                              cfg: ReplicaCfg) -> list[BaseException | None]:
         res = self._retrying(lambda: self._call("batch_put_start", (self.client_id, list(keys),
                                                                     [x.length for x in locals_], cfg)),
                              "batch_put_start")
         out: list[BaseException | None] = [None] * len(keys)
-        jobs: list[tuple[int, _Local, list[SliceW]]] = []
+        jobs: list[Job] = []
         for i, (code, tok, reps) in enumerate(res):
             if code != 0:
-                out[i] = _error(code, str(tok))
+                out[i] = P.error_for(code, str(tok))
                 continue
             for rep in reps:
-                jobs.append((i, locals_[i], [tuple(s) for s in rep]))
+                jobs.append((i, locals_[i], [SliceW._make(s) for s in rep]))
         ok = [out[i] is None for i in range(len(keys))]
         for i in self._batch_write(jobs, out):
             ok[i] = False
@@ -785,163 +396,7 @@ class StoreClient:
                                                 [int(res[i][1]) for i in started], [ok[i] for i in started]))
             for i, (code, msg) in zip(started, ends, strict=True):
                 if code != 0 and out[i] is None:
-                    out[i] = _error(code, msg)
-        return out
-
-    def _batch_put_reserved(self, keys: Sequence[str], locals_: list[_Local], cfg: ReplicaCfg,
-                            out: list[BaseException | None]) -> list[int]:
-        """Put ``keys`` into our reservations: one ``batch_put_commit`` (sent before the write when the
-        master takes early commits, then a one-way ``batch_put_confirm``), one transfer batch.
-
-        Sets ``out[i]`` for the keys that failed; returns the indexes still to put in two phases.
-        """
-        n = len(keys)
-        slots = self._slots(cfg, [x.length for x in locals_])
-        gen = self.rpc.failovers  # _slots just checked the idle connections
-        m = len(slots)
-        rest = list(range(m, n))
-        if not slots:
-            return rest
-        try:
-            sls: list[SliceW] = [(lent.segment, lent.peer, lent.base + off, locals_[j].length, lent.host)
-                                 for j, (lent, off) in enumerate(slots)]
-            params = (self.client_id, list(keys[:m]), [lent.rid for lent, _ in slots], [off for _, off in slots],
-                      [x.length for x in locals_[:m]], cfg)
-            pend = self.rpc.start("batch_put_commit", (*params, True)) if self._early else None
-            try:
-                failed = self._batch_write([(j, locals_[j], [sls[j]]) for j in range(m)], out)
-                wrote = [j not in failed for j in range(m)]
-            except BaseException:
-                if pend is not None:
-                    self.rpc.abandon(pend)  # closing the connection drops the early commits
-                for lent, _ in slots:
-                    lent.dead = True
-                raise
-            for j in range(m):
-                if not wrote[j]:
-                    slots[j][0].dead = True  # the holder may be gone: do not write there again
-            res = self._batch_commit_answer(pend) if pend is not None else self._call("batch_put_commit",
-                                                                                    (*params, False))
-            if res is None:  # nothing committed (the master drops the early commits of a failed connection)
-                for lent, _ in slots:
-                    lent.dead = True
-                return [j for j in range(m) if wrote[j]] + rest
-            again: list[int] = []
-            confirm: list[int] = []
-            ttl = float("inf")
-            for j, (code, msg, _token) in enumerate(res):
-                if code == 0:
-                    ttl = min(ttl, float(msg))
-                    confirm.append(j)
-                    continue
-                if not wrote[j]:
-                    continue  # the write's error stands
-                if code == P.Code.INVALID and "reservation" in str(msg):
-                    slots[j][0].dead = True
-                    again.append(j)
-                elif code == P.Code.EXISTS and pend is None and self._committed_at(keys[j], slots[j][0].segment,
-                                                                                  slots[j][1]):
-                    continue  # our commit, answered by a leader that then died
-                else:
-                    out[j] = _error(int(code), str(msg))
-            got = (self._batch_confirm(pend, [keys[j] for j in confirm], [int(res[j][2]) for j in confirm],
-                                       [wrote[j] for j in confirm], ttl)
-                   if pend is not None else [None] * len(confirm))
-            for j, err in zip(confirm, got, strict=True):
-                if not wrote[j]:
-                    continue  # confirmed as failed; the write's error stands
-                if err is not None:
-                    out[j] = err
-                else:
-                    self._remember(keys[j], gen, int(res[j][2]), locals_[j].length, [sls[j]])
-            return again + rest
-        finally:
-            with self._lent_lock:
-                for lent, _ in slots:
-                    lent.inflight -= 1
-                    self._release_if_idle(lent)
-
-    def _batch_write(self, jobs: Sequence[tuple[int, _Local, Sequence[SliceW]]],
-                     out: list[BaseException | None]) -> set[int]:
-        """Write each job's object ``(i, local, slices)`` in one transfer batch; returns the ``i`` whose
-        bytes did not all land (``out[i]`` gets the first error)."""
-        return self._batch_move("write", jobs, out)
-
-    def _batch_move(self, op: str, jobs: Sequence[tuple[int, _Local, Sequence[SliceW]]],
-                    out: list[BaseException | None] | None) -> set[int]:
-        """Move each job's object ``(i, local, slices)`` in one transfer batch; returns the ``i`` whose
-        bytes did not all move (``out[i]``, if given, gets the first error)."""
-        reqs: list[TransferRequest] = []
-        owner: list[int] = []
-        for i, local, slices in jobs:
-            r = self._requests(op, [(local, slices)])
-            reqs.extend(r)
-            owner.extend([i] * len(r))
-        failed: set[int] = set()
-        if reqs:
-            batch = self.engine.submit(reqs)
-            try:
-                batch.wait()
-            except (TransportError, OSError):
-                for q, st in enumerate(batch.statuses):
-                    if st.state != "completed":
-                        i = owner[q]
-                        failed.add(i)
-                        if out is not None:
-                            out[i] = out[i] or st.error or TransportError("transfer failed")
-        return failed
-
-    def _register_again(self, pend: Pending, exc: BaseException) -> None:
-        """An early commit's answer said the master forgot us: give its connection back and register
-        again (or raise ``exc`` if we are closing)."""
-        self.rpc.release(pend)
-        if self._closed:
-            raise exc
-        logger.warning("the master forgot client %s; registering again", self.client_id)
-        self._remount()
-
-    def _batch_commit_answer(self, pend: Any) -> list[Any] | None:
-        """The per-key answer to an early ``batch_put_commit``; None when nothing was committed."""
-        resp = self.rpc.answer(pend)
-        if resp is None:
-            return None
-        try:
-            res: list[Any] = self.rpc.result(resp)
-        except P.UnknownClient as exc:
-            self._register_again(pend, exc)
-            return None
-        except P.NotLeader:
-            self.rpc.abandon(pend)
-            return None
-        except P.InvalidArgument as exc:
-            self.rpc.release(pend)
-            logger.info("batch put: %s; putting in two phases", exc)
-            return None
-        except BaseException:
-            self.rpc.release(pend)
-            raise
-        return res
-
-    def _batch_confirm(self, pend: Any, keys: list[str], tokens: list[int], ok: list[bool],
-                       ttl: float) -> list[BaseException | None]:
-        """Confirm (or drop, for failed writes) the early commits of a batch: one-way on the commit's
-        connection, or with an answer when the write took so long that the commits may have
-        expired. Per key: None, or the master's refusal (when it answered)."""
-        if not keys:
-            self.rpc.release(pend)
-            return []
-        args = (self.client_id, keys, tokens, ok)
-        if time.monotonic() - pend.sent < ttl / 2:
-            if self.rpc.tell(pend, "batch_put_confirm", (*args, False)):
-                return [None] * len(keys)
-            # we cannot know whether it got through: again, with an answer (a repeat is refused per key,
-            # so a refusal of a key whose object exists means the first one landed)
-        else:
-            self.rpc.release(pend)
-        res = self._call("batch_put_confirm", (*args, True))
-        out: list[BaseException | None] = []
-        for k, (code, msg) in zip(keys, res, strict=True):
-            out.append(None if code == 0 or self._call("exists", (k,)) else _error(int(code), str(msg)))
+                    out[i] = P.error_for(code, msg)
         return out
 
     def put_batch(self, keys: Sequence[str], values: Sequence[Any], *, replica_num: int | None = None,
@@ -949,94 +404,8 @@ class StoreClient:
         """Put many buffers; one entry per key: None on success, else the exception."""
         return self.batch_put_from(keys, values, None, replica_num=replica_num, **kw)
 
-    # ------------------------------------------------------------------ location cache
-    def _remember(self, key: str, gen: int, token: int, size: int, rep: list[SliceW]) -> None:
-        if self._where_max <= 0 or not token:
-            return
-        with self._where_lock:
-            self._where[key] = (gen, token, size, rep)
-            self._where.move_to_end(key)
-            while len(self._where) > self._where_max:
-                self._where.popitem(last=False)
-
-    def _forget(self, keys: Sequence[str] | None) -> None:
-        """Drop remembered locations of ``keys`` (None: all)."""
-        with self._where_lock:
-            if keys is None:
-                self._where.clear()
-            else:
-                for k in keys:
-                    self._where.pop(k, None)
-
-    def _forget_peers(self, peers: set[str]) -> None:
-        """Drop remembered locations on ``peers`` (a holder that failed a read may be gone)."""
-        with self._where_lock:
-            for k in [k for k, v in self._where.items() if any(s[1] in peers for s in v[3])]:
-                del self._where[k]
-
-    def _read_remembered(self, key: str, local_for: Callable[[int], _Local]) -> int | _Answer | None:
-        """A get of a remembered key: read the remembered replica while the master answers.
-
-        Returns the size when the bytes read are the object's, the master's answer when they
-        may not be (the caller reads again from it, without asking again), or None (nothing
-        usable: the caller does a plain get).
-        """
-        with self._where_lock:
-            hit = self._where.get(key)
-        if hit is None:
-            return None
-        gen, token, size, rep = hit
-        if gen != self.rpc.generation():  # a master connection failed since: versions may repeat
-            self._forget([key])
-            return None
-        # only holders we are connected to: a lookup or a connect must not stall a guess
-        if not all(self._own(s) is not None or self.engine.is_resolved(s[1]) for s in rep):
-            return None
-        try:
-            local = local_for(size)
-        except StoreError:  # the buffer is too small for the remembered size: let the plain path say so
-            return None
-        pending = self.rpc.start("get_replica_list", (key,))
-        if pending is None:
-            return None
-        try:
-            self._move("read", [(local, rep)])
-            moved = True
-        except (MooncakeError, OSError) as exc:  # the holder may be gone: the answer tells where to read
-            moved = False
-            logger.debug("reading remembered %r failed (%s); forgetting what was remembered on its holders", key, exc)
-            self._forget_peers({s[1] for s in rep})
-        except BaseException:
-            self.rpc.abandon(pending)
-            raise
-        try:
-            size2, reps, ttl, token2 = self._answer(self.rpc.finish(pending))
-        except (StoreError, OSError):
-            self._forget([key])
-            return None
-        # failovers, not generation(): idle connections were checked above; what matters now is
-        # whether the answer came over a connection that failed over since
-        if moved and token2 == token and size2 == size and rep in reps and gen == self.rpc.failovers:
-            if time.monotonic() - pending.sent > ttl:
-                raise LeaseExpired(f"get {key!r}: the read took longer than the {ttl:.1f}s lease; retry")
-            self.location_hits += 1
-            with self._where_lock:
-                if key in self._where:
-                    self._where.move_to_end(key)
-            return size
-        self.location_misses += 1
-        self._forget([key])
-        return _Answer(size2, reps, ttl, pending.sent, token2, gen)
-
     # ------------------------------------------------------------------ get
-    @staticmethod
-    def _answer(res: Any) -> tuple[int, list[list[SliceW]], float, int]:
-        """(size, replicas, lease ttl, version token) from a ``get_replica_list`` answer."""
-        size, reps, ttl = res[0], res[1], res[2]
-        token = int(res[3]) if len(res) > 3 else 0  # masters before versions: no token, nothing remembered
-        return int(size), [[tuple(s) for s in rep] for rep in reps], float(ttl), token
-
-    def _replicas(self, key: str) -> _Answer:
+    def _replicas(self, key: str) -> ReplicaAnswer:
         """The master's answer for ``key``, with the time the granting request was sent."""
         sent = [0.0]
         gen = self.rpc.generation()
@@ -1046,9 +415,9 @@ class StoreClient:
             return self._call("get_replica_list", (key,))
 
         size, reps, ttl, token = self._answer(self._retrying(once, f"get {key!r}"))
-        return _Answer(size, reps, ttl, sent[0], token, gen)
+        return ReplicaAnswer(size, reps, ttl, sent[0], token, gen)
 
-    def _read(self, key: str, local_for: Callable[[int], _Local]) -> int:
+    def _read(self, key: str, local_for: Callable[[int], LocalBuffer]) -> int:
         last: BaseException | None = None
         first = self._read_remembered(key, local_for) if self._where_max > 0 else None
         if isinstance(first, int):
@@ -1062,11 +431,11 @@ class StoreClient:
                     self._move("read", [(local, rep)])
                 except TransportError as exc:
                     last = exc
-                    logger.debug("reading %r from %s failed: %s", key, rep[0][1], exc)
+                    logger.debug("reading %r from %s failed: %s", key, rep[0].peer, exc)
                     continue
                 if time.monotonic() - a.sent > a.ttl:
                     raise LeaseExpired(f"get {key!r}: the read took longer than the {a.ttl:.1f}s lease; retry")
-                self._remember(key, a.gen, a.token, a.size, rep)
+                self._where.remember(key, a.gen, a.token, a.size, rep)
                 return a.size
             time.sleep(0.05)  # the master may be about to drop the dead holder's replicas
         raise TransportError(f"get {key!r}: every replica failed: {last}") from last
@@ -1075,23 +444,23 @@ class StoreClient:
         """The object's bytes (``ObjectNotFound`` if missing)."""
         holder: list[bytearray] = []
 
-        def mk(size: int) -> _Local:
+        def mk(size: int) -> LocalBuffer:
             holder.append(bytearray(size))
-            return _Local(holder[-1], None, True)
+            return LocalBuffer(holder[-1], None, True)
 
         self._read(key, mk)
         return bytes(holder[-1])
 
     def get_into(self, key: str, buf: Any, size: int | None = None) -> int:
         """Read the object into ``buf`` (or an address in registered memory); returns its size."""
-        probe = _Local(buf, size, writable=True)
+        probe = LocalBuffer(buf, size, writable=True)
 
-        def mk(n: int) -> _Local:
+        def mk(n: int) -> LocalBuffer:
             if n > probe.length:
                 raise P.InvalidArgument(f"get_into {key!r}: object is {n} bytes but the buffer holds {probe.length}")
             if n == probe.length:
                 return probe
-            return _Local(buf, n, writable=True) if probe.view is not None else _Local(probe.addr, n, True)
+            return probe.first(n, buf)
 
         return self._read(key, mk)
 
@@ -1111,11 +480,11 @@ class StoreClient:
             res, hit = self._call("batch_get_replica_list", (list(keys),)), {}
         answered = time.monotonic()
         out: list[int | BaseException] = [0] * len(keys)
-        jobs: list[tuple[int, _Local, Sequence[SliceW]]] = []
-        chosen: dict[int, tuple[_Local, list[list[SliceW]]]] = {}
+        jobs: list[Job] = []
+        chosen: dict[int, tuple[LocalBuffer, list[list[SliceW]]]] = {}
         ttl = self.lease_ttl_s
         for i, row in enumerate(res):
-            code, size, reps, lttl = row[0], row[1], row[2], row[3]
+            code, size, reps, lttl = row[0], row[1], row[2], row[3]  # then the token (MasterState)
             if i in hit:
                 out[i] = hit[i]
                 ttl = min(ttl, float(lttl))
@@ -1127,19 +496,19 @@ class StoreClient:
                     except (StoreError, TransportError) as exc:
                         out[i] = exc
                     continue
-                out[i] = _error(code, str(size))
+                out[i] = P.error_for(code, str(size))
                 continue
             ttl = min(ttl, float(lttl))
             try:
-                local = _Local(bufs[i], None if sizes is None else sizes[i], writable=True)
+                local = LocalBuffer(bufs[i], None if sizes is None else sizes[i], writable=True)
                 if size > local.length:
                     raise P.InvalidArgument(f"get {keys[i]!r}: object is {size} bytes but the buffer holds "
                                             f"{local.length}")
-                local = _Local(bufs[i] if local.view is not None else local.addr, size, True)
+                local = local.first(size, bufs[i])
             except StoreError as exc:
                 out[i] = exc
                 continue
-            ranked = self._rank([[tuple(s) for s in rep] for rep in reps])
+            ranked = self._rank([[SliceW._make(s) for s in rep] for rep in reps])
             chosen[i] = (local, ranked)
             out[i] = int(size)
             jobs.append((i, local, ranked[0]))
@@ -1163,58 +532,8 @@ class StoreClient:
         if self._where_max > 0:
             for i, (_local, ranked) in chosen.items():
                 if isinstance(out[i], int) and i not in failed and len(res[i]) > 4:
-                    self._remember(keys[i], gen, int(res[i][4]), int(res[i][1]), ranked[0])
+                    self._where.remember(keys[i], gen, int(res[i][4]), int(res[i][1]), ranked[0])
         return out
-
-    def _batch_read_remembered(self, keys: Sequence[str], bufs: Sequence[Any], sizes: Sequence[int] | None,
-                               gen: int) -> tuple[list[Any], dict[int, int]] | None:
-        """A batch get with remembered keys: read their remembered replicas while the master
-        answers ``batch_get_replica_list`` (as :meth:`_read_remembered` does for one key).
-
-        Returns the master's answer and, per key whose bytes read are the object's, its size;
-        None when no key is remembered (the caller asks first).
-        """
-        with self._where_lock:
-            entries = [self._where.get(k) for k in keys]
-        picks: list[tuple[int, int, int, list[SliceW], _Local]] = []
-        for i, e in enumerate(entries):
-            if e is None:
-                continue
-            egen, token, size, rep = e
-            if egen != gen or not all(self._own(s) is not None or self.engine.is_resolved(s[1]) for s in rep):
-                continue
-            try:
-                local = _Local(bufs[i], None if sizes is None else sizes[i], writable=True)
-            except StoreError:
-                continue
-            if size > local.length:
-                continue
-            picks.append((i, token, size, rep, _Local(bufs[i] if local.view is not None else local.addr, size, True)))
-        if not picks:
-            return None
-        pending = self.rpc.start("batch_get_replica_list", (list(keys),))
-        if pending is None:
-            return None
-        try:
-            failed = self._batch_move("read", [(j, pick[4], pick[3]) for j, pick in enumerate(picks)], None)
-        except BaseException:
-            self.rpc.abandon(pending)
-            raise
-        if failed:  # their holders may be gone: forget what was remembered there
-            self._forget_peers({s[1] for j in failed for s in picks[j][3]})
-        res: list[Any] = self.rpc.finish(pending)
-        hit: dict[int, int] = {}
-        same_masters = gen == self.rpc.failovers
-        for j, (i, token, size, rep, _local) in enumerate(picks):
-            row = res[i]
-            if (same_masters and j not in failed and row[0] == 0 and len(row) > 4 and int(row[4]) == token
-                    and int(row[1]) == size and rep in [[tuple(s) for s in r] for r in row[2]]):
-                hit[i] = size
-            else:
-                self._forget([keys[i]])
-        self.location_hits += len(hit)
-        self.location_misses += len(picks) - len(hit)
-        return res, hit
 
     def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
         """The objects' bytes; None for keys that are missing or failed."""
@@ -1229,50 +548,17 @@ class StoreClient:
     # ------------------------------------------------------------------ typed values
     def put_array(self, key: str, arr: Any, **kw: Any) -> None:
         """Store a numpy array with its dtype and shape (read back with :meth:`get_array`)."""
-        import numpy as np
-
-        a = np.ascontiguousarray(arr)
-        self._put_typed(key, {"kind": "numpy", "dtype": a.dtype.str, "shape": list(a.shape)}, a, **kw)
+        self.put(key, values.pack_array(arr), **kw)
 
     def get_array(self, key: str) -> Any:
-        import numpy as np
-
-        meta, data = self._get_typed(key)
-        return np.frombuffer(data, dtype=np.dtype(meta["dtype"])).reshape(meta["shape"])
+        return values.unpack_array(key, self.get(key))
 
     def put_tensor(self, key: str, tensor: Any, **kw: Any) -> None:
         """Store a torch tensor (moved to the CPU if needed) with its dtype and shape."""
-        t = tensor.detach().contiguous().cpu()
-        meta = {"kind": "torch", "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-        self._put_typed(key, meta, t, **kw)
+        self.put(key, values.pack_tensor(tensor), **kw)
 
     def get_tensor(self, key: str) -> Any:
-        import torch
-
-        meta, data = self._get_typed(key)
-        dtype = getattr(torch, str(meta["dtype"]))
-        if not data:
-            return torch.empty(meta["shape"], dtype=dtype)
-        return torch.frombuffer(data, dtype=dtype).reshape(meta["shape"])
-
-    def _put_typed(self, key: str, meta: dict[str, Any], data: Any, **kw: Any) -> None:
-        head = json.dumps(meta).encode()
-        hdr = _THDR.pack(_TMAGIC, len(head)) + head
-        nbytes = len(_as_view(data, False)[0]) if _nbytes(data) else 0
-        buf = bytearray(len(hdr) + nbytes)
-        buf[: len(hdr)] = hdr
-        if nbytes:
-            mv = _as_view(data, False)[0]
-            buf[len(hdr):] = mv
-        self.put(key, buf, **kw)
-
-    def _get_typed(self, key: str) -> tuple[dict[str, Any], bytearray]:
-        raw = bytearray(self.get(key))
-        if len(raw) < _THDR.size or raw[:4] != _TMAGIC:
-            raise P.InvalidArgument(f"{key!r} was not stored with put_array/put_tensor")
-        _, n = _THDR.unpack_from(raw)
-        meta = json.loads(bytes(raw[_THDR.size : _THDR.size + n]))
-        return meta, raw[_THDR.size + n :]
+        return values.unpack_tensor(key, self.get(key))
 
     # ------------------------------------------------------------------ metadata
     def exists(self, key: str) -> bool:
@@ -1292,7 +578,7 @@ class StoreClient:
     def batch_remove(self, keys: Sequence[str], *, force: bool = False) -> list[BaseException | None]:
         self._forget(keys)
         codes = self._call("batch_remove", (list(keys), force))
-        return [None if c == 0 else _error(c, f"remove {k!r} failed") for k, c in zip(keys, codes, strict=True)]
+        return [None if c == 0 else P.error_for(c, f"remove {k!r} failed") for k, c in zip(keys, codes, strict=True)]
 
     def remove_by_regex(self, pattern: str, *, force: bool = False) -> int:
         """Remove every key matching ``pattern`` (``re.search``); returns how many."""
@@ -1332,19 +618,3 @@ class StoreClient:
 
 class _PutLost(P.InvalidArgument):
     """put_end found no pending put (a new leader never saw put_start): put again."""
-
-
-def _nbytes(obj: Any) -> int:
-    n = getattr(obj, "nbytes", None)
-    if n is None and hasattr(obj, "element_size"):
-        n = obj.numel() * obj.element_size()
-    return int(n) if n is not None else len(memoryview(obj).cast("B"))
-
-
-def _error(code: int, msg: str) -> BaseException:
-    try:
-        P.raise_for(code, msg)
-    except StoreError as exc:
-        return exc
-    return StoreError(msg)
-

@@ -242,7 +242,7 @@ class MasterServer:
         def no_early_with_ha(a: Any, what: str) -> None:
             if a.early and self.ha_url is not None:
                 # an early commit is acknowledged before it could be logged: only without HA
-                raise P.InvalidArgument(f"{what}: early commits are off on an HA master (its reservations stay "
+                raise P.EarlyCommitsOff(f"{what}: early commits are off on an HA master (its reservations stay "
                                         f"usable); commit after the write")
 
         def put_commit(a: Any, now: float) -> tuple[float, int]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -43,6 +43,8 @@ __all__ = [
     "Request",
     "Response",
     "Slice",
+    "SliceW",
+    "Extent",
     "ReplicaCfg",
     "METHOD_ARGS",
     "encode_request",
@@ -50,11 +52,14 @@ __all__ = [
     "decode_request",
     "decode_response",
     "raise_for",
+    "error_for",
     "ObjectBusy",
     "UnknownClient",
     "NotLeader",
     "InvalidArgument",
     "RetryLater",
+    "ReservationGone",
+    "EarlyCommitsOff",
 ]
 
 VERSION = 1
@@ -77,6 +82,8 @@ class Code(enum.IntEnum):
     RETRY = 9  # e.g. a promotion from SSD is in progress
     UNSUPPORTED = 10
     INTERNAL = 11
+    RESERVATION_GONE = 12  # a commit's reservation is unknown, expired or lacks the range
+    EARLY_COMMITS_OFF = 13  # an early commit sent to a master that takes none (HA)
 
 
 class ObjectBusy(StoreError):
@@ -99,6 +106,15 @@ class RetryLater(StoreError):
     """The master is preparing the object (e.g. promoting it from SSD); retry shortly."""
 
 
+class ReservationGone(InvalidArgument):
+    """A commit named a reservation that is unknown, expired or reclaimed, or a range that is
+    not a free part of it: the client puts that object in two phases instead."""
+
+
+class EarlyCommitsOff(InvalidArgument):
+    """The master takes no early commits (an HA master): commit after the write instead."""
+
+
 _ERRORS: dict[int, type[StoreError]] = {
     Code.NOT_FOUND: ObjectNotFound,
     Code.EXISTS: ObjectExists,
@@ -111,6 +127,8 @@ _ERRORS: dict[int, type[StoreError]] = {
     Code.RETRY: RetryLater,
     Code.UNSUPPORTED: InvalidArgument,
     Code.INTERNAL: StoreError,
+    Code.RESERVATION_GONE: ReservationGone,
+    Code.EARLY_COMMITS_OFF: EarlyCommitsOff,
 }
 
 
@@ -131,6 +149,11 @@ def raise_for(code: int, message: str) -> None:
         return
     cls = _ERRORS.get(code, StoreError)
     raise cls(message)
+
+
+def error_for(code: int, message: str) -> StoreError:
+    """The error ``raise_for`` would raise for a non-OK ``code`` (for per-key batch results)."""
+    return _ERRORS.get(code, StoreError)(message)
 
 
 # ---------------------------------------------------------------------- envelopes
@@ -159,6 +182,28 @@ class Slice(msgspec.Struct, array_like=True, frozen=True):
     addr: int
     length: int
     host: str = ""
+
+
+class SliceW(NamedTuple):
+    """A :class:`Slice` as the client keeps it: a plain tuple with names (cheap to build from
+    the decoded wire list with ``SliceW._make``, compared equal to the same tuple)."""
+
+    segment: str
+    peer: str
+    addr: int  # absolute address on ``peer``
+    length: int
+    host: str
+
+
+class Extent(NamedTuple):
+    """A lent extent as ``reserve`` describes it (the master sends it as a list)."""
+
+    segment: str
+    peer: str
+    base: int  # the segment's base address on ``peer``
+    offset: int  # of the extent inside the segment
+    length: int
+    host: str
 
 
 class ReplicaCfg(msgspec.Struct, array_like=True, frozen=True):

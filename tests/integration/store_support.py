@@ -246,7 +246,7 @@ def _agent(argv: list[str]) -> int:
         if op == "attr":
             return getattr(client, c["name"])
         if op == "remembered":  # key -> the holders (peer names) of the replica the client remembers
-            return {k: [x[1] for x in v[3]] for k, v in client._where.items()}
+            return {k: [s.peer for s in v.replica] for k, v in client._where.snapshot().items()}
         raise ValueError(f"unknown op {op!r}")
 
     for line in sys.stdin:

@@ -1,0 +1,179 @@
+"""Replication of the master's state: the change log a standby replays (see :mod:`.ha`).
+
+Every change other masters must know is emitted through ``MasterState.on_change`` as an
+entry (a tuple whose first item is its kind); :mod:`mooncake_core.store.ha` logs entries in
+etcd and standbys replay them with :meth:`Replication.apply`. :meth:`Replication.export` is a
+snapshot (entries that rebuild the state). Pending puts and leases are not replicated: a new
+leader treats unfinished puts as revoked and grants every object a fresh lease
+(:meth:`Replication.on_takeover`).
+
+Entries (the named tuples below name their fields; the log holds them as plain lists):
+``client``, ``unclient``, ``seg``, ``unseg``, ``obj``, ``del``, ``res``, ``carve``, ``unres``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from mooncake_core.store.allocator import OffsetAllocator
+from mooncake_core.store.protocol import InvalidArgument
+from mooncake_core.store.state_core import ClientInfo, Obj, Reservation, Segment, SliceT, StateCore
+
+__all__ = ["ClientEntry", "ObjEntry", "Replication", "ResEntry", "SegEntry"]
+
+
+class ClientEntry(NamedTuple):
+    """A client registered (or changed its host, peer or SSD)."""
+
+    kind: str  # "client"
+    client_id: str
+    host: str
+    peer: str
+    ssd: bool
+
+
+class SegEntry(NamedTuple):
+    """A segment was mounted."""
+
+    kind: str  # "seg"
+    client_id: str
+    name: str
+    peer: str
+    base: int
+    size: int
+    host: str
+
+
+class ObjEntry(NamedTuple):
+    """An object is complete, or its replicas or SSD copy changed."""
+
+    kind: str  # "obj"
+    key: str
+    size: int
+    replicas: list[list[SliceT]]
+    disk: str
+    hard_pin: bool
+    soft_pin_until: float
+
+
+class ResEntry(NamedTuple):
+    """A reservation was granted: its uncommitted ``[offset, size]`` blocks."""
+
+    kind: str  # "res"
+    rid: int
+    client_id: str
+    segment: str
+    blocks: list[list[int]]
+    ttl: float
+
+
+class Replication(StateCore):
+    """Replaying and exporting the replicated state (see module doc)."""
+
+    def apply(self, entry: tuple[Any, ...] | list[Any], now: float) -> None:
+        """Replay one change emitted by a leader (standbys; rebuild after takeover)."""
+        kind = entry[0]
+        if kind == "client":
+            ce = ClientEntry._make(entry)
+            c = self.clients.get(ce.client_id)
+            if c is None:
+                self.clients[ce.client_id] = ClientInfo(ce.client_id, ce.host, ce.peer, bool(ce.ssd), now)
+            else:
+                c.host, c.peer, c.ssd = ce.host, ce.peer, bool(ce.ssd)
+        elif kind == "unclient":
+            c = self.clients.pop(entry[1], None)
+            if c is not None:
+                for name in list(c.segments):
+                    s = self.segments.get(name)
+                    if s is not None:
+                        self._unmount(s)
+        elif kind == "seg":
+            se = SegEntry._make(entry)
+            if se.name not in self.segments:
+                self.segments[se.name] = Segment(se.name, se.client_id, se.peer, se.host, se.base, se.size,
+                                                 OffsetAllocator(se.size))
+            c = self.clients.get(se.client_id) or self.clients.setdefault(
+                se.client_id, ClientInfo(se.client_id, se.host, se.peer, False, now))
+            c.segments.add(se.name)
+        elif kind == "unseg":
+            s = self.segments.get(entry[1])
+            if s is not None:
+                self._unmount(s)
+                c = self.clients.get(s.client_id)
+                if c is not None:
+                    c.segments.discard(s.name)
+        elif kind == "obj":
+            oe = ObjEntry._make(entry)
+            key, disk = oe.key, oe.disk
+            old = self.objects.get(key)
+            if old is not None:
+                for rep in old.replicas:
+                    self._free_replica(key, rep)
+            reps: list[list[SliceT]] = []
+            for rep in oe.replicas:
+                rr = [(str(n), int(off), int(ln)) for n, off, ln in rep]
+                if all(x[0] in self.segments and self.segments[x[0]].allocator.reserve(x[1], x[2]) for x in rr):
+                    reps.append(rr)
+                    self._index_replica(key, rr)
+            o = Obj(key, oe.size, reps, complete=True, token=self._next_token(), hard_pin=bool(oe.hard_pin),
+                    soft_pin_until=float(oe.soft_pin_until), disk=str(disk),
+                    lease_until=now + self.cfg.lease_ttl_s)
+            if disk and disk in self.clients:
+                self.clients[disk].disk_keys.add(key)
+            if reps or o.disk:
+                self.objects[key] = o
+                self.lru[key] = None
+                self.lru.move_to_end(key)
+            else:
+                self.objects.pop(key, None)
+                self.lru.pop(key, None)
+        elif kind == "res":
+            re_ = ResEntry._make(entry)
+            rid = int(re_.rid)
+            sg = self.segments.get(re_.segment)
+            if sg is not None:
+                kept = {int(b): int(n) for b, n in re_.blocks if sg.allocator.reserve(int(b), int(n))}
+                if kept:
+                    self.reservations[rid] = Reservation(rid, str(re_.client_id), str(re_.segment), kept,
+                                                         now + float(re_.ttl))
+            self._rid = max(self._rid, rid)
+        elif kind == "carve":
+            _, rid, offset, need = entry
+            r = self.reservations.get(int(rid))
+            if r is not None:
+                block = r.block_holding(int(offset), int(need))
+                if block is not None:
+                    self._carve(r, block, int(offset), int(need), release=True)
+                r.deadline = max(r.deadline, now + self.cfg.put_timeout_s)
+        elif kind == "unres":
+            r = self.reservations.get(int(entry[1]))
+            if r is not None:
+                self._release_reservation(r, emit=False)
+        elif kind == "del":
+            gone = self.objects.get(entry[1])
+            if gone is not None:
+                for rep in gone.replicas:
+                    self._free_replica(gone.key, rep)
+                self.objects.pop(gone.key, None)
+                self.lru.pop(gone.key, None)
+        else:
+            raise InvalidArgument(f"unknown oplog entry kind {kind!r}")
+
+    def export(self) -> list[tuple[Any, ...]]:
+        """Entries that rebuild the replicated state with :meth:`apply` (a snapshot)."""
+        out: list[tuple[Any, ...]] = [ClientEntry("client", c.client_id, c.host, c.peer, c.ssd)
+                                      for c in self.clients.values()]
+        out += [SegEntry("seg", s.client_id, s.name, s.peer, s.base, s.size, s.host) for s in self.segments.values()]
+        out += [self._obj_entry(o) for o in self.objects.values() if o.complete]
+        out += [ResEntry("res", r.rid, r.client_id, r.segment, [[b, n] for b, n in sorted(r.blocks.items())],
+                         self.cfg.put_timeout_s) for r in self.reservations.values()]
+        return out
+
+    def on_takeover(self, now: float) -> None:
+        """A new leader: every client gets a fresh liveness period, every object a lease."""
+        for c in self.clients.values():
+            c.last_seen = now
+        for o in self.objects.values():
+            o.lease_until = max(o.lease_until, now + self.cfg.lease_ttl_s)
+        for r in self.reservations.values():  # a client may still be writing into them
+            r.deadline = max(r.deadline, now + self.cfg.put_timeout_s)

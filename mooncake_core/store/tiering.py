@@ -1,0 +1,117 @@
+"""The SSD tier, master side: offloading replicas to clients' SSDs and promoting them back.
+
+The client side is :mod:`mooncake_core.store.ssd` (files) and the client's task runner. The
+master queues tasks for a client (delivered by its ``poll``): ``offload`` (write this replica
+to your SSD), ``promote`` (read your SSD copy into these slices), ``delete_disk``. The client
+reports with ``task_done``; only then does the master drop the memory replica (offload) or
+list the new one (promotion, under a new version token).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from mooncake_core.config import format_size
+from mooncake_core.errors import NoSpace, ObjectNotFound
+from mooncake_core.store.protocol import InvalidArgument, ReplicaCfg, RetryLater
+from mooncake_core.store.state_core import Obj, SliceT, StateCore
+
+__all__ = ["SsdTiering"]
+
+logger = logging.getLogger(__name__)
+
+
+class SsdTiering(StateCore):
+    """Offloads to and promotions from clients' SSD tiers (see module doc)."""
+
+    def _offload(self, o: Obj, rep: list[SliceT]) -> bool:
+        """Queue an SSD offload of ``rep`` (single-slice, holder with SSD, no copy yet)."""
+        if o.disk or len(o.replicas) > 1 or len(rep) != 1:
+            return False
+        s = self.segments.get(rep[0][0])
+        c = self.clients.get(s.client_id) if s is not None else None
+        if c is None or not c.ssd or s is None:
+            return False
+        o.offloading = self._next_token()
+        o.offload_seg = s.name
+        self.offload_pending[s.name] = self.offload_pending.get(s.name, 0) + rep[0][2]
+        self._push(c, {"kind": "offload", "key": o.key, "token": o.offloading,
+                       "offset": rep[0][1], "length": rep[0][2], "segment": s.name})
+        return True
+
+    def _promote(self, o: Obj, now: float) -> None:
+        """Start loading a disk-only object back into memory; raises RetryLater."""
+        if not o.disk or o.disk not in self.clients:
+            self._drop_object(o)
+            raise ObjectNotFound(f"no object {o.key!r} (its only copy was on a node that went away)")
+        if not o.promoting:
+            c = self.clients[o.disk]
+            cfg = ReplicaCfg(replica_num=1, strategy="local-first")
+            reps = self._place(o.key, o.size, cfg, "local-first", c.client_id)
+            if not reps:
+                self.evict_for(o.size, now)
+                reps = self._place(o.key, o.size, cfg, "local-first", c.client_id)
+            if not reps:
+                if any(x.offloading or (x.replicas and not x.hard_pin and x.lease_until > now)
+                       for x in self.objects.values()):
+                    raise RetryLater(f"get {o.key!r}: waiting for leases to expire or offloads to finish to free "
+                                     f"memory for its promotion")
+                raise NoSpace(f"get {o.key!r}: no memory to promote it from SSD ({format_size(o.size)})")
+            o.promoting = self._next_token()
+            o.promo_replica = reps[0]
+            self._index_replica(o.key, reps[0])
+            self._push(c, {"kind": "promote", "key": o.key, "token": o.promoting,
+                           "slices": self._slices_out(reps[0])})
+            self.counters["promotions"] += 1
+        raise RetryLater(f"get {o.key!r}: promoting from SSD, retry shortly")
+
+    def task_done(self, client_id: str, kind: str, key: str, token: int, ok: bool, detail: str, now: float) -> None:
+        c = self._client(client_id, now)
+        o = self.objects.get(key)
+        if kind == "offload":
+            if o is not None and o.offloading == token:
+                self._settle_offload(o)
+            if o is None or o.offloading != token:
+                if ok:
+                    self._push(c, {"kind": "delete_disk", "key": key, "token": 0})
+                return
+            o.offloading = 0
+            if not ok:
+                logger.warning("SSD offload of %r on %s failed: %s", key, client_id, detail)
+                return
+            o.disk = client_id
+            c.disk_keys.add(key)
+            for rep in list(o.replicas):
+                if all(self.segments.get(x[0]) is not None and self.segments[x[0]].client_id == client_id for x in rep):
+                    o.replicas.remove(rep)
+                    self._free_replica(key, rep)
+                    self.counters["evicted_bytes"] += sum(x[2] for x in rep)
+                    break
+            self.counters["evictions"] += 1
+            self.counters["offloads"] += 1
+            self._emit(*self._obj_entry(o))
+        elif kind == "promote":
+            if o is None or o.promoting != token or o.promo_replica is None:
+                return
+            rep, o.promo_replica, o.promoting = o.promo_replica, None, 0
+            if not ok:
+                self._free_replica(key, rep)
+                logger.warning("promotion of %r from SSD on %s failed: %s", key, client_id, detail)
+                if "missing" in detail:
+                    o.disk = ""
+                    c.disk_keys.discard(key)
+                    if not o.replicas:
+                        self._drop_object(o)
+                return
+            o.replicas.append(rep)
+            o.token = token  # a new memory replica: a new version (never seen by any client)
+            self._emit(*self._obj_entry(o))
+        else:
+            raise InvalidArgument(f"task_done: unknown task kind {kind!r}")
+
+    def take_tasks(self, client_id: str, now: float) -> list[dict[str, Any]]:
+        c = self._client(client_id, now)
+        out = list(c.tasks)
+        c.tasks.clear()
+        return out
