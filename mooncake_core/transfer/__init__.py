@@ -3,6 +3,17 @@
 See :class:`TransferEngine`. Transports: shared memory (same host), RDMA (pyverbs, when
 a device exists), TCP (default across hosts). Metadata: peer-to-peer handshake, HTTP,
 etcd.
+
+Where things live (lower modules never import higher ones; ``.importlinter`` checks it):
+
+- ``engine``: :class:`TransferEngine`, batches and requests (the top of this package);
+- ``server``: the engine's TCP listener;
+- ``transports/``: the transport contract (``base``) and the tcp, shm, rdma transports;
+- ``types``: shared value types (``PeerInfo``, ``WorkItem``) and the narrow interfaces
+  transports and the listener see of the engine;
+- ``control``: control messages and the inbox that receives them; ``tensors``: tensor
+  messages; ``protocol``: the wire format; ``memory``: registered memory; ``net``,
+  ``topology``: sockets, interfaces, host identity.
 """
 
 from __future__ import annotations

@@ -12,11 +12,14 @@ A request is cut into slices; each peer's slices go to the best transport that r
 it (shared memory on the same host, RDMA when both ends have a device, else TCP; a
 request may name its transport). When a transport fails, the items still outstanding
 fail over to the next transport; a batch reports success only when every byte moved.
+
+Neighbours: the value types and the narrow interfaces that transports and the listener
+see of the engine are in :mod:`~mooncake_core.transfer.types`; control messages (tensors,
+notifications) arrive in a :class:`~mooncake_core.transfer.control.ControlInbox`.
 """
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import logging
 import os
@@ -24,7 +27,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from mooncake_core.config import MooncakeConfig, load_config
@@ -38,13 +41,14 @@ from mooncake_core.errors import (
 )
 from mooncake_core.metadata.base import MetadataBackend, open_backend
 from mooncake_core.plugins import transports as discover_transports
+from mooncake_core.transfer.control import ControlInbox
 from mooncake_core.transfer.memory import ManagedBuffer, Region, SegmentTable, buffer_address
 from mooncake_core.transfer.protocol import Op, Status
-from mooncake_core.transfer.tensors import TensorInbox, encode_tensor
-from mooncake_core.transfer.topology import resolve_interfaces
-from mooncake_core.transfer.transports.base import READ, WRITE, Transport, WorkItem
-from mooncake_core.transfer.transports.shm import host_identity
-from mooncake_core.transfer.transports.tcp import TCPTransport
+from mooncake_core.transfer.server import TransferServer
+from mooncake_core.transfer.tensors import encode_tensor
+from mooncake_core.transfer.topology import host_identity, resolve_interfaces
+from mooncake_core.transfer.transports.base import Transport
+from mooncake_core.transfer.types import READ, WRITE, PeerInfo, TransportHost, WorkItem
 
 __all__ = ["TransferEngine", "TransferRequest", "Batch", "RequestStatus", "PeerInfo"]
 
@@ -86,35 +90,6 @@ class RequestStatus:
     state: str = "pending"  # pending | completed | failed | timeout
     transferred: int = 0
     error: BaseException | None = None
-
-
-@dataclass
-class PeerInfo:
-    """What we know about a peer: where it listens and what it registered."""
-
-    name: str
-    addresses: list[tuple[str, int]]
-    desc: dict[str, Any]
-    host_id: str = ""
-    pid: int = 0
-    regions: list[dict[str, Any]] = field(default_factory=list)
-    _starts: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.regions = sorted(self.desc.get("buffers", []), key=lambda r: int(r["addr"]))
-        self._starts = [int(r["addr"]) for r in self.regions]
-        self.host_id = str(self.desc.get("host_id", ""))
-        self.pid = int(self.desc.get("pid", 0))
-
-    def find_region(self, addr: int, length: int) -> dict[str, Any] | None:
-        i = bisect.bisect_right(self._starts, addr) - 1
-        if i < 0:
-            return None
-        r = self.regions[i]
-        return r if addr + length <= int(r["addr"]) + int(r["length"]) else None
-
-    def region_named(self, name: str) -> dict[str, Any] | None:
-        return next((r for r in self.regions if r.get("name") == name), None)
 
 
 class Batch:
@@ -207,12 +182,11 @@ class TransferEngine:
         self._peers: dict[str, PeerInfo] = {}
         self._peers_lock = threading.Lock()
         self._transports: dict[str, Transport] = {}
-        self._server: Any = None
+        self._control: Transport | None = None  # the transport that carries control messages
+        self._server: TransferServer | None = None
         self._metadata: MetadataBackend | None = None
         self._managed: dict[int, ManagedBuffer] = {}
-        self._tensor_inbox = TensorInbox()
-        self._notifies: list[tuple[str, str]] = []
-        self._notify_lock = threading.Lock()
+        self.inbox = ControlInbox()  # tensors and notifications peers sent us
         self._names = itertools.count()
         self.source_addresses: list[str] = []
         self._started = False
@@ -224,8 +198,6 @@ class TransferEngine:
         """Open the listener, load transports, publish metadata. Idempotent."""
         if self._started:
             return self
-        from mooncake_core.transfer.server import TransferServer
-
         cfg = self.config
         host_part, sep, port_part = cfg.local_hostname.rpartition(":")
         advertised = host_part if sep and port_part.isdigit() else cfg.local_hostname
@@ -242,11 +214,13 @@ class TransferEngine:
         # P2P handshake: the name is how peers reach us; with a metadata service it is
         # local_hostname as given (resolved through rpc_meta).
         self.name = f"{advertised}:{self.port}" if p2p else cfg.local_hostname
+        host: TransportHost = self  # what transports see of the engine
         for tname, info in sorted(discover_transports().items(), key=lambda kv: kv[1].priority):
             try:
-                self._transports[tname] = info.factory(self)
+                self._transports[tname] = info.factory(host)
             except Exception as exc:  # a broken optional transport must not stop the engine
                 logger.warning("transport %s unavailable: %s", tname, exc)
+        self._control = next((t for t in self._transports.values() if t.carries_control), None)
         self._metadata = open_backend(cfg.metadata_server, cfg)
         self._publish()
         self.segments.on_change.append(self._publish)
@@ -374,11 +348,9 @@ class TransferEngine:
         addrs = [(str(a), int(p)) for a, p in rpc.get("addresses", [])] or [(str(rpc["ip_or_host_name"]), int(rpc["rpc_port"]))]
         dl = deadline if deadline is not None else time.monotonic() + self.config.transfer.connect_timeout_s
         stub = PeerInfo(name, addrs, {})
-        tcp = self._transports["tcp"]
-        assert isinstance(tcp, TCPTransport)
-        if refresh:
-            tcp.drop_peer(name)
-        status, body = tcp.control(stub, Op.DESC, dl)
+        if refresh and self._control is not None:
+            self._control.drop_peer(name)
+        status, body = self.control(stub, Op.DESC, dl)
         if status != Status.OK:
             raise PeerUnreachable(f"peer {name!r} refused to describe its segments (status {status})")
         import json
@@ -399,9 +371,17 @@ class TransferEngine:
     def forget_peer(self, name: str) -> None:
         with self._peers_lock:
             self._peers.pop(name, None)
-        tcp = self._transports.get("tcp")
-        if isinstance(tcp, TCPTransport):
-            tcp.drop_peer(name)
+        if self._control is not None:
+            self._control.drop_peer(name)
+
+    def control(self, peer: PeerInfo, op: int, deadline: float, *, payload: bytes = b"",
+                aux: int = 0, extra: memoryview | None = None) -> tuple[int, bytes]:
+        """One control request to ``peer`` (see :mod:`~mooncake_core.transfer.control`)."""
+        channel = self._control
+        if channel is None:
+            raise PeerUnreachable(f"engine {self.name!r} has no transport that carries control "
+                                  "messages (is the tcp transport blocked?)")
+        return channel.control(peer, op, deadline, payload=payload, aux=aux, extra=extra)
 
     # ------------------------------------------------------------------ transfers
     def _local(self, req: TransferRequest, i: int) -> tuple[int, memoryview, int, Any]:
@@ -682,7 +662,7 @@ class TransferEngine:
                 break
             except TransportError as exc:
                 last = exc
-                if isinstance(exc, PeerUnreachable) and t.name == "tcp":
+                if isinstance(exc, PeerUnreachable) and t.carries_control:
                     self.forget_peer(name)
                 continue
         for it in items:
@@ -704,9 +684,8 @@ class TransferEngine:
             try:
                 dl = time.monotonic() + self.config.transfer.timeout_s
                 p = self.peer(peer, deadline=dl)
-                tcp = self._transports["tcp"]
-                assert isinstance(tcp, TCPTransport)
-                status, body = tcp.control(p, Op.TENSOR, dl, payload=meta, aux=len(meta), extra=data)
+                status, body = self.control(p, Op.TENSOR, dl, payload=meta, aux=len(meta),
+                                            extra=data)
                 if status != Status.OK:
                     raise InvalidRequest(f"peer {peer!r} refused tensor {key!r}: {body.decode(errors='replace') or status}")
                 fut.set_result(None)
@@ -721,7 +700,8 @@ class TransferEngine:
 
     def get_tensor(self, key: str, timeout: float | None = None) -> Any:
         """Wait for the tensor a peer sent under ``key`` and return it (same kind as sent)."""
-        return self._tensor_inbox.take(key, self.config.transfer.timeout_s if timeout is None else timeout)
+        wait = self.config.transfer.timeout_s if timeout is None else timeout
+        return self.inbox.tensors.take(key, wait)
 
     def notify(self, peer: str, name: str, msg: str) -> None:
         """Deliver a (name, msg) notification to ``peer`` (see :meth:`get_notifies`)."""
@@ -729,9 +709,8 @@ class TransferEngine:
 
         dl = time.monotonic() + self.config.transfer.timeout_s
         p = self.peer(peer, deadline=dl)
-        tcp = self._transports["tcp"]
-        assert isinstance(tcp, TCPTransport)
-        status, _ = tcp.control(p, Op.NOTIFY, dl, payload=json.dumps({"name": name, "msg": msg}).encode())
+        body = json.dumps({"name": name, "msg": msg}).encode()
+        status, _ = self.control(p, Op.NOTIFY, dl, payload=body)
         if status != Status.OK:
             raise InvalidRequest(f"peer {peer!r} refused the notification (status {status})")
 
@@ -739,35 +718,16 @@ class TransferEngine:
         """True if ``peer`` answers."""
         try:
             p = self.peer(peer, deadline=time.monotonic() + timeout)
-            tcp = self._transports["tcp"]
-            assert isinstance(tcp, TCPTransport)
-            return tcp.control(p, Op.PING, time.monotonic() + timeout)[0] == Status.OK
+            return self.control(p, Op.PING, time.monotonic() + timeout)[0] == Status.OK
         except (TransportError, OSError):
             self.forget_peer(peer)
             return False
 
-    def _deliver_notify(self, name: str, msg: str) -> None:
-        with self._notify_lock:
-            self._notifies.append((name, msg))
-
     def get_notifies(self) -> list[tuple[str, str]]:
-        with self._notify_lock:
-            out, self._notifies = self._notifies, []
-        return out
+        """Every notification peers sent since the last call, oldest first."""
+        return self.inbox.take_notifies()
 
-    def _rdma_connect(self, peer: PeerInfo, info: dict[str, Any], deadline: float) -> dict[str, Any]:
-        """Client side of the RDMA queue-pair exchange, over the peer's TCP listener."""
-        import json
-
-        tcp = self._transports["tcp"]
-        assert isinstance(tcp, TCPTransport)
-        status, body = tcp.control(peer, Op.RDMA_CONNECT, deadline, payload=json.dumps(info).encode())
-        if status != Status.OK:
-            raise TransportError(f"peer {peer.name!r} refused the RDMA connection: {body.decode(errors='replace')}")
-        answer: dict[str, Any] = json.loads(body)
-        return answer
-
-    def _rdma_accept(self, info: dict[str, Any]) -> dict[str, Any]:
+    def accept_rdma(self, info: dict[str, Any]) -> dict[str, Any]:
         """Server side of the queue-pair exchange (called by the listener)."""
         rdma = self._transports.get("rdma")
         if rdma is None or not getattr(rdma, "available", False):

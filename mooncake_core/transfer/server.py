@@ -3,6 +3,9 @@
 One thread per connection (blocking sockets; ``recv_into`` straight into registered
 memory, ``sendmsg`` straight out of it). Every address range is checked against the
 segment table before a byte moves. Malformed input closes that connection only.
+
+The listener sees its engine only through :class:`~mooncake_core.transfer.types.ListenerHost`
+(registered memory, descriptor, control inbox, RDMA queue-pair acceptance).
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ import logging
 import os
 import socket
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from mooncake_core.errors import InvalidRequest, MooncakeError
+from mooncake_core.errors import InvalidRequest, MooncakeError, TransportError
 from mooncake_core.transfer.net import recv_exact, send_parts, tune_socket
 from mooncake_core.transfer.protocol import (
     FLAG_SECRET_REQUIRED,
@@ -29,23 +32,21 @@ from mooncake_core.transfer.protocol import (
     Status,
     auth_digest,
 )
-
-if TYPE_CHECKING:
-    from mooncake_core.transfer.engine import TransferEngine
+from mooncake_core.transfer.types import ListenerHost
 
 __all__ = ["TransferServer"]
 
 logger = logging.getLogger(__name__)
 
 
-class _Close(Exception):
-    """Close this connection (protocol violation or auth failure)."""
+class _Close(TransportError):
+    """Close this connection (protocol violation or auth failure); never leaves the listener."""
 
 
 class TransferServer:
     """Accepts peers on ``(host, port)`` and serves them until :meth:`close`."""
 
-    def __init__(self, engine: TransferEngine, hosts: list[str], port: int, secret: str) -> None:
+    def __init__(self, engine: ListenerHost, hosts: list[str], port: int, secret: str) -> None:
         self.engine = engine
         self.secret = secret
         self._socks: list[socket.socket] = []
@@ -139,6 +140,7 @@ class TransferServer:
         hdr = bytearray(REQ.size)
         hview = memoryview(hdr)
         segments = self.engine.segments
+        inbox = self.engine.inbox
         while True:
             if not recv_exact(conn, hview):
                 return
@@ -185,7 +187,7 @@ class TransferServer:
             elif op == Op.RDMA_CONNECT:
                 body = self._recv_control(conn, length, req_id)
                 try:
-                    answer = self.engine._rdma_accept(json.loads(bytes(body)))
+                    answer = self.engine.accept_rdma(json.loads(bytes(body)))
                 except (ValueError, TypeError, KeyError, MooncakeError) as exc:
                     self._reply(conn, Status.BAD_REQUEST, req_id, str(exc).encode()[:1024])
                     continue
@@ -194,7 +196,7 @@ class TransferServer:
                 body = self._recv_control(conn, length, req_id)
                 try:
                     msg = json.loads(bytes(body))
-                    self.engine._deliver_notify(str(msg["name"]), str(msg["msg"]))
+                    inbox.deliver_notify(str(msg["name"]), str(msg["msg"]))
                 except (ValueError, KeyError, TypeError):
                     self._reply(conn, Status.BAD_REQUEST, req_id)
                     continue
@@ -206,11 +208,11 @@ class TransferServer:
                 meta_buf = memoryview(bytearray(aux))
                 if not recv_exact(conn, meta_buf):
                     raise _Close("eof in tensor metadata")
-                data = self.engine._tensor_inbox.alloc(length - aux)
+                data = inbox.tensors.alloc(length - aux)
                 if length - aux and not recv_exact(conn, data.view):
                     raise _Close("eof in tensor payload")
                 try:
-                    self.engine._tensor_inbox.deliver(json.loads(bytes(meta_buf)), data)
+                    inbox.tensors.deliver(json.loads(bytes(meta_buf)), data)
                 except (ValueError, KeyError, TypeError) as exc:
                     self._reply(conn, Status.BAD_REQUEST, req_id, str(exc).encode()[:1024])
                     continue

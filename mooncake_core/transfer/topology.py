@@ -1,4 +1,5 @@
-"""Topology discovery: network interfaces, their addresses and NUMA nodes.
+"""Topology discovery: this host's identity, network interfaces, their addresses and NUMA
+nodes.
 
 Reads ``/sys/class/net`` (operstate, NUMA node of the backing PCI device, link speed)
 and asks the kernel for each interface's IPv4 address. :func:`choose_interfaces` picks
@@ -15,9 +16,33 @@ import socket
 import struct
 from dataclasses import asdict, dataclass
 
-__all__ = ["Nic", "discover_nics", "interface_ipv4", "choose_interfaces", "resolve_interfaces", "topology_json"]
+__all__ = [
+    "host_identity",
+    "Nic",
+    "discover_nics",
+    "interface_ipv4",
+    "choose_interfaces",
+    "resolve_interfaces",
+    "topology_json",
+]
 
 SIOCGIFADDR = 0x8915
+
+
+def host_identity() -> str:
+    """Identity of 'this host' as seen by shared memory: boot id plus namespaces."""
+    parts = []
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+    except OSError:
+        parts.append("no-boot-id")
+    for ns in ("net", "pid", "mnt"):
+        try:
+            parts.append(str(os.stat(f"/proc/self/ns/{ns}").st_ino))
+        except OSError:
+            parts.append("-")
+    return "/".join(parts)
 
 
 @dataclass(frozen=True)

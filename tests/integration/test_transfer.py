@@ -479,3 +479,18 @@ def _wait_stopped(pid: int, timeout: float = 10.0) -> None:
             return
         time.sleep(0.01)
     raise AssertionError(f"process {pid} did not stop")
+
+
+def test_without_a_control_transport_peers_fail_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mooncake_core import plugins
+
+    monkeypatch.setenv("MOONCAKE_BLOCK_PLUGINS", "tcp")
+    plugins.reset_plugin_manager()
+    try:
+        with TransferEngine() as eng:
+            assert "tcp" not in eng.transports
+            with pytest.raises(PeerUnreachable, match="no transport that carries control messages"):
+                eng.peer(f"127.0.0.1:{eng.port}")
+            assert not eng.ping(f"127.0.0.1:{eng.port}")
+    finally:
+        plugins.reset_plugin_manager()

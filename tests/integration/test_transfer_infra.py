@@ -20,7 +20,11 @@ from mooncake_core.errors import PeerUnreachable
 from mooncake_core.metadata.http import HTTPMetadata, MetadataServer
 from mooncake_core.transfer import TransferEngine
 from mooncake_core.transfer.protocol import GREETING, MAGIC, REQ, RESP, Op
-from mooncake_core.transfer.transports.rdma import detect_devices, rdma_available
+from mooncake_core.transfer.transports.rdma import (
+    detect_devices,
+    rdma_available,
+    request_queue_pair,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -268,5 +272,6 @@ def test_rdma_queue_pair_exchange_is_refused_clearly_without_a_device(spawn_peer
     with TransferEngine() as eng:
         info = eng.peer(peer.name)
         with pytest.raises(TransportError, match="refused the RDMA connection: RDMA is not available on engine"):
-            eng._rdma_connect(info, {"qpn": 1, "lid": 0, "gid": "::", "psn": 0}, time.monotonic() + 5)
+            qp = {"qpn": 1, "lid": 0, "gid": "::", "psn": 0}
+            request_queue_pair(eng, info, qp, time.monotonic() + 5)
         assert eng.ping(peer.name)  # the listener still serves

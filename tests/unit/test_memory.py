@@ -89,3 +89,16 @@ def test_topology_discovery() -> None:
     with pytest.raises(ConfigError, match="transfer.interfaces: interface 'nope0'"):
         resolve_interfaces("nope0")
 
+
+
+def test_shared_transfer_types_keep_their_old_import_paths() -> None:
+    from mooncake_core.transfer import PeerInfo, engine, topology, types
+    from mooncake_core.transfer.transports import base, shm
+
+    assert base.WorkItem is types.WorkItem and (base.READ, base.WRITE) == (types.READ, types.WRITE)
+    assert engine.PeerInfo is PeerInfo is types.PeerInfo
+    assert shm.host_identity is topology.host_identity
+    assert topology.host_identity() == topology.host_identity() != ""
+    peer = PeerInfo("h:1", [("h", 1)], {"buffers": [{"addr": 4096, "length": 100, "name": "a"}]})
+    assert peer.find_region(4100, 96) is not None and peer.find_region(4100, 97) is None
+    assert peer.region_named("a") is not None and peer.region_named("b") is None

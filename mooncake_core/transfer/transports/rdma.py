@@ -19,16 +19,15 @@ import os
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mooncake_core.errors import InvalidRequest, PeerUnreachable, TransferTimeout, TransportError
 from mooncake_core.plugins import TransportInfo, hookimpl
-from mooncake_core.transfer.transports.base import READ, Transport, WorkItem
+from mooncake_core.transfer.protocol import Op, Status
+from mooncake_core.transfer.transports.base import Transport
+from mooncake_core.transfer.types import READ, PeerInfo, TransportHost, WorkItem
 
-if TYPE_CHECKING:
-    from mooncake_core.transfer.engine import PeerInfo, TransferEngine
-
-__all__ = ["RDMATransport", "detect_devices", "rdma_available"]
+__all__ = ["RDMATransport", "detect_devices", "rdma_available", "request_queue_pair"]
 
 logger = logging.getLogger(__name__)
 _logged = False
@@ -69,6 +68,23 @@ def rdma_available(device_filter: str = "") -> tuple[bool, str]:
     if _import_pyverbs() is None:
         return False, "pyverbs is not importable (apt-get install python3-pyverbs)"
     return True, ",".join(devices)
+
+
+def request_queue_pair(host: TransportHost, peer: PeerInfo, info: dict[str, Any],
+                       deadline: float) -> dict[str, Any]:
+    """Client side of the RDMA queue-pair exchange, over the engine's control channel.
+
+    Sends our queue pair ``info`` to ``peer`` and returns the peer's.
+
+    Raises:
+        TransportError: the peer refused (no RDMA device there, bad request).
+    """
+    status, body = host.control(peer, Op.RDMA_CONNECT, deadline, payload=json.dumps(info).encode())
+    if status != Status.OK:
+        raise TransportError(f"peer {peer.name!r} refused the RDMA connection: "
+                             f"{body.decode(errors='replace')}")
+    answer: dict[str, Any] = json.loads(body)
+    return answer
 
 
 class _Endpoint:
@@ -122,7 +138,7 @@ class RDMATransport(Transport):
 
     name = "rdma"
 
-    def __init__(self, engine: TransferEngine) -> None:
+    def __init__(self, engine: TransportHost) -> None:
         super().__init__(engine)
         global _logged
         self.available, why = rdma_available(engine.config.device_name)
@@ -175,7 +191,7 @@ class RDMATransport(Transport):
         """Server side of the QP handshake (called by the listener's RDMA_CONNECT)."""
         if not self.available:
             raise TransportError("RDMA is not available on this engine")
-        ep = _Endpoint(self._ctx, self._pd, 1, int(os.environ.get("MC_GID_INDEX", "0")))
+        ep = _Endpoint(self._ctx, self._pd, 1, self.engine.config.transfer.gid_index)
         ep.connect(remote)
         with self._lock:
             self._eps[f"in:{remote.get('name', id(ep))}"] = ep
@@ -190,8 +206,9 @@ class RDMATransport(Transport):
             ep = self._eps.get(peer.name)
         if ep is not None:
             return ep
-        ep = _Endpoint(self._ctx, self._pd, 1, int(os.environ.get("MC_GID_INDEX", "0")))
-        remote = self.engine._rdma_connect(peer, {**ep.info(), "name": self.engine.name}, deadline)
+        ep = _Endpoint(self._ctx, self._pd, 1, self.engine.config.transfer.gid_index)
+        mine = {**ep.info(), "name": self.engine.name}
+        remote = request_queue_pair(self.engine, peer, mine, deadline)
         ep.connect(remote)
         with self._lock:
             self._eps[peer.name] = ep

@@ -19,15 +19,14 @@ import logging
 import mmap
 import os
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mooncake_core.errors import InvalidRequest, PeerUnreachable, TransportError
 from mooncake_core.plugins import TransportInfo, hookimpl
 from mooncake_core.transfer.memory import memmove
-from mooncake_core.transfer.transports.base import READ, Transport, WorkItem
-
-if TYPE_CHECKING:
-    from mooncake_core.transfer.engine import PeerInfo, TransferEngine
+from mooncake_core.transfer.topology import host_identity
+from mooncake_core.transfer.transports.base import Transport
+from mooncake_core.transfer.types import READ, PeerInfo, TransportHost, WorkItem
 
 __all__ = ["ShmTransport", "host_identity"]
 
@@ -41,22 +40,6 @@ _CUT = 64 << 10  # copies are split at multiples of this
 def _run_copies(jobs: list[tuple[int, int, int]]) -> None:
     for dst, src, n in jobs:
         memmove(dst, src, n)
-
-
-def host_identity() -> str:
-    """Identity of 'this host' as seen by shared memory: boot id plus namespaces."""
-    parts = []
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            parts.append(f.read().strip())
-    except OSError:
-        parts.append("no-boot-id")
-    for ns in ("net", "pid", "mnt"):
-        try:
-            parts.append(str(os.stat(f"/proc/self/ns/{ns}").st_ino))
-        except OSError:
-            parts.append("-")
-    return "/".join(parts)
 
 
 class _IOVec(ctypes.Structure):
@@ -99,7 +82,7 @@ class ShmTransport(Transport):
 
     name = "shm"
 
-    def __init__(self, engine: TransferEngine) -> None:
+    def __init__(self, engine: TransportHost) -> None:
         super().__init__(engine)
         self._maps: dict[tuple[int, int, int], tuple[mmap.mmap, int]] = {}
         self._lock = threading.Lock()

@@ -17,7 +17,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
 
 from mooncake_core.errors import (
     AuthError,
@@ -38,10 +37,8 @@ from mooncake_core.transfer.protocol import (
     Status,
     auth_digest,
 )
-from mooncake_core.transfer.transports.base import READ, Transport, WorkItem
-
-if TYPE_CHECKING:
-    from mooncake_core.transfer.engine import PeerInfo, TransferEngine
+from mooncake_core.transfer.transports.base import Transport
+from mooncake_core.transfer.types import READ, PeerInfo, TransportHost, WorkItem
 
 __all__ = ["TCPTransport", "TCPConnection"]
 
@@ -211,11 +208,12 @@ class _PeerPool:
 
 
 class TCPTransport(Transport):
-    """The default transport across hosts."""
+    """The default transport across hosts, and the engine's control channel."""
 
     name = "tcp"
+    carries_control = True
 
-    def __init__(self, engine: TransferEngine) -> None:
+    def __init__(self, engine: TransportHost) -> None:
         super().__init__(engine)
         cfg = engine.config.transfer
         self.nconn = cfg.connections_per_peer
@@ -273,14 +271,15 @@ class TCPTransport(Transport):
         for n in names:
             self.drop_peer(n)
 
-    def control(self, peer: PeerInfo, op: int, deadline: float, **kw: Any) -> tuple[int, bytes]:
+    def control(self, peer: PeerInfo, op: int, deadline: float, *, payload: bytes = b"",
+                aux: int = 0, extra: memoryview | None = None) -> tuple[int, bytes]:
         """A control request on the peer's first connection (with one reconnect)."""
         last: BaseException | None = None
         for _ in range(2):
             conn = self.connection(peer, 0, deadline)
             with conn.lock:
                 try:
-                    return conn.request(op, **kw)
+                    return conn.request(op, payload=payload, aux=aux, extra=extra)
                 except (OSError, ConnectionError) as exc:
                     conn.close()
                     last = exc
