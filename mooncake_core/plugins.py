@@ -11,26 +11,26 @@ Built-ins register through the same groups as third parties; when the package is
 from a source tree without installed metadata they are registered directly. Set
 ``MOONCAKE_DISABLE_PLUGIN_AUTOLOAD=1`` to load only the built-ins (tests), and
 ``MOONCAKE_BLOCK_PLUGINS=a,b`` to block plugins by entry-point name.
+
+The markers ``hookimpl``/``hookspec`` live in the leaf :mod:`mooncake_core.hookmarkers`
+(re-exported here). This module sits below metadata and transfer in the layering
+(``.importlinter``): it must not import them, not even for type checking.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pluggy
 
+from mooncake_core.config import MooncakeConfig, env_flag, env_list
 from mooncake_core.errors import PluginError
-
-if TYPE_CHECKING:
-    from mooncake_core.config import MooncakeConfig
-    from mooncake_core.metadata.base import MetadataBackend
-    from mooncake_core.transfer.transports.base import Transport
+from mooncake_core.hookmarkers import PROJECT, hookimpl, hookspec
 
 __all__ = [
     "PROJECT",
@@ -38,7 +38,9 @@ __all__ = [
     "hookimpl",
     "hookspec",
     "TransportInfo",
+    "TransportFactory",
     "MetadataBackendInfo",
+    "MetadataBackendFactory",
     "AdapterInfo",
     "get_plugin_manager",
     "reset_plugin_manager",
@@ -49,11 +51,17 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-PROJECT = "mooncake"
 GROUPS = ("mooncake_core.transports", "mooncake_core.metadata", "mooncake_core.adapters")
 
-hookspec = pluggy.HookspecMarker(PROJECT)
-hookimpl = pluggy.HookimplMarker(PROJECT)
+# The plugin layer sits below metadata and transfer, so it names what the factories build
+# without importing them: a transport factory gets the engine's narrow host interface
+# (``mooncake_core.transfer.types.TransportHost``) and returns a
+# ``mooncake_core.transfer.transports.base.Transport``; a metadata factory returns a
+# ``mooncake_core.metadata.base.MetadataBackend``.
+TransportFactory = Callable[[Any], Any]
+"""``factory(host) -> Transport``: builds one transport for one engine."""
+MetadataBackendFactory = Callable[[str, MooncakeConfig], Any]
+"""``factory(url, config) -> MetadataBackend``: opens the backend serving ``url``."""
 
 _BUILTINS = {
     "mooncake_core.transports": {
@@ -75,13 +83,14 @@ class TransportInfo:
 
     Attributes:
         name: protocol string (``"tcp"``, ``"shm"``, ``"rdma"``).
-        factory: builds the transport for one engine: ``factory(engine) -> Transport``.
+        factory: builds the transport for one engine: ``factory(host) -> Transport``, where
+            ``host`` is the engine seen through ``transfer.types.TransportHost``.
         priority: lower is tried first when several transports can reach a peer.
         description: one line for ``mooncake-core plugins``.
     """
 
     name: str
-    factory: Callable[[Any], Transport]
+    factory: TransportFactory
     priority: int
     description: str = ""
 
@@ -100,7 +109,7 @@ class MetadataBackendInfo:
 
     name: str
     schemes: tuple[str, ...]
-    factory: Callable[[str, MooncakeConfig], MetadataBackend]
+    factory: MetadataBackendFactory
     description: str = ""
 
 
@@ -158,7 +167,7 @@ _lock = threading.Lock()
 
 
 def _blocked() -> set[str]:
-    return {n.strip() for n in os.environ.get("MOONCAKE_BLOCK_PLUGINS", "").split(",") if n.strip()}
+    return set(env_list("MOONCAKE_BLOCK_PLUGINS"))
 
 
 def get_plugin_manager() -> pluggy.PluginManager:
@@ -171,7 +180,7 @@ def get_plugin_manager() -> pluggy.PluginManager:
         pm.add_hookspecs(MooncakeHookSpecs)
         for name in _blocked():
             pm.set_blocked(name)
-        if os.environ.get("MOONCAKE_DISABLE_PLUGIN_AUTOLOAD", "") not in ("1", "true", "yes"):
+        if not env_flag("MOONCAKE_DISABLE_PLUGIN_AUTOLOAD"):
             for group in GROUPS:
                 try:
                     pm.load_setuptools_entrypoints(group)

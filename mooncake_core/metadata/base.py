@@ -95,11 +95,14 @@ def open_backend(url: str, config: MooncakeConfig) -> MetadataBackend:
     if not target:
         raise ConfigError("metadata_server: must not be empty (use P2PHANDSHAKE, http://h:p/metadata or etcd://h:p)")
     backends = metadata_backends()
+    backend: MetadataBackend
     for info in backends.values():
         for scheme in info.schemes:
             if target.upper() == scheme.upper() or (scheme.endswith("://") and target.lower().startswith(scheme)):
-                return info.factory(target, config)
+                backend = info.factory(target, config)
+                return backend
     if "://" not in target and ":" in target and "etcd" in backends:  # bare host:port means etcd
-        return backends["etcd"].factory("etcd://" + target, config)
+        backend = backends["etcd"].factory("etcd://" + target, config)
+        return backend
     schemes = sorted(s for b in backends.values() for s in b.schemes)
     raise ConfigError(f"metadata_server: no backend serves {url!r} (known: {', '.join(schemes)})")
