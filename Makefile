@@ -22,9 +22,11 @@ mooncake-peer:
 test-quick: setup
 	$(PY) -m pytest -q -m "not slow" -p no:cacheprovider
 
+# lint-imports checks the import layering in .importlinter (no cycles, no adapter in the core).
 lint: setup
 	$(PY) -m ruff check mooncake_core plugins conformance tests benchmarks examples
 	$(PY) -m mypy
+	.venv/bin/lint-imports --no-cache --no-logo
 
 bench: setup
 	$(PY) -m mooncake_core bench transfer

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import ast
+import shutil
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
-from mooncake_core import plugins
-from mooncake_core.errors import PluginError
+from mooncake_core import hookmarkers, plugins
+from mooncake_core.errors import ConfigError, PluginError
 from mooncake_core.plugins import TransportInfo, hookimpl
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -48,7 +53,7 @@ def test_third_party_transport_and_duplicate_names() -> None:
 
     @hookimpl
     def mooncake_transports() -> list[TransportInfo]:
-        return [TransportInfo("loopy", lambda eng: None, 99, "a test transport")]  # type: ignore[arg-type,return-value]
+        return [TransportInfo("loopy", lambda eng: None, 99, "a test transport")]
 
     mod.mooncake_transports = mooncake_transports  # type: ignore[attr-defined]
     pm.register(mod, name="loopy")
@@ -57,7 +62,7 @@ def test_third_party_transport_and_duplicate_names() -> None:
 
     @hookimpl
     def mooncake_transports2() -> list[TransportInfo]:
-        return [TransportInfo("tcp", lambda eng: None, 1)]  # type: ignore[arg-type,return-value]
+        return [TransportInfo("tcp", lambda eng: None, 1)]
 
     dup.mooncake_transports = mooncake_transports2  # type: ignore[attr-defined]
     pm.register(dup, name="dup")
@@ -94,3 +99,39 @@ def test_cli_lists_plugins() -> None:
     assert out.returncode == 0, out.stderr
     for word in ("tcp", "shm", "rdma", "P2PHANDSHAKE", "etcd://", "vllm", "sglang", "lmdeploy", "trtllm"):
         assert word in out.stdout
+
+
+def test_blocking_and_autoload_read_through_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOONCAKE_DISABLE_PLUGIN_AUTOLOAD", "On")
+    monkeypatch.setenv("MOONCAKE_BLOCK_PLUGINS", " rdma , ,shm")
+    plugins.reset_plugin_manager()
+    assert {"rdma", "shm"}.isdisjoint(plugins.transports()) and "tcp" in plugins.transports()
+    assert plugins.adapters() == []
+    monkeypatch.setenv("MOONCAKE_DISABLE_PLUGIN_AUTOLOAD", "perhaps")
+    plugins.reset_plugin_manager()
+    with pytest.raises(ConfigError, match="MOONCAKE_DISABLE_PLUGIN_AUTOLOAD"):
+        plugins.get_plugin_manager()
+
+
+def test_hook_markers_live_in_a_leaf_module_re_exported_by_plugins() -> None:
+    assert plugins.hookimpl is hookmarkers.hookimpl
+    assert plugins.hookspec is hookmarkers.hookspec
+    assert plugins.PROJECT == hookmarkers.PROJECT == "mooncake"
+    tree = ast.parse(Path(hookmarkers.__file__).read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not any(m.startswith("mooncake") for m in imported), imported
+
+
+# the contracts of .importlinter that guard the plugin and transfer layers
+LAYER_CONTRACTS = ("core-layers", "transfer-layers", "transports-layers",
+                   "engine-knows-no-concrete-transport")
+
+
+def test_plugin_and_transfer_layers_are_kept() -> None:
+    exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
+    if exe is None:
+        pytest.skip("import-linter is not installed (pip install -e '.[test]')")
+    args = [exe, "--no-cache", "--no-logo"] + [a for c in LAYER_CONTRACTS for a in ("--contract", c)]
+    out = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
