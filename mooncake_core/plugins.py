@@ -152,12 +152,16 @@ class MooncakeHookSpecs:
         :return: one :class:`AdapterInfo`; every adapter is asked.
         """
 
+    # ---------------------------------------------------------------- proxy
     @hookspec(firstresult=True)
-    def mooncake_make_connector(self, engine: str, config: MooncakeConfig) -> Any:
-        """Return a connector for ``engine``, or None if this adapter does not serve it.
+    def mooncake_proxy_engine(self, name: str) -> Any:
+        """Return what ``mooncake-core proxy --engine NAME`` needs from that engine, or None.
 
-        :param engine: engine name (``"vllm"``, ``"sglang"``, ...).
-        :param config: the project's configuration.
+        The answer follows the ``ProxyEngine`` protocol of ``mooncake_core.proxy.engine``
+        (how a PD request is split, tokenizer endpoint, KV-event decoding, store keys); it
+        is typed ``Any`` here because this module sits below the proxy.
+
+        :param name: engine name (``"vllm"``, ``"sglang"``, ...).
         :return: first non-None answer wins; later adapters are not asked.
         """
 

@@ -17,21 +17,81 @@ Policies (command-line names):
   store (only if it is longer by more than the balancing threshold), minimum TTFT wins.
 
 All policies still use whatever prefix the chosen instance holds locally.
+
+This module is the one definition of these concepts: the PD proxy (``mooncake-core
+proxy``) routes with the same rules over live instances: its ``least-load`` picks with
+:func:`least_loaded` (ties rotate there, so an idle cluster is spread), its
+``global-cache`` runs a :class:`~mooncake_core.conductor.Conductor` with
+:class:`GlobalCachePolicy`, and both it and the KV-event listener name prompt blocks with
+:func:`prefix_blocks` / :func:`chain_block`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from mooncake_core.errors import ConfigError
 
-__all__ = ["POLICIES", "Policy", "PrefillChoice", "PrefillView", "make_policy"]
+__all__ = [
+    "POLICIES",
+    "Policy",
+    "PrefillChoice",
+    "PrefillView",
+    "chain_block",
+    "least_loaded",
+    "make_policy",
+    "prefix_blocks",
+    "token_chunk",
+]
 
 logger = logging.getLogger(__name__)
+
+_ID_MASK = (1 << 62) - 1
+
+
+def token_chunk(tokens: Sequence[int]) -> bytes:
+    """The bytes one block of token ids is hashed over."""
+    return ",".join(map(str, tokens)).encode()
+
+
+def chain_block(prev: bytes, chunk: bytes) -> tuple[bytes, int]:
+    """Chain one block onto ``prev`` (``b""`` at a prompt's start): its digest and block id."""
+    h = hashlib.blake2b(prev + chunk, digest_size=8).digest()
+    return h, int.from_bytes(h, "little") & _ID_MASK
+
+
+def prefix_blocks(prompt: Sequence[int] | str, block_tokens: int = 32) -> tuple[int, ...]:
+    """Chained ids of a prompt's full blocks (text prompts: 4 characters ~ 1 token)."""
+    if isinstance(prompt, str):
+        unit = prompt.encode()
+        step = block_tokens * 4
+        chunks = [unit[i : i + step] for i in range(0, len(unit) - step + 1, step)]
+    else:
+        toks = list(prompt)
+        chunks = [token_chunk(toks[i : i + block_tokens])
+                  for i in range(0, len(toks) - block_tokens + 1, block_tokens)]
+    out: list[int] = []
+    h = b""
+    for c in chunks:
+        h, bid = chain_block(h, c)
+        out.append(bid)
+    return tuple(out)
+
+
+def least_loaded(loads: Sequence[Any] | np.ndarray, start: int = 0) -> int:
+    """Index of the smallest of ``loads``; ties go to the first at or after ``start``, cyclically.
+
+    ``loads`` are comparable values (numbers, or tuples for tie-breaking keys).
+    """
+    n = len(loads)
+    return min(((start + k) % n for k in range(n)), key=loads.__getitem__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,12 +152,12 @@ class RandomPolicy(Policy):
 
 
 class LeastLoadPolicy(Policy):
-    """Least queued work; ties go to the lowest index."""
+    """Least queued work (:func:`least_loaded`); ties go to the lowest index."""
 
     name = "least-load"
 
     def choose(self, view: PrefillView) -> PrefillChoice:
-        return PrefillChoice(int(np.argmin(view.wait_s)), False)
+        return PrefillChoice(least_loaded(view.wait_s), False)
 
 
 class LocalCachePolicy(Policy):

@@ -1,15 +1,14 @@
-"""vLLM KV-cache events into the conductor: which prefill instance holds which prefix.
+"""Engines' KV-cache events into the conductor: which prefill instance holds which prefix.
 
-vLLM publishes ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` events over ZMQ
-when started with ``--kv-events-config '{"enable_kv_cache_events":true,"publisher":"zmq",
-"endpoint":"tcp://127.0.0.1:PORT"}'``. An endpoint without ``*`` makes vLLM *connect*,
-so the proxy binds one SUB socket per prefill instance on loopback and the instances
-connect to it. Each stored block carries its token ids and its parent's vLLM hash; we
-re-chain them into the proxy's own block hashes (:func:`~mooncake_core.proxy.policy.prefix_blocks`)
-so that events and routed prompts name blocks the same way.
-
-Messages are ``(topic, 8-byte big-endian sequence, msgpack EventBatch)`` where the batch is
-``[ts, [event, ...], dp_rank]`` and each event a map tagged ``"type"``.
+An engine publishes ``stored`` / ``removed`` / ``cleared`` events over ZMQ (vLLM: started
+with ``--kv-events-config '{"enable_kv_cache_events":true,"publisher":"zmq",
+"endpoint":"tcp://127.0.0.1:PORT"}'``). An endpoint without ``*`` makes the engine
+*connect*, so the proxy binds one SUB socket per prefill instance on loopback and the
+instances connect to it. The engine's adapter decodes each message into the neutral
+events of :mod:`mooncake_core.proxy.engine`; a stored block carries its token ids and its
+parent's engine hash, and :class:`BlockChain` re-chains them into the proxy's own block
+ids (:func:`~mooncake_core.conductor.policy.prefix_blocks`) so that events and routed
+prompts name blocks the same way.
 
 *Thread-safety*: a listener thread decodes; updates are handed to the proxy's event loop.
 """
@@ -17,13 +16,13 @@ Messages are ``(topic, 8-byte big-endian sequence, msgpack EventBatch)`` where t
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-import msgspec
+from mooncake_core.conductor.policy import chain_block, token_chunk
+from mooncake_core.proxy.engine import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent
 
 __all__ = ["KVEventListener", "BlockChain"]
 
@@ -31,21 +30,21 @@ logger = logging.getLogger(__name__)
 
 
 class BlockChain:
-    """Maps one instance's vLLM block hashes to the proxy's chained block ids."""
+    """Maps one instance's engine block hashes to the proxy's chained block ids."""
 
     def __init__(self, block_tokens: int) -> None:
         self.block_tokens = block_tokens
-        self._digest: dict[Any, bytes] = {}  # vLLM hash -> our chain digest
-        self._ids: dict[Any, int] = {}  # vLLM hash -> our block id
+        self._digest: dict[Hashable, bytes] = {}  # engine hash -> our chain digest
+        self._ids: dict[Hashable, int] = {}  # engine hash -> our block id
 
-    def stored(self, event: dict[str, Any]) -> list[int]:
-        """Our ids for a ``BlockStored`` event (empty when the chain cannot be followed)."""
-        hashes: list[Any] = list(event.get("block_hashes") or [])
-        tokens: list[int] = list(event.get("token_ids") or [])
-        size = int(event.get("block_size") or self.block_tokens)
-        parent = event.get("parent_block_hash")
+    def stored(self, event: BlocksStored) -> list[int]:
+        """Our ids for a :class:`BlocksStored` event (empty when the chain cannot be followed)."""
+        hashes = event.block_hashes
+        tokens = event.token_ids
+        size = event.block_size or self.block_tokens
         if size != self.block_tokens or len(tokens) != size * len(hashes):
             return []
+        parent = None if event.parent_hash is None else self._key(event.parent_hash)
         if parent is None:
             h = b""
         elif parent in self._digest:
@@ -53,19 +52,19 @@ class BlockChain:
         else:  # the parent's event was missed: this chain is unknown to us
             return []
         out = []
-        for i, vh in enumerate(hashes):
-            chunk = ",".join(map(str, tokens[i * size : (i + 1) * size])).encode()
-            h = hashlib.blake2b(h + chunk, digest_size=8).digest()
-            bid = int.from_bytes(h, "little") & ((1 << 62) - 1)
-            self._digest[self._key(vh)] = h
-            self._ids[self._key(vh)] = bid
+        for i, eh in enumerate(hashes):
+            h, bid = chain_block(h, token_chunk(tokens[i * size : (i + 1) * size]))
+            k = self._key(eh)
+            self._digest[k] = h
+            self._ids[k] = bid
             out.append(bid)
         return out
 
-    def removed(self, hashes: Sequence[Any]) -> list[int]:
+    def removed(self, hashes: Sequence[Hashable]) -> list[int]:
+        """Our ids of the blocks with these engine hashes (forgotten)."""
         out = []
-        for vh in hashes:
-            k = self._key(vh)
+        for eh in hashes:
+            k = self._key(eh)
             self._digest.pop(k, None)
             bid = self._ids.pop(k, None)
             if bid is not None:
@@ -73,14 +72,20 @@ class BlockChain:
         return out
 
     def clear(self) -> list[int]:
+        """Our ids of every block (all forgotten)."""
         out = list(self._ids.values())
         self._digest.clear()
         self._ids.clear()
         return out
 
     @staticmethod
-    def _key(h: Any) -> Any:
-        return bytes(h) if isinstance(h, (bytes, bytearray, memoryview)) else h
+    def _key(h: Any) -> Hashable:
+        if isinstance(h, (bytes, bytearray, memoryview)):
+            return bytes(h)
+        if isinstance(h, list):
+            return tuple(h)
+        key: Hashable = h
+        return key
 
 
 class KVEventListener:
@@ -91,11 +96,13 @@ class KVEventListener:
         block_tokens: the engines' KV block size (must match the proxy's hashing).
         on_stored / on_removed: ``f(instance, block_ids)``, called on ``loop``.
         loop: the proxy's event loop.
+        decode: the engine's decoder of one message's last frame
+            (:meth:`~mooncake_core.proxy.engine.ProxyEngine.decode_kv_events`).
     """
 
     def __init__(self, endpoints: Sequence[str], block_tokens: int,
                  on_stored: Callable[[int, list[int]], None], on_removed: Callable[[int, list[int]], None],
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, decode: Callable[[bytes], list[KVEvent]]) -> None:
         import zmq
 
         self._zmq = zmq
@@ -108,6 +115,7 @@ class KVEventListener:
             s.bind(ep)
             self._socks.append(s)
         self.chains = [BlockChain(block_tokens) for _ in endpoints]
+        self._decode = decode
         self._on_stored = on_stored
         self._on_removed = on_removed
         self._loop = loop
@@ -129,24 +137,21 @@ class KVEventListener:
                     self._handle(inst, frames[-1])
                 except zmq.Again:
                     continue
-                except (msgspec.DecodeError, ValueError, TypeError, IndexError) as exc:
+                except (ValueError, TypeError, IndexError, KeyError, AttributeError) as exc:
                     logger.warning("ignoring a malformed KV event from prefill instance %d: %s", inst, exc)
 
     def _handle(self, inst: int, payload: bytes) -> None:
-        batch = msgspec.msgpack.decode(payload)
-        events = batch[1] if isinstance(batch, list) else batch.get("events", [])
         chain = self.chains[inst]
-        for ev in events:
-            kind = ev.get("type") if isinstance(ev, dict) else None
-            if kind == "BlockStored":
+        for ev in self._decode(payload):
+            if isinstance(ev, BlocksStored):
                 ids = chain.stored(ev)
                 if ids:
                     self._loop.call_soon_threadsafe(self._on_stored, inst, ids)
-            elif kind == "BlockRemoved":
-                ids = chain.removed(ev.get("block_hashes") or [])
+            elif isinstance(ev, BlocksRemoved):
+                ids = chain.removed(ev.block_hashes)
                 if ids:
                     self._loop.call_soon_threadsafe(self._on_removed, inst, ids)
-            elif kind == "AllBlocksCleared":
+            elif isinstance(ev, AllBlocksCleared):
                 ids = chain.clear()
                 if ids:
                     self._loop.call_soon_threadsafe(self._on_removed, inst, ids)

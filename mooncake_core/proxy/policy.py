@@ -8,7 +8,10 @@ updates them).
 
 Policies (``--policy``): ``least-load`` (default), ``round-robin``, ``global-cache``
 (the KV-cache-aware :class:`~mooncake_core.conductor.Conductor`). New ones go into
-:data:`POLICIES` as ``"module:factory"``; they are imported on first use.
+:data:`POLICIES` as ``"module:factory"``; they are imported on first use. Least-load and
+global-cache are the conductor's rules (:mod:`mooncake_core.conductor.policy`, their one
+definition) applied to the live instances; what is engine-specific (KV-event format,
+store key scheme, model listing) comes from the :class:`~mooncake_core.proxy.engine.ProxyEngine`.
 
 Thread-safety: none; the proxy calls from its event loop.
 """
@@ -16,7 +19,6 @@ Thread-safety: none; the proxy calls from its event loop.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import importlib
 import itertools
 import logging
@@ -26,7 +28,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mooncake_core.errors import ConfigError
+from mooncake_core.conductor import policy as conductor_policy
+from mooncake_core.conductor.policy import least_loaded, prefix_blocks
+from mooncake_core.errors import ConfigError, MooncakeError
+from mooncake_core.proxy.engine import ProxyEngine
 
 __all__ = [
     "Instance",
@@ -47,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Instance:
-    """One upstream vLLM server and its live load, as the proxy sees it.
+    """One upstream engine server and its live load, as the proxy sees it.
 
     Attributes:
         url: base URL (``http://127.0.0.1:8100``).
@@ -123,6 +128,8 @@ class RoutingPolicy(ABC):
             raise ConfigError("the proxy needs at least one --prefill and one --decode URL")
         self.prefill = list(prefill)
         self.decode = list(decode)
+        #: the engine the instances run; the proxy sets it before :meth:`start`
+        self.engine: ProxyEngine | None = None
 
     async def prepare(self, job: Job) -> None:
         """Gather what :meth:`choose` needs that takes I/O (called just before it; must not raise)."""
@@ -170,10 +177,11 @@ class RoundRobinPolicy(RoutingPolicy):
 class LeastLoadPolicy(RoutingPolicy):
     """Prefill: fewest prompt tokens in flight; decode: fewest requests in flight.
 
-    Ties go round-robin, so an idle cluster spreads requests evenly.
+    The conductor's least-load rule (:func:`~mooncake_core.conductor.policy.least_loaded`)
+    over the live counters; ties go round-robin, so an idle cluster spreads requests evenly.
     """
 
-    name = "least-load"
+    name = conductor_policy.LeastLoadPolicy.name
 
     def __init__(self, prefill: Sequence[Instance], decode: Sequence[Instance]) -> None:
         super().__init__(prefill, decode)
@@ -182,8 +190,7 @@ class LeastLoadPolicy(RoutingPolicy):
     def _pick(self, pool: list[Instance], key: Callable[[Instance], tuple[int, int]]) -> Instance:
         role = pool[0].role
         self._turn[role] = turn = self._turn.get(role, 0) + 1
-        n = len(pool)
-        return min((pool[(turn + i) % n] for i in range(n)), key=key)
+        return pool[least_loaded([key(i) for i in pool], turn)]
 
     def choose(self, job: Job) -> Placement:
         p = self._pick(self.prefill, lambda i: (i.tokens_in_flight, i.in_flight))
@@ -191,32 +198,14 @@ class LeastLoadPolicy(RoutingPolicy):
         return Placement(p, d)
 
 
-def prefix_blocks(prompt: Sequence[int] | str, block_tokens: int = 32) -> tuple[int, ...]:
-    """Chained hashes of a prompt's full blocks (text prompts: 4 characters ~ 1 token)."""
-    if isinstance(prompt, str):
-        unit = prompt.encode()
-        step = block_tokens * 4
-        chunks = [unit[i : i + step] for i in range(0, len(unit) - step + 1, step)]
-    else:
-        toks = list(prompt)
-        chunks = [",".join(map(str, toks[i : i + block_tokens])).encode()
-                  for i in range(0, len(toks) - block_tokens + 1, block_tokens)]
-    out: list[int] = []
-    h = b""
-    for c in chunks:
-        h = hashlib.blake2b(h + c, digest_size=8).digest()
-        out.append(int.from_bytes(h, "little") & ((1 << 62) - 1))
-    return tuple(out)
-
-
-class RequestRejected(Exception):
+class RequestRejected(MooncakeError):
     """Early rejection: the predicted TTFT or TBT misses the SLO (the proxy answers 429)."""
 
 
 class GlobalCachePolicy(RoutingPolicy):
     """The conductor's KV-cache-aware choice (``global-cache``), fed by the proxy.
 
-    Prompt blocks are hashed by :func:`prefix_blocks` (over token ids: given ones, or text
+    Prompt blocks are hashed by :func:`~mooncake_core.conductor.policy.prefix_blocks` (over token ids: given ones, or text
     prompts tokenized by the instances' ``/tokenize``); after a prefill the instance is
     recorded as holding them, so later requests sharing the prefix go where it lies
     (unless the predicted TTFT says another instance is better). With ``reject`` the
@@ -229,15 +218,15 @@ class GlobalCachePolicy(RoutingPolicy):
         profile: cost-model profile (a JSON file from ``mooncake-core conductor fit``);
             default: the shipped profile with ``block_tokens`` blocks.
         kv_events: one ZMQ endpoint per prefill instance (``tcp://127.0.0.1:PORT``) that
-            the proxy binds and the instance's vLLM KV-event publisher connects to; the
+            the proxy binds and the instance's KV-event publisher connects to; the
             instances' stored/removed blocks then update the conductor's view, including
             prefixes computed for requests this proxy did not route.
         tokenize: tokenize text prompts through the instances (default on); off: text
             prompts are hashed by characters (they then never match KV events or the store).
         store_master: store master address (``HOST:PORT``): before each decision, one
-            ``batch_exists`` asks which leading pages of the prompt the vLLM store connector
-            saved; the conductor counts them as fetchable from the store, and fetches only
-            from there (vLLM instances read each other's KV only through the store).
+            ``batch_exists`` asks which leading pages of the prompt the engine's store
+            connector saved; the conductor counts them as fetchable from the store, and
+            fetches only from there (instances read each other's KV only through the store).
         store_dtype / store_model / store_tp: the key scheme of the instances' store
             connector: their dtype (required with ``store_master``), model path (default:
             the ``root`` in the first prefill instance's ``/v1/models``) and TP size.
@@ -245,7 +234,7 @@ class GlobalCachePolicy(RoutingPolicy):
             "nothing stored" (one warning, then lookups pause for 10 s).
     """
 
-    name = "global-cache"
+    name = conductor_policy.GlobalCachePolicy.name
 
     def __init__(self, prefill: Sequence[Instance], decode: Sequence[Instance], block_tokens: int = 32,
                  reject: bool = False, slo_ttft_s: float | None = None, slo_tbt_s: float | None = None,
@@ -275,8 +264,9 @@ class GlobalCachePolicy(RoutingPolicy):
         if store_master:
             from mooncake_core.proxy.storelookup import StoreLookup
 
-            self.store = StoreLookup(store_master, self.block_tokens, store_dtype or "", store_tp, store_model,
+            self.store = StoreLookup(store_master, self.block_tokens, store_dtype or "", store_tp, None,
                                      timeout_s=store_timeout_s)
+            self._store_model = store_model
         self._model_retry_at = 0.0
         self.conductor = Conductor(ConductorConfig(
             n_prefill=len(self.prefill), n_decode=len(self.decode), policy="global-cache", reject=reject,
@@ -294,12 +284,17 @@ class GlobalCachePolicy(RoutingPolicy):
         """The store key scheme needs the model path; ask an instance (at most every 10 s)."""
         if self.store.scheme is not None:
             return True
+        if self.store.engine is None:
+            self.store.engine = self._engine()
+        if self._store_model:
+            self.store.set_model(self._store_model)
+            return True
         if time.monotonic() < self._model_retry_at:
             return False
         from mooncake_core.proxy.storelookup import model_root
 
         self._model_retry_at = time.monotonic() + 10.0
-        root = await model_root([i.url for i in self.prefill])
+        root = await model_root([i.url for i in self.prefill], self.store.engine)
         if root is None:
             logger.warning("no prefill instance listed its model (GET /v1/models); store lookups start once one "
                            "does (or pass --store-model)")
@@ -354,14 +349,22 @@ class GlobalCachePolicy(RoutingPolicy):
         if self.kv_event_endpoints and self.kv_listener is None:
             from mooncake_core.proxy.kvevents import KVEventListener
 
+            engine = self._engine()
             self.kv_listener = KVEventListener(self.kv_event_endpoints, self.block_tokens,
                                                self.conductor.kv_stored, self.conductor.kv_removed,
-                                               asyncio.get_running_loop())
-            logger.info("listening for vLLM KV events on %s", ", ".join(self.kv_event_endpoints))
+                                               asyncio.get_running_loop(), engine.decode_kv_events)
+            logger.info("listening for %s KV events on %s", engine.name, ", ".join(self.kv_event_endpoints))
         if self.store is not None:
             if await asyncio.get_running_loop().run_in_executor(None, self.store.probe):
                 logger.info("store master %s answers; counting its KV pages as fetchable", self.store.master)
             await self._ensure_scheme()
+
+    def _engine(self) -> ProxyEngine:
+        if self.engine is None:
+            from mooncake_core.proxy.engine import proxy_engine
+
+            self.engine = proxy_engine()
+        return self.engine
 
     def close(self) -> None:
         if self.kv_listener is not None:

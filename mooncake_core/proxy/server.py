@@ -1,13 +1,17 @@
-"""The PD proxy: an OpenAI-compatible front over prefill and decode vLLM instances.
+"""The PD proxy: an OpenAI-compatible front over prefill and decode engine instances.
 
 Per request (``POST /v1/completions`` or ``/v1/chat/completions``, streaming or not):
 
 1. the policy picks a prefill and a decode instance;
-2. the prefill instance gets the request with ``max_tokens=1``, ``stream=false`` and
-   ``kv_transfer_params={"do_remote_decode": true, "do_remote_prefill": false}``;
-3. the decode instance gets the original request plus the ``kv_transfer_params`` the
-   prefill answered with, and its answer (a JSON body or an SSE stream) goes back to the
-   client as it arrives.
+2. the prefill instance gets the request as the engine splits it for prefill
+   (:meth:`~mooncake_core.proxy.engine.ProxyEngine.prefill_body`; vLLM: ``max_tokens=1``,
+   ``stream=false`` and ``kv_transfer_params={"do_remote_decode": true, ...}``);
+3. the decode instance gets the original request plus the hand-off the prefill answered
+   with (vLLM: its ``kv_transfer_params``), and its answer (a JSON body or an SSE stream)
+   goes back to the client as it arrives.
+
+What is engine-specific comes from the engine's adapter (``--engine``, default
+:data:`~mooncake_core.proxy.engine.DEFAULT_ENGINE`; :mod:`mooncake_core.proxy.engine`).
 
 Failures never hang: connecting, the prefill answer, and every streamed chunk have
 timeouts. Upstream trouble becomes a JSON error ``{"error": {"message", "type",
@@ -16,7 +20,7 @@ timeouts. Upstream trouble becomes a JSON error ``{"error": {"message", "type",
 SSE ``error`` event and ``[DONE]``.
 
 Cache-aware policies (``global-cache``) get token ids for text prompts: the proxy asks a
-prefill instance's ``POST /tokenize`` first (:mod:`mooncake_core.proxy.tokenize`), then
+prefill instance's tokenizer endpoint first (:mod:`mooncake_core.proxy.tokenize`), then
 calls the policy's ``prepare`` (e.g. a store lookup) and ``choose``.
 
 Also served: ``GET /health``, ``GET /v1/models`` (from a decode instance) and
@@ -38,6 +42,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from mooncake_core.errors import MooncakeError
+from mooncake_core.proxy.engine import DEFAULT_ENGINE, ProxyEngine, proxy_engine
 from mooncake_core.proxy.policy import (
     Instance,
     Job,
@@ -69,6 +75,7 @@ class ProxyConfig:
         connect_timeout_s: TCP connect timeout to an instance.
         prefill_timeout_s: whole prefill answer.
         read_timeout_s: longest silence of a decode answer (per chunk when streaming).
+        engine: what the instances run; an installed adapter must serve it.
     """
 
     prefill: tuple[str, ...]
@@ -80,9 +87,10 @@ class ProxyConfig:
     connect_timeout_s: float = 5.0
     prefill_timeout_s: float = 300.0
     read_timeout_s: float = 300.0
+    engine: str = DEFAULT_ENGINE
 
 
-class UpstreamError(Exception):
+class UpstreamError(MooncakeError):
     """An instance answered badly or not at all; carries the HTTP answer to give."""
 
     def __init__(self, status: int, message: str, kind: str = "upstream_error") -> None:
@@ -115,14 +123,25 @@ def _prompt_of(body: dict[str, Any], chat: bool) -> tuple[Sequence[int] | str, i
 
 
 class ProxyServer:
-    """Runs the proxy's aiohttp application (see the module docstring)."""
+    """Runs the proxy's aiohttp application (see the module docstring).
 
-    def __init__(self, config: ProxyConfig, policy: RoutingPolicy | None = None) -> None:
+    Args:
+        config: the settings.
+        policy: a ready policy (default: ``config.policy`` built with its options).
+        engine: what the instances run (default: the adapter serving ``config.engine``;
+            :class:`~mooncake_core.errors.ConfigError` when none does).
+    """
+
+    def __init__(self, config: ProxyConfig, policy: RoutingPolicy | None = None,
+                 engine: ProxyEngine | None = None) -> None:
         self.config = config
+        self.engine = engine or proxy_engine(config.engine)
         self.prefill = [Instance(u.rstrip("/"), "prefill", i) for i, u in enumerate(config.prefill)]
         self.decode = [Instance(u.rstrip("/"), "decode", i) for i, u in enumerate(config.decode)]
         self.policy = policy or make_policy(config.policy, self.prefill, self.decode, **dict(config.policy_options))
-        self.tokenizer = (RemoteTokenizer([i.url for i in self.prefill], timeout_s=config.connect_timeout_s)
+        self.policy.engine = self.engine
+        self.tokenizer = (RemoteTokenizer([i.url for i in self.prefill], timeout_s=config.connect_timeout_s,
+                                          engine=self.engine)
                           if self.policy.wants_token_ids else None)
         self._ids = itertools.count(1)
         self._session: aiohttp.ClientSession | None = None
@@ -259,8 +278,7 @@ class ProxyServer:
         try:
             params = await self._prefill(place.prefill, path, body, job)
             self.policy.prefill_done(job, place)
-            dbody = dict(body)
-            dbody["kv_transfer_params"] = params
+            dbody = self.engine.decode_body(body, params)
             resp = await self._decode(request, place, path, dbody, job, stream=bool(body.get("stream")))
             ok = True
             return resp
@@ -277,13 +295,7 @@ class ProxyServer:
         return {**place.headers, "X-Mooncake-Prefill": place.prefill.url, "X-Mooncake-Decode": place.decode.url}
 
     async def _prefill(self, inst: Instance, path: str, body: dict[str, Any], job: Job) -> dict[str, Any]:
-        pbody = dict(body)
-        pbody["max_tokens"] = 1
-        if "max_completion_tokens" in pbody:
-            pbody["max_completion_tokens"] = 1
-        pbody["stream"] = False
-        pbody.pop("stream_options", None)
-        pbody["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
+        pbody = self.engine.prefill_body(body)
         t0 = time.monotonic()
         inst.in_flight += 1
         inst.tokens_in_flight += job.prompt_tokens
@@ -311,12 +323,10 @@ class ProxyServer:
             inst.in_flight -= 1
             inst.tokens_in_flight -= job.prompt_tokens
         self.stats["prefill_s"] += time.monotonic() - t0
-        params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        params = self.engine.handoff(answer)
         if not isinstance(params, dict):
             inst.errors += 1
-            raise UpstreamError(502, f"prefill instance {inst.url} returned no kv_transfer_params; start it with "
-                                     "--kv-transfer-config '{\"kv_connector\":\"MooncakeCoreConnector\","
-                                     "\"kv_role\":\"kv_producer\"}'")
+            raise UpstreamError(502, f"prefill instance {inst.url} {self.engine.missing_handoff}")
         inst.served += 1
         return params
 

@@ -1,15 +1,16 @@
 """How many leading KV pages of a prompt the store holds (``mooncake-core proxy --store-master``).
 
-The vLLM store connector (``MooncakeCoreStoreConnector``) saves each full prompt page as
-one object per layer under keys from :class:`mooncake_vllm.store_keys.StoreKeyScheme`.
-For a token-id prompt, :class:`StoreLookup` computes the same layer-0 keys of its pages
-(every TP rank) and asks the master with one ``batch_exists`` RPC; the answer is the
-length of the leading run of pages present, which is what an instance's store connector
-would load. The proxy's conductor then counts those blocks as fetchable from the store.
+An engine's store connector saves each full prompt page under keys of its own scheme,
+which the engine's adapter describes (:meth:`~mooncake_core.proxy.engine.ProxyEngine.store_keys`,
+a :class:`~mooncake_core.proxy.engine.StoreKeys`). For a token-id prompt,
+:class:`StoreLookup` computes the keys of its pages and asks the master with one
+``batch_exists`` RPC; the answer is the length of the leading run of pages present, which
+is what an instance's store connector would load. The proxy's conductor then counts those
+blocks as fetchable from the store.
 
-The key scheme needs the model path exactly as vLLM has it (by default the ``root`` that
-the first reachable prefill instance reports in ``GET /v1/models``), the dtype vLLM runs
-with, the block size and the TP size.
+The key scheme needs the model path exactly as the engine has it (by default the one the
+first reachable prefill instance reports in ``GET /v1/models``), the dtype the engine
+runs with, the block size and the TP size.
 
 Failures never fail a request: an unreachable master, a timeout or an error answer counts
 as "the store holds nothing", logs one warning, and lookups pause for ``retry_after_s``
@@ -30,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mooncake_core.errors import ConfigError
+from mooncake_core.proxy.engine import ProxyEngine, StoreKeys, proxy_engine
 
 __all__ = ["StoreLookup", "parse_master_address", "model_root"]
 
@@ -50,9 +52,15 @@ def parse_master_address(addr: str, what: str = "--store-master") -> str:
     return text
 
 
-async def model_root(urls: Sequence[str], timeout_s: float = 5.0) -> str | None:
-    """The model path the first answering vLLM instance serves (``root`` in ``GET /v1/models``)."""
+async def model_root(urls: Sequence[str], engine: ProxyEngine | None = None, timeout_s: float = 5.0) -> str | None:
+    """The model path the first answering instance serves (from its ``GET /v1/models``).
+
+    ``engine`` reads the answer (:meth:`~mooncake_core.proxy.engine.ProxyEngine.model_path`;
+    default: the default engine's).
+    """
     import aiohttp
+
+    engine = engine or proxy_engine()
 
     for url in urls:
         try:
@@ -61,8 +69,7 @@ async def model_root(urls: Sequence[str], timeout_s: float = 5.0) -> str | None:
                 if r.status != 200:
                     continue
                 data = await r.json(content_type=None)
-            card = (data.get("data") or [{}])[0]
-            root = card.get("root") or card.get("id")
+            root = engine.model_path(data)
             if root:
                 return str(root)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError, IndexError) as exc:
@@ -76,28 +83,30 @@ class StoreLookup:
     Args:
         master: master address (``HOST:PORT`` or ``etcd://...``); a malformed one raises
             :class:`ConfigError`.
-        block_tokens: tokens per page (vLLM's ``--block-size``).
-        dtype: the dtype the vLLM instances run with (``float32``, ``bfloat16``, ...).
+        block_tokens: tokens per page (the engine's KV block size).
+        dtype: the dtype the engine instances run with (``float32``, ``bfloat16``, ...).
         tp_size: their tensor-parallel size.
-        model: the model path as vLLM has it; ``None``: set later with :meth:`set_model`.
+        model: the model path as the engine has it; ``None``: set later with :meth:`set_model`.
         timeout_s: longest a lookup may take (RPC timeout and failover window).
         retry_after_s: pause after a failed lookup.
+        engine: names the keys (default: the default engine, asked when the model is set).
     """
 
     def __init__(self, master: str, block_tokens: int, dtype: str, tp_size: int = 1, model: str | None = None,
-                 timeout_s: float = 0.5, retry_after_s: float = 10.0) -> None:
+                 timeout_s: float = 0.5, retry_after_s: float = 10.0, engine: ProxyEngine | None = None) -> None:
         self.master = parse_master_address(master)
         if block_tokens <= 0 or tp_size <= 0:
             raise ConfigError(f"store lookup needs a positive block size and TP size, got {block_tokens}, {tp_size}")
         if not dtype:
-            raise ConfigError("--store-master needs --store-dtype: the dtype the vLLM instances run with "
-                              "(their --dtype, e.g. float32 or bfloat16)")
+            raise ConfigError("--store-master needs --store-dtype: the dtype the engine instances run with "
+                              "(e.g. float32 or bfloat16)")
         self.block_tokens = block_tokens
         self.dtype = dtype
         self.tp_size = tp_size
         self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
-        self.scheme: Any = None
+        self.engine = engine
+        self.scheme: StoreKeys | None = None
         self._rpc: Any = None
         self._lock = threading.Lock()
         self._down_until = 0.0
@@ -108,12 +117,13 @@ class StoreLookup:
             self.set_model(model)
 
     def set_model(self, model: str) -> None:
-        """Fix the model path (builds the key scheme)."""
+        """Fix the model path (builds the key scheme; :class:`ConfigError` when no adapter serves the engine)."""
+        if self.engine is None:
+            self.engine = proxy_engine()
         try:
-            from mooncake_vllm.store_keys import StoreKeyScheme
-        except ImportError as exc:  # pragma: no cover - the vLLM adapter is part of this repo
-            raise ConfigError(f"--store-master needs the vLLM adapter package (mooncake-vllm): {exc}") from None
-        self.scheme = StoreKeyScheme(model, self.dtype, self.block_tokens, self.tp_size)
+            self.scheme = self.engine.store_keys(model, self.dtype, self.block_tokens, self.tp_size)
+        except ValueError as exc:
+            raise ConfigError(f"--store-master: {exc}") from None
         logger.info("store lookups on master %s: keys %s..., seed %r", self.master,
                     self.scheme.rank_prefix(0), self.scheme.seed)
 
@@ -155,17 +165,18 @@ class StoreLookup:
 
         Blocking (one RPC); call from a thread, e.g. through :meth:`aheld_pages`.
         """
-        if self.scheme is None:
+        scheme = self.scheme
+        if scheme is None:
             return 0
         if not self.available:
             self._count(skipped=1)
             return 0
-        pages = self.scheme.lookup_pages(tokens)
+        pages = scheme.lookup_pages(tokens)
         if not pages:
             return 0
         try:
-            exists = self._client().call("batch_exists", (self.scheme.exists_keys(pages),), timeout=self.timeout_s)
-            n = int(self.scheme.held_pages(list(exists)))
+            exists = self._client().call("batch_exists", (scheme.exists_keys(pages),), timeout=self.timeout_s)
+            n = int(scheme.held_pages(list(exists)))
         except Exception as exc:  # any failure means "no store holdings", never a failed request
             self._failed(exc)
             return 0

