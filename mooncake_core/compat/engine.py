@@ -40,13 +40,12 @@ import enum
 import ipaddress
 import json
 import logging
-import os
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mooncake_core.config import MooncakeConfig, load_config
-from mooncake_core.errors import MooncakeError, PeerUnreachable, SegmentError
+from mooncake_core.config import MooncakeConfig, env_str, environment, load_config
+from mooncake_core.errors import MooncakeError, PeerUnreachable, SegmentError, SegmentOverlap
 from mooncake_core.transfer import engine as _engine_mod
 from mooncake_core.transfer.engine import Batch, TransferRequest
 from mooncake_core.transfer.memory import host_view
@@ -73,10 +72,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-# Test hook (tests of engines' built-in connectors only): "1" makes every synchronous write
-# overwrite what it delivered with zeros, so a consumer that really uses the bytes changes.
-TEST_CORRUPT_WRITES_ENV = "MOONCAKE_CORE_TEST_CORRUPT_WRITES"
 
 # Return codes (the published engine's numbering for the cases we can tell apart).
 OK = 0
@@ -139,14 +134,14 @@ class TransferNotify:
 def upstream_transfer_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     """``transfer`` config overrides from the upstream env variables in :data:`UPSTREAM_ENV`."""
     transfer: dict[str, Any] = {}
-    raw = environ.get("MC_TRANSFER_TIMEOUT", "").strip()
+    raw = env_str("MC_TRANSFER_TIMEOUT", environ=environ)
     if raw:
         try:
             if float(raw) > 0:
                 transfer["timeout_s"] = float(raw)
         except ValueError:
             logger.warning("ignoring MC_TRANSFER_TIMEOUT=%r: not a number of seconds", raw)
-    bind = environ.get("MC_TCP_BIND_ADDRESS", "").strip()
+    bind = env_str("MC_TCP_BIND_ADDRESS", environ=environ)
     if bind:
         transfer["listen_host"] = bind
     return transfer
@@ -205,7 +200,7 @@ class TransferEngine:
 
     @staticmethod
     def _config(local_hostname: str, metadata_server: str, protocol: str, device_name: str) -> MooncakeConfig:
-        env = dict(os.environ)
+        env = dict(environment())
         # The published engine does not read mooncake.json; a store-only key there must
         # not break initialize().
         env.pop("MOONCAKE_CONFIG_PATH", None)
@@ -216,7 +211,7 @@ class TransferEngine:
         if "listen_host" not in transfer and "MOONCAKE_TRANSFER_LISTEN_HOST" not in env and ip is not None \
                 and not ipaddress.ip_address(ip).is_loopback:
             transfer["listen_host"] = ip  # cross-host use: listen where we told peers to connect
-        meta = metadata_server.strip() or env.get("MC_METADATA_SERVER", "").strip() or "P2PHANDSHAKE"
+        meta = metadata_server.strip() or env_str("MC_METADATA_SERVER", environ=env) or "P2PHANDSHAKE"
         proto = _PROTOCOLS.get(protocol.strip().lower())
         if proto is None:
             logger.warning("protocol %r is not available here; using tcp/shared memory", protocol)
@@ -259,9 +254,9 @@ class TransferEngine:
         try:
             loc = "cpu:0" if location in ("*", "") else location
             self._engine().register_memory(int(buffer_addr), int(capacity), location=loc)
-        except SegmentError as exc:
+        except SegmentOverlap as exc:
             logger.error("register_memory(0x%x, %d): %s", buffer_addr, capacity, exc)
-            return ERR_ADDRESS_OVERLAPPED if "overlaps" in str(exc) else ERR_INVALID_ARGUMENT
+            return ERR_ADDRESS_OVERLAPPED
         except MooncakeError as exc:
             logger.error("register_memory(0x%x, %d): %s", buffer_addr, capacity, exc)
             return ERR_INVALID_ARGUMENT
@@ -375,10 +370,6 @@ class TransferEngine:
             eng = self._engine()
             if reqs:
                 eng.transfer(reqs)
-                if op == "write" and os.environ.get(TEST_CORRUPT_WRITES_ENV) == "1":
-                    # test hook: the bytes that arrived are overwritten with zeros
-                    eng.transfer([TransferRequest("write", target, bytearray(r.length or 0), None, r.remote_addr)
-                                  for r in reqs if r.length])
             if notify is not None:
                 eng.notify(target, notify.name, notify.msg)
         except MooncakeError as exc:

@@ -23,9 +23,10 @@ manager each, as a server handles consecutive requests. The prefill fills its po
 random bytes and writes the SHA-256 of each page it sent (K and V of every layer); the
 decode writes the SHA-256 of each page it received, the aux row the prefill sent with the
 last chunk (first output token, bootstrap room) and which pages it never asked for are
-not zero. A ``corrupt`` step turns on compat's test hook
-(``MOONCAKE_CORE_TEST_CORRUPT_WRITES``: delivered bytes are overwritten with zeros) on the
-prefill for that request, so the test can show that its comparison catches bad KV.
+not zero. A ``corrupt`` step switches on the test-only transport wrapper
+:class:`mooncake_conformance.faults.CorruptWrites` (registered in the prefill's plugin
+manager before its engine starts: the real ``shm``/``tcp`` transports then deliver zeros
+for that request's writes), so the test can show that its comparison catches bad KV.
 """
 
 from __future__ import annotations
@@ -155,6 +156,9 @@ def _wait(poll: Any, want: int, what: str, timeout: float) -> None:
 
 
 def prefill(args: argparse.Namespace) -> None:
+    from mooncake_conformance.faults import install_corrupt_writes
+
+    corrupt = install_corrupt_writes()  # off until a ``corrupt`` step; before the engine starts
     sa = _setup("prefill", args.model, args.bootstrap_port)
     import numpy as np
     import torch
@@ -165,8 +169,6 @@ def prefill(args: argparse.Namespace) -> None:
         TransferBackend,
         get_kv_class,
     )
-
-    from mooncake_core.compat.engine import TEST_CORRUPT_WRITES_ENV
 
     server = get_kv_class(TransferBackend.MOONCAKE, KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", args.bootstrap_port)
     pool = _kv_pool()
@@ -187,14 +189,13 @@ def prefill(args: argparse.Namespace) -> None:
             mgr=mgr, bootstrap_addr=f"127.0.0.1:{args.bootstrap_port}", bootstrap_room=room)
         _wait(sender.poll, KVPoll.WaitingForInput, f"prefill room {room}: decode metadata", args.timeout)
         sender.init(len(src), AUX_INDEX)
-        if step.get("corrupt"):
-            os.environ[TEST_CORRUPT_WRITES_ENV] = "1"  # compat's test hook: delivered bytes become zeros
+        corrupt.enabled = bool(step.get("corrupt"))  # delivered bytes become zeros
         t0 = time.perf_counter()
         for chunk in np.array_split(src, int(step.get("chunks", 2))):  # chunked prefill: several sends
             sender.send(chunk)
         _wait(sender.poll, KVPoll.Success, f"prefill room {room}: transfer", args.timeout)
         dt = time.perf_counter() - t0
-        os.environ.pop(TEST_CORRUPT_WRITES_ENV, None)
+        corrupt.enabled = False
         rooms.append({"room": room, "digests": [_page_digest(pool, int(p)) for p in src], "seconds": dt,
                       "bytes": len(src) * sum(mgr.kv_args.kv_item_lens)})
         sender.clear()

@@ -14,8 +14,9 @@ our compat engine serves over TCP on a machine without RDMA):
 
 1. room 77: 5 prefill pages -> 5 other decode pages (out of order), sent in 2 chunks;
 2. room 78: 3 pages, 3 chunks, the first request's connection reused;
-3. room 79: compat's corrupt-writes test hook on: the decode must see the damage
-   (which shows that the byte comparison of 1 and 2 would catch bad KV).
+3. room 79: the prefill's writes go through the test-only transport wrapper
+   ``mooncake_conformance.faults.CorruptWrites`` (zeros delivered): the decode must see
+   the damage (which shows that the byte comparison of 1 and 2 would catch bad KV).
 """
 
 from __future__ import annotations
@@ -138,7 +139,8 @@ def test_sessions_are_compat_engines_on_loopback(transfer: dict[str, Any]) -> No
 
 
 def test_corrupted_delivery_is_detected(transfer: dict[str, Any]) -> None:
-    """With compat's corrupt-writes hook on, the decode's pages are zeros, not the prefill's."""
+    """With the prefill's writes corrupted (test transport wrapper), the decode's pages are
+    zeros, not the prefill's."""
     i = next(i for i, s in enumerate(PLAN) if s.get("corrupt"))
     s, g = transfer["prefill"]["rooms"][i], transfer["decode"]["rooms"][i]
     zero = transfer["decode"]["zero_digest"]

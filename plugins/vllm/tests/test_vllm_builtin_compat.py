@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from mooncake_conformance.faults import corrupt_writes_env
 from mooncake_vllm.testing import VLLMServer, engine_env, free_port, http_json
 from vllm_helpers import BLOCK, needs_vllm, token_prompt, wait_for
 
@@ -56,7 +57,7 @@ class Servers:
     master_http: str
     bootstrap: str
     base: Path
-    corrupt: VLLMServer  # prefill whose writes are zeroed after delivery (compat test hook)
+    corrupt: VLLMServer  # prefill whose writes deliver zeros (test-only transport wrapper)
     corrupt_bootstrap: str
 
 
@@ -97,7 +98,7 @@ def servers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
            env=store_env, args=DETAILS),
         mk(tiny_model, name="corrupt", log_path=base / "corrupt.log", block_size=BLOCK,
            kv_transfer_config=_pd("kv_producer"),
-           env={**SHIM, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(boot2), "MOONCAKE_CORE_TEST_CORRUPT_WRITES": "1"}),
+           env={**SHIM, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(boot2), **corrupt_writes_env(base / "faults")}),
     ]
     mono, prefill, decode, noshim, a, b, corrupt = all_servers
     try:
@@ -175,8 +176,9 @@ def test_builtin_pd_outputs_equal_monolithic(servers: Servers) -> None:
 
 
 def test_builtin_pd_decode_really_uses_the_transferred_kv(servers: Servers) -> None:
-    """The same PD request from a prefill instance whose delivered KV bytes are zeroed
-    afterwards (compat test hook) gives a different answer than the monolithic one."""
+    """The same PD request from a prefill instance whose writes deliver zeros (the test-only
+    transport wrapper of ``mooncake_conformance.faults``, loaded in that server through the
+    ``mooncake_core.transports`` entry point) gives a different answer than the monolithic one."""
     engine_id = http_json(servers.corrupt_bootstrap + "/query")["0"]["engine_id"]
     prompt = token_prompt(5 * BLOCK + 1, salt=22)
     want = _text(servers.mono.completion(prompt, MAX_TOKENS))

@@ -2,7 +2,7 @@
 
 One module-scoped cluster: a monolithic server (the reference), a prefill server
 (``kv_producer``), a decode server (``kv_consumer``, ``kv_load_failure_policy=recompute``,
-test hook that zeroes fetched KV for flagged requests) and ``mooncake-core proxy``.
+with the test-only plugin ``vllm_faults`` that zeroes fetched KV for flagged requests) and ``mooncake-core proxy``.
 The prefill server is killed by the last test.
 """
 
@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from mooncake_vllm.testing import VLLMServer, http_json, read_counters
+from vllm_faults import FLAG, corrupt_kv_env
 from vllm_helpers import BLOCK, ProxyProcess, needs_vllm, token_prompt, wait_for
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, needs_vllm, pytest.mark.timeout(900)]
@@ -66,7 +67,7 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
                    kv_transfer_config=_pd_config("kv_producer", stats, send_timeout_s=SEND_TIMEOUT_S)),
         VLLMServer(tiny_model, name="decode", log_path=base / "decode.log", block_size=BLOCK,
                    kv_transfer_config=_pd_config("kv_consumer", stats),
-                   env={"MOONCAKE_VLLM_TEST_CORRUPT_KV": "param"}),
+                   env=corrupt_kv_env(base / "faults")),
     ]
     proxy: ProxyProcess | None = None
     try:
@@ -158,7 +159,7 @@ def test_decode_really_uses_transferred_kv(cluster: Cluster) -> None:
     prompt2 = token_prompt(6 * BLOCK + 7, salt=3)
     want2 = _text(cluster.mono.completion(prompt2, MAX_TOKENS))
     before = cluster.decode_stats().get("test_corrupted_requests", 0)
-    params = {**_prefill_params(cluster, prompt2), "mooncake_test_corrupt_kv": True}
+    params = {**_prefill_params(cluster, prompt2), FLAG: True}
     bad = _text(cluster.decode.completion(prompt2, MAX_TOKENS, kv_transfer_params=params))
     assert cluster.decode_stats().get("test_corrupted_requests", 0) == before + 1
     assert bad != want2, "zeroing the fetched KV did not change the output: the decode did not use it"

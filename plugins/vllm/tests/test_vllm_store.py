@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from mooncake_vllm.testing import VLLMServer, engine_env, free_port, read_counters
+from vllm_faults import FLAG, corrupt_kv_env
 from vllm_helpers import BLOCK, needs_vllm, token_prompt, wait_for
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, needs_vllm, pytest.mark.timeout(900)]
@@ -63,7 +64,7 @@ def pool(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     log.close()
     servers = [VLLMServer(tiny_model, name=n, log_path=base / f"{n}.log", block_size=BLOCK,
                           kv_transfer_config=_store_config(addr, base / "stats" / n, by_name=n == "B"),
-                          env={"MOONCAKE_VLLM_TEST_CORRUPT_KV": "param"}) for n in ("A", "B")]
+                          env=corrupt_kv_env(base / "faults")) for n in ("A", "B")]
     try:
         for s in servers:
             s.start()
@@ -118,7 +119,7 @@ def test_loaded_pages_are_really_used(pool: Pool) -> None:
     want = _text(pool.a.completion(prompt, MAX_TOKENS))
     _saved(pool, pool.a, saved + 6 * 2)
     corrupted = pool.worker(pool.b).get("test_corrupted_requests", 0)
-    bad = _text(pool.b.completion(prompt, MAX_TOKENS, kv_transfer_params={"mooncake_test_corrupt_kv": True}))
+    bad = _text(pool.b.completion(prompt, MAX_TOKENS, kv_transfer_params={FLAG: True}))
     assert pool.worker(pool.b).get("test_corrupted_requests", 0) == corrupted + 1
     assert bad != want, "zeroing the loaded pages did not change the output: B did not use them"
 

@@ -36,7 +36,6 @@ default the config's ``global_segment_size``; ``0`` lends none), ``stats_dir``,
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,7 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from mooncake_vllm.common import TEST_CORRUPT_ENV, Counters, config_from_engine, option
+from mooncake_vllm.common import Counters, config_from_engine, option
 from mooncake_vllm.store_keys import StoreKeyScheme, key_prefix, page_chain, rank_dir
 
 __all__ = ["MooncakeCoreStoreConnector", "page_chain", "scheme_of"]
@@ -65,7 +64,6 @@ class PageJob:
     request_id: str
     pages: list[str]
     block_ids: list[int]
-    corrupt: bool = False
 
 
 @dataclass
@@ -176,9 +174,7 @@ class _StoreScheduler:
         if num_external_tokens > 0 and st.hit_pages:
             n = st.hit_pages
             self.counters.add(hit_requests=1, hit_pages=n)
-            p = request.kv_transfer_params or {}
-            self._loads.append(PageJob(request.request_id, st.pages[start : start + n], ids[start : start + n],
-                                       corrupt=bool(p.get("mooncake_test_corrupt_kv"))))
+            self._loads.append(PageJob(request.request_id, st.pages[start : start + n], ids[start : start + n]))
         # local prefix hits and store hits are not saved again
         st.saved_upto = start + (st.hit_pages if num_external_tokens > 0 else 0)
 
@@ -243,7 +239,6 @@ class _StoreWorker:
         self._save_down_until = 0.0
         self.retry_timeout_s = float(option(extra, "lookup_timeout_s", 2.0))
         self.retry_after_s = float(option(extra, "retry_after_s", 10.0))
-        self._corrupt_mode = os.environ.get(TEST_CORRUPT_ENV, "")
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         from mooncake_core.config import parse_size
@@ -284,8 +279,6 @@ class _StoreWorker:
                 self._loading.setdefault(name, []).append((fut, list(job.block_ids)))
         self.counters.add(load_requests=len(meta.loads), load_pages=sum(len(j.pages) for j in meta.loads),
                           load_bytes=sum(len(j.pages) for j in meta.loads) * bb * len(self.layers))
-        self._pending_corrupt = [j for j in meta.loads if self._corrupt_mode == "1"
-                                 or (self._corrupt_mode == "param" and j.corrupt)]
 
     def _save_pool_free_load(self, keys: list[str], addrs: list[int]) -> Future[list[Any]]:
         """Start one layer's reads on a short-lived thread (the save thread may be busy)."""
@@ -321,16 +314,6 @@ class _StoreWorker:
     def finish_loads(self) -> None:
         for name in list(self._loading):
             self.wait_for_layer_load(name)
-        pending = getattr(self, "_pending_corrupt", None)
-        if pending:
-            import torch
-
-            for job in pending:
-                idx = torch.tensor(job.block_ids, dtype=torch.long)
-                for _, t in self.layers:
-                    t.index_fill_(0, idx, 0)
-                self.counters.add(test_corrupted_requests=1)
-            self._pending_corrupt = []
 
     def load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
@@ -441,8 +424,6 @@ class MooncakeCoreStoreConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if isinstance(meta, StoreMetadata):
             self.worker.start_load(meta)
-            if self.worker._corrupt_mode:
-                self.worker.finish_loads()  # test hook: corrupt before the forward reads the pages
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.worker is not None:

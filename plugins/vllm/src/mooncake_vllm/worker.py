@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from mooncake_core.transfer import TransferEngine, TransferRequest
-from mooncake_vllm.common import TEST_CORRUPT_ENV, Counters, config_from_engine, option
+from mooncake_vllm.common import Counters, config_from_engine, option
 from mooncake_vllm.metadata import PDHandshake, PDMetadata, RecvSpec
 
 __all__ = ["PDWorker", "FREE_NOTIFY"]
@@ -77,7 +76,6 @@ class PDWorker:
         self._early_frees: set[str] = set()
         self._fetches: dict[str, _Fetch] = {}
         self._notify_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mc-vllm-notify")
-        self._corrupt_mode = os.environ.get(TEST_CORRUPT_ENV, "")
 
     # ------------------------------------------------------------------ set-up
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -209,9 +207,6 @@ class PDWorker:
                 recving.add(rid)
             else:
                 dt = time.monotonic() - f.started
-                if self._corrupt_mode == "1" or (self._corrupt_mode == "param" and f.spec.corrupt):
-                    self._zero_blocks(f.spec.local_block_ids)
-                    self.counters.add(test_corrupted_requests=1)
                 self.counters.add(recv_requests=1, recv_blocks=len(f.spec.local_block_ids),
                                   recv_bytes=f.nbytes, recv_seconds=dt)
                 logger.debug("fetched %d bytes for %s in %.3f s", f.nbytes, rid, dt)
@@ -235,10 +230,3 @@ class PDWorker:
                 logger.debug("release of %s on %s failed: %s", spec.remote_request_id, peer, exc)
 
         self._notify_pool.submit(run)
-
-    def _zero_blocks(self, block_ids: list[int]) -> None:
-        import torch
-
-        idx = torch.tensor(block_ids, dtype=torch.long)
-        for t in self.layers.values():
-            t.index_fill_(0, idx, 0)
