@@ -122,3 +122,10 @@ class RankFailure(EPError):
 
 class Evicted(EPError):
     """This rank was left out of the membership epoch the survivors agreed on; rejoin."""
+
+
+class SegmentOverlap(SegmentError):
+    """The memory to register overlaps a range that is already registered."""
+
+
+__all__ += ["SegmentOverlap"]

@@ -28,14 +28,13 @@ from __future__ import annotations
 import ctypes
 import enum
 import logging
-import os
 import socket
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from mooncake_core.compat import engine as _compat_engine
-from mooncake_core.config import load_config, parse_size
+from mooncake_core.config import environment, load_config, parse_size
 from mooncake_core.errors import (
     LeaseExpired,
     MasterUnavailable,
@@ -237,7 +236,7 @@ class MooncakeDistributedStore:
             return INVALID_PARAMS
         if tenant_id != "default" or enable_client_http_server:
             logger.info("setup: tenant_id and the client HTTP server are not supported; ignored")
-        env = dict(os.environ)
+        env = dict(environment())
         env.pop("MOONCAKE_CONFIG_PATH", None)
         meta = metadata_server.strip() or "P2PHANDSHAKE"
         host = local_hostname.strip() or "127.0.0.1"

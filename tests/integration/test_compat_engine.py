@@ -23,7 +23,12 @@ from typing import Any
 import pytest
 
 from mooncake_core.bench.mooncake_peer import default_peer_python
-from mooncake_core.compat.engine import TransferEngine, TransferNotify, TransferOpcode
+from mooncake_core.compat.engine import (
+    ERR_ADDRESS_OVERLAPPED,
+    TransferEngine,
+    TransferNotify,
+    TransferOpcode,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -308,6 +313,8 @@ def test_return_codes_in_process(pair: Any) -> None:
     assert b.write_bytes_to_buffer(ctypes.addressof(junk), b"x", 1) == -1
     assert b.read_bytes_from_buffer(ctypes.addressof(junk), 1) == b""
     assert b.write_bytes_to_buffer(lb, b"abc", 5) == -1
+    # registering over a registered range: the overlap code, told apart by the error's type
+    assert b.register_memory(lb + 4096, 4096) == ERR_ADDRESS_OVERLAPPED
     # managed buffers
     assert b.free_managed_buffer(lb + 1, 10) == -1
     assert b.allocate_managed_buffer(0) == 0

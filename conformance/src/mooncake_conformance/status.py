@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from mooncake_core.config import env_str, environment
+
 __all__ = ["status_dir", "source_digest", "contract_checks", "merge_outcome", "write_status", "read_status",
            "describe", "SUITE_VERSION"]
 
@@ -32,10 +34,10 @@ _RANK = {"failed": 3, "passed": 2, "skipped": 1}
 
 def status_dir() -> Path | None:
     """Where status files live, or None when disabled."""
-    env = os.environ.get("MOONCAKE_CONFORMANCE_DIR")
+    env = environment().get("MOONCAKE_CONFORMANCE_DIR")  # set but blank also disables
     if env is not None:
         return None if env.strip().lower() in ("", "off", "0", "none") else Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = env_str("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "mooncake-core" / "conformance"
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import signal
 import socket
@@ -22,6 +21,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+
+from mooncake_core.config import environment
 
 __all__ = ["StoreCluster", "free_port"]
 
@@ -50,7 +51,7 @@ class StoreCluster:
         self.lease_ttl_s = lease_ttl_s
         self.dir = Path(tempfile.mkdtemp(prefix="mc-conformance-"))
         self.rpc_port = free_port()
-        self.env = dict(os.environ)
+        self.env = dict(environment())
         self.env.update(env or {})
         self.env.setdefault("MOONCAKE_LOG_LEVEL", "WARNING")
         self.master: subprocess.Popen[bytes] | None = None

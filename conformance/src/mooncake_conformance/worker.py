@@ -24,6 +24,7 @@ from typing import Any
 
 from mooncake_conformance.harness import EngineHarness, HarnessSpec, build_harness
 from mooncake_conformance.scenarios import churn, expected_pages, fill_pages
+from mooncake_core.config import environment
 
 __all__ = ["Worker", "serve"]
 
@@ -88,7 +89,7 @@ class Worker:
 
     def __init__(self, spec: HarnessSpec, env: Mapping[str, str] | None = None,
                  start_timeout_s: float = 120.0) -> None:
-        e = dict(os.environ)
+        e = dict(environment())
         e.update(env or {})
         self.spec = spec
         self.proc = subprocess.Popen([sys.executable, "-m", "mooncake_conformance.worker", spec.to_json()],
