@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mooncake_core.errors import InvalidRequest, SegmentError
+from mooncake_core.errors import InvalidRequest, SegmentError, SegmentOverlap
 
 __all__ = [
     "Region",
@@ -180,7 +180,7 @@ class SegmentTable:
             if (prev is not None and prev.end > region.addr) or (nxt is not None and region.end > nxt.addr):
                 other = prev if prev is not None and prev.end > region.addr else nxt
                 assert other is not None
-                raise SegmentError(
+                raise SegmentOverlap(
                     f"memory 0x{region.addr:x}+{region.length} overlaps registered region {other.name!r} "
                     f"(0x{other.addr:x}+{other.length})"
                 )

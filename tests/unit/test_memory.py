@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mooncake_core.errors import InvalidRequest, SegmentError
+from mooncake_core.errors import InvalidRequest, SegmentError, SegmentOverlap
 from mooncake_core.transfer import TransferEngine
 from mooncake_core.transfer.memory import ManagedBuffer, Region, SegmentTable, buffer_address
 from mooncake_core.transfer.topology import choose_interfaces, discover_nics, resolve_interfaces
@@ -23,7 +23,7 @@ def test_segment_table_bounds_and_overlaps() -> None:
         t.find(0x18000, 1)
     with pytest.raises(InvalidRequest, match="length must be positive"):
         t.find(0x10000, 0)
-    with pytest.raises(SegmentError, match="overlaps registered region 'a'"):
+    with pytest.raises(SegmentOverlap, match="overlaps registered region 'a'"):
         t.add(Region(0x10800, 0x1000, "c"))
     with pytest.raises(SegmentError, match="overlaps registered region 'b'"):
         t.add(Region(0x1f800, 0x1000, "c"))
