@@ -34,7 +34,8 @@ def as_view(obj: Any, writable: bool) -> tuple[memoryview, Any]:
                                   "copy it to the host first")
         return host_view(addr, n), obj
     if mv.readonly and writable:
-        raise InvalidArgument(f"{type(obj).__name__} is read-only; get_into needs a writable buffer")
+        raise InvalidArgument(f"{type(obj).__name__} is read-only; "
+                              "get_into needs a writable buffer")
     if not mv.contiguous:
         raise InvalidArgument("buffer must be contiguous")
     if mv.ndim != 1 or mv.format not in ("B", "b", "c"):

@@ -24,8 +24,9 @@ read outlived the lease. Errors are :mod:`mooncake_core.errors` classes.
 Where things live: this module is the front (lifecycle, heartbeat and SSD tasks, put and get,
 metadata); :mod:`~mooncake_core.store.client_core` the shared base (master calls, moving bytes),
 :mod:`~mooncake_core.store.lending` one-RPC puts through reservations,
-:mod:`~mooncake_core.store.locations` the location cache (``store.location_cache`` keys: reads of
-remembered replicas), :mod:`~mooncake_core.store.buffers` the caller's buffers,
+:mod:`~mooncake_core.store.locations` the location cache (``store.location_cache`` keys) and
+:mod:`~mooncake_core.store.reads` the reads of remembered replicas,
+:mod:`~mooncake_core.store.buffers` the caller's buffers,
 :mod:`~mooncake_core.store.values` typed values.
 """
 
@@ -45,8 +46,9 @@ from mooncake_core.store import values
 from mooncake_core.store.buffers import LocalBuffer, as_view
 from mooncake_core.store.client_core import Job
 from mooncake_core.store.lending import ReservationLending
-from mooncake_core.store.locations import LocationCache, RememberedReads, ReplicaAnswer
+from mooncake_core.store.locations import LocationCache, ReplicaAnswer
 from mooncake_core.store.protocol import ReplicaCfg, SliceW
+from mooncake_core.store.reads import RememberedReads
 from mooncake_core.store.rpc import MasterRPC
 from mooncake_core.store.ssd import SsdTier
 from mooncake_core.store.state import RESERVE_MAX_OBJECT

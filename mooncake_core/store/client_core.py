@@ -2,7 +2,7 @@
 
 :class:`ClientCore` is the base of :class:`~mooncake_core.store.client.StoreClient` and of the
 parts it is built from (:mod:`~mooncake_core.store.lending` for one-RPC puts through
-reservations, :mod:`~mooncake_core.store.locations` for reads of remembered replicas). It
+reservations, :mod:`~mooncake_core.store.reads` for reads of remembered replicas). It
 holds no state of its own: ``StoreClient.__init__`` sets the attributes declared here.
 
 - Master calls: :meth:`ClientCore._call` registers again (and re-mounts) when the master
@@ -21,20 +21,18 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from mooncake_core.config import MooncakeConfig
 from mooncake_core.errors import StoreError, TransportError
 from mooncake_core.store import protocol as P
 from mooncake_core.store.buffers import LocalBuffer
+from mooncake_core.store.locations import LocationCache
 from mooncake_core.store.protocol import SliceW
 from mooncake_core.store.rpc import MasterRPC
 from mooncake_core.store.ssd import SsdTier
 from mooncake_core.transfer import TransferEngine, TransferRequest
 from mooncake_core.transfer.memory import ManagedBuffer, memmove
-
-if TYPE_CHECKING:
-    from mooncake_core.store.locations import LocationCache
 
 __all__ = ["ClientCore", "Job"]
 
