@@ -33,6 +33,10 @@ Contract (one :class:`ElasticEP` per rank; all ranks call the same methods in th
   retries transparently). Survivors that had already finished the failed round replay it
   with zero tokens so every member is at the same round.
 
+Where things live: this module is the front (lifecycle, the layer, validation and routing of
+a round, header checks); :mod:`~mooncake_core.ep.rounds` moves a round's rows (the collective
+and the shared-memory strategy), :mod:`~mooncake_core.ep.epochs` handles epoch changes.
+
 Recovery bound: a crashed rank (sockets reset, process gone) is noticed at once; a hung one after
 ``timeout_s``. The agreement then waits until the dead rank's heartbeat is ``stale_s`` old
 (counted from its death, so it overlaps detection) and forms the new group. Hence
@@ -46,81 +50,41 @@ import logging
 import time
 import uuid
 import zlib
-from dataclasses import dataclass
-from typing import NoReturn
 
 import torch
 
-from mooncake_core.ep.comm import Group, GroupFailure, open_group
+from mooncake_core.ep.comm import Group, GroupFailure
 from mooncake_core.ep.config import EPConfig
+from mooncake_core.ep.epochs import EpochChanges, abort_word
 from mooncake_core.ep.experts import ExpertBank
-from mooncake_core.ep.membership import (
-    AliveInfo,
-    Membership,
-    MembershipStoreLost,
-    View,
-    plan_view,
-)
+from mooncake_core.ep.membership import Membership, MembershipStoreLost, View
 from mooncake_core.ep.placement import Placement, balanced_placement
-from mooncake_core.ep.routing import ReplicaTable, route, validate_routing
-from mooncake_core.ep.shm import COMBINE, DISPATCH, MAILBOX_OK, MailboxFailure, ShmPlane
-from mooncake_core.ep.weights import (
-    STORE,
-    ExpertWeightSource,
-    FetchContext,
-    LiveReplicaSource,
+from mooncake_core.ep.rounds import (
+    CTRL,
+    ERR,
+    JOIN,
+    MASK,
+    ROUND,
+    WILDCARD,
+    CollectiveRound,
+    DispatchHandle,
+    Head,
+    Pairs,
+    Round,
 )
-from mooncake_core.errors import EPError, Evicted, InvalidRouting, MooncakeError, RankFailure
+from mooncake_core.ep.routing import ReplicaTable, route, validate_routing
+from mooncake_core.ep.shm import MailboxFailure, ShmPlane
+from mooncake_core.ep.weights import ExpertWeightSource, LiveReplicaSource
+from mooncake_core.errors import EPError, InvalidRouting, RankFailure
 
 __all__ = ["DispatchHandle", "ElasticEP"]
 
 logger = logging.getLogger(__name__)
 
-_ERR = 1
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_JOIN = 2
-_WILDCARD = -1
-_DISPATCH_ROW = 9  # fixed values of a shared-memory dispatch header row (then one per slot)
 
 
-def _abort_word(epoch: int) -> int:
-    """Mailbox sequence word meaning "this member left epoch ``epoch``"."""
-    return -(epoch + 1)
-
-
-@dataclass(frozen=True)
-class DispatchHandle:
-    """What ``combine`` needs from ``dispatch`` (opaque to callers)."""
-
-    epoch: int
-    round: int
-    num_tokens: int
-    send_token: torch.Tensor
-    send_splits: list[int]
-    recv_splits: list[int]
-    pair_row: torch.Tensor
-    pair_weight: torch.Tensor
-    num_recv_rows: int
-    dtype: torch.dtype
-    num_pairs: int = 0
-    shm_send_counts: list[list[int]] | None = None
-    shm_chunk_at: list[list[int]] | None = None
-
-
-@dataclass(frozen=True)
-class _Head:
-    """What a dispatch carries from validation to its header exchange."""
-
-    mask_hash: int
-    ctrl: int
-    error: InvalidRouting | None
-    view: View
-    timeout: float | None
-    dtype: torch.dtype
-    num_tokens: int
-
-
-class ElasticEP:
+class ElasticEP(EpochChanges):
     """One rank of an elastic EP layer.
 
     Args:
@@ -197,6 +161,8 @@ class ElasticEP:
         self._shm_on = False
         self._mailbox = False
         self._xchg = 0  # header exchanges completed in this epoch
+        self._collective = CollectiveRound(self)
+        self._plane: Round = self._collective
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -250,12 +216,9 @@ class ElasticEP:
             self._shm.close()
             self._shm = None
             self._shm_on = self._mailbox = False
+            self._plane = self._collective
 
     # ------------------------------------------------------------------ properties
-    @property
-    def epoch(self) -> int:
-        return -1 if self.view is None else self.view.epoch
-
     @property
     def placement(self) -> Placement:
         return self._require_view().placement
@@ -358,83 +321,14 @@ class ElasticEP:
                 f"got {tuple(expert_out.shape)}"
             )
         group = self._require_group()
-        dev, h = group.device, self.config.hidden
-        if handle.shm_send_counts is not None and self._shm is not None:
-            y = self._combine_shm(self._shm, group, expert_out, handle, timeout)
-        else:
-            weighted = self._buffer("weighted", (handle.num_pairs, h), handle.dtype, dev)
-            torch.mul(
-                expert_out.to(handle.dtype),
-                handle.pair_weight[:, None].to(handle.dtype),
-                out=weighted,
-            )
-            partial = self._buffer("partial", (handle.num_recv_rows, h), handle.dtype, dev)
-            partial.zero_().index_add_(0, handle.pair_row, weighted)
-            back_buf = self._buffer("back", (int(sum(handle.send_splits)), h), handle.dtype, dev)
-            try:
-                group.all_to_all(
-                    partial.view(torch.uint8),
-                    handle.recv_splits,
-                    handle.send_splits,
-                    timeout,
-                    out=back_buf.view(torch.uint8),
-                )
-            except GroupFailure as exc:
-                self._fail(exc)
-            y = torch.zeros((handle.num_tokens, h), dtype=handle.dtype, device=dev)
-            y.index_add_(0, handle.send_token, back_buf)
+        plane = self._plane if handle.shm_send_counts is not None and self._shm is not None else self._collective
+        y = plane.combine(group, expert_out, handle, timeout)
         if self.round == self.step:
             self.step += 1
         self.round += 1
         self.served_view = view
         if self._transition_pending:
             self._transition("join")
-        return y
-
-    def _combine_shm(
-        self,
-        shm: ShmPlane,
-        group: Group,
-        expert_out: torch.Tensor,
-        handle: DispatchHandle,
-        timeout: float | None,
-    ) -> torch.Tensor:
-        """Combine over the shared-memory plane: the gate-weighted expert outputs go straight
-        into this rank's combine buffer (in ``recv_x`` order), a header exchange tells every
-        source where its chunks are, and each rank sums its pairs' rows out of the members'
-        buffers into ``y``."""
-        h, dt = self.config.hidden, handle.dtype
-        send_counts, chunk_at = handle.shm_send_counts, handle.shm_chunk_at
-        assert send_counts is not None and chunk_at is not None
-        n = handle.num_pairs
-        out = shm.send(COMBINE, n * h * dt.itemsize).view(dt).view(n, h)
-        torch.mul(expert_out.to(dt), handle.pair_weight[:, None].to(dt), out=out)
-        pid, fd, gen = shm.descriptor(COMBINE)
-        rows_hdr = [[self.round, pid, fd, gen, *at] for at in chunk_at]
-        try:
-            hdr = self._exchange(group, rows_hdr, timeout)
-        except GroupFailure as exc:
-            self._fail(exc)
-        if any(r[0] != self.round for r in hdr):
-            raise EPError(
-                f"round mismatch in combine: members at rounds {[r[0] for r in hdr]}, this seat "
-                f"at {self.round}"
-            )
-        y = torch.zeros((handle.num_tokens, h), dtype=dt)
-        tokens = handle.send_token
-        a = 0
-        try:
-            for counts, r in zip(send_counts, hdr, strict=True):
-                if not any(counts):
-                    continue
-                buf = shm.peer(COMBINE, r[1], r[2], r[3])
-                src = buf[: buf.numel() // (h * dt.itemsize) * h * dt.itemsize].view(dt).view(-1, h)
-                for c, at in zip(counts, r[4:], strict=True):
-                    if c:
-                        y.index_add_(0, tokens[a : a + c], src[at : at + c])
-                        a += c
-        except OSError as exc:
-            self._fail(GroupFailure(f"shared-memory read of round {self.round} failed: {exc}"))
         return y
 
     # ------------------------------------------------------------------ internals: rounds
@@ -482,7 +376,6 @@ class ElasticEP:
         cfg = self.config
         view = self._require_view()
         group = self._require_group()
-        m = len(view.members)
         if self._view_mask is None or self._view_mask[0] is not view:
             m0 = view.active_mask()
             self._view_mask = (view, m0, zlib.crc32(bytes(m0.tolist())))
@@ -510,7 +403,7 @@ class ElasticEP:
                 raise InvalidRouting("no rank of active_ranks is alive in this epoch")
         except InvalidRouting as exc:
             error = exc
-        ctrl = _ERR if error is not None else 0
+        ctrl = ERR if error is not None else 0
         if (
             view.members[0] == self.seat
             and time.monotonic() - self._last_join_poll > cfg.join_poll_s
@@ -519,17 +412,15 @@ class ElasticEP:
             outside = [s for s in range(cfg.num_seats) if s not in view.members]
             try:
                 if self.membership.any_join_pending(outside):
-                    ctrl |= _JOIN
+                    ctrl |= JOIN
             except MembershipStoreLost as exc:  # steps go on; joins wait for the store
                 if not self._store_lost:
                     logger.warning("EP seat %d: %s", self.seat, exc)
                 self._store_lost = True
-        mask_hash = _WILDCARD if wildcard else mask_crc
+        mask_hash = WILDCARD if wildcard else mask_crc
         dev = group.device
         k = cfg.top_k if error is not None else topk_idx.shape[1]
-        slots: torch.Tensor | None = None
-        weights: torch.Tensor | None = None
-        dest: torch.Tensor | None = None
+        pairs: Pairs | None = None
         if error is None:
             # Routing tables live on the CPU (they are tiny); on CUDA this costs a copy of
             # topk_idx/topk_weights per step (the NCCL path is untested here).
@@ -547,10 +438,11 @@ class ElasticEP:
             self.load += torch.bincount(r.experts[valid], minlength=cfg.num_experts).to(
                 torch.float64
             )
-            slots, weights = r.slots, r.weights
+            slots = r.slots
             dest = torch.where(
                 slots >= 0, self._seat_to_member[(slots // cfg.slots_per_rank).clamp(min=0)], -1
             )
+            pairs = Pairs(slots, r.weights, dest)
             dtype = x.dtype
             xi = x.to(dev).contiguous().view(_INT_OF_SIZE[x.element_size()])
         else:
@@ -558,189 +450,10 @@ class ElasticEP:
             xi = torch.empty((0, cfg.hidden), dtype=dtype, device=dev).view(
                 _INT_OF_SIZE[dtype.itemsize]
             )
-        head = _Head(
-            mask_hash, ctrl, error, view, timeout, dtype, x.shape[0] if error is None else 0
+        head = Head(
+            mask_hash, ctrl, error, view, timeout, dtype, x.shape[0] if error is None else 0, k
         )
-        if self._shm_on and self._shm is not None:
-            return self._dispatch_shm(self._shm, group, head, xi, slots, weights, dest)
-        if slots is not None and weights is not None and dest is not None:
-            has = (dest.unsqueeze(-1) == torch.arange(m)).any(dim=1)  # [T, M]
-            pairs = has.t().nonzero()
-            send_member, send_token = pairs[:, 0], pairs[:, 1]
-            send_splits = torch.bincount(send_member, minlength=m).tolist()
-            same = dest[send_token] == send_member[:, None]
-            local_slot = torch.where(same, slots[send_token] % cfg.slots_per_rank, -1).to(
-                torch.int32
-            )
-            w = torch.where(same, weights[send_token], 0.0).to(torch.float32)
-        else:
-            send_token = torch.empty(0, dtype=torch.int64)
-            send_splits = [0] * m
-            local_slot = torch.empty((0, k), dtype=torch.int32)
-            w = torch.empty((0, k), dtype=torch.float32)
-        try:
-            hdr = self._exchange(
-                group, [[n, mask_hash, ctrl, self.round] for n in send_splits], timeout
-            )
-        except GroupFailure as exc:
-            self._fail(exc)
-        self._check_header(hdr, error, view)
-        if hdr[0][2] & _JOIN:  # row 0 is the leader's header
-            self._transition_pending = True
-        recv_splits = [r[0] for r in hdr]
-        # One row per (token, destination): the token's hidden state, then K local slots and
-        # K gate weights, all bit-cast to an integer type of the element size of x.
-        itype = xi.dtype
-        hw = xi.shape[1]
-        meta = torch.cat([local_slot, w.view(torch.int32)], dim=1).to(dev).view(itype)
-        n_send = send_token.numel()
-        width = hw + meta.shape[1]
-        payload = self._buffer("payload", (n_send, width), itype, dev)
-        torch.index_select(xi, 0, send_token.to(dev), out=payload[:, :hw])
-        payload[:, hw:].copy_(meta)
-        recv_buf = self._buffer("recv", (int(sum(recv_splits)), width), itype, dev)
-        try:  # as bytes: gloo has no all-to-all for every dtype (int16, bf16)
-            group.all_to_all(
-                payload.view(torch.uint8),
-                send_splits,
-                recv_splits,
-                timeout,
-                out=recv_buf.view(torch.uint8),
-            )
-        except GroupFailure as exc:
-            self._fail(exc)
-        recv = recv_buf
-        rmeta = recv[:, hw:].contiguous().view(torch.int32)
-        ls = rmeta[:, :k]
-        rw = rmeta[:, k:].contiguous().view(torch.float32)
-        pr = (ls >= 0).nonzero()
-        row, kk = pr[:, 0], pr[:, 1]
-        pslot = ls[row, kk].to(torch.int64)
-        order = torch.argsort(pslot, stable=True)
-        row_o = row[order].to(dev)
-        rows = self._buffer("recv_x", (row_o.numel(), hw), itype, dev)
-        torch.index_select(recv[:, :hw], 0, row_o, out=rows)
-        recv_x = rows.view(dtype)  # grouped by local slot; valid until the next dispatch
-        recv_counts = torch.bincount(pslot[order], minlength=cfg.slots_per_rank)
-        handle = DispatchHandle(
-            epoch=view.epoch,
-            round=self.round,
-            num_tokens=head.num_tokens,
-            send_token=send_token.to(dev),
-            send_splits=send_splits,
-            recv_splits=recv_splits,
-            pair_row=row_o,
-            pair_weight=rw[row, kk][order].to(dev),
-            num_recv_rows=int(recv.shape[0]),
-            dtype=dtype,
-            num_pairs=int(row_o.numel()),
-        )
-        return recv_x, recv_counts, handle
-
-    def _dispatch_shm(
-        self,
-        shm: ShmPlane,
-        group: Group,
-        head: _Head,
-        xi: torch.Tensor,
-        slots: torch.Tensor | None,
-        weights: torch.Tensor | None,
-        dest: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
-        """Dispatch over the shared-memory plane.
-
-        One row per (token, destination slot) pair, sorted by (member, local slot), so a
-        receiver's ``recv_x`` is one concatenation of (slot, source) chunks read straight out
-        of the sources' buffers, and combine needs no reduction on the expert side. Each
-        source's buffer holds its rows, then (8-byte aligned) their float32 gate weights.
-        """
-        cfg = self.config
-        m, s_per = group.size, cfg.slots_per_rank
-        itype, hw = xi.dtype, xi.shape[1]
-        row_bytes = hw * itype.itemsize
-        if slots is not None and weights is not None and dest is not None:
-            key = torch.where(slots >= 0, dest * s_per + slots % s_per, m * s_per).reshape(-1)
-            order = torch.argsort(key, stable=True)
-            counts = torch.bincount(key, minlength=m * s_per + 1)[: m * s_per]
-            n_pairs = int(order.numel() - (key == m * s_per).sum())
-            order = order[:n_pairs]
-            send_token = order // slots.shape[1]
-            pair_w = weights.reshape(-1)[order]
-        else:
-            counts = torch.zeros(m * s_per, dtype=torch.int64)
-            n_pairs = 0
-            send_token = torch.empty(0, dtype=torch.int64)
-            pair_w = torch.empty(0, dtype=torch.float32)
-        w_at = -(-n_pairs * row_bytes // 8) * 8
-        out = shm.send(DISPATCH, w_at + 4 * n_pairs)
-        torch.index_select(
-            xi, 0, send_token, out=out[: n_pairs * row_bytes].view(itype).view(n_pairs, hw)
-        )
-        out[w_at : w_at + 4 * n_pairs].view(torch.float32).copy_(pair_w)
-        send_counts: list[list[int]] = counts.view(m, s_per).tolist()
-        pid, fd, gen = shm.descriptor(DISPATCH)
-        rows_hdr = []
-        offset = 0
-        for c in send_counts:
-            n = sum(c)
-            rows_hdr.append(
-                [n, head.mask_hash, head.ctrl, self.round, offset, pid, fd, gen, w_at, *c]
-            )
-            offset += n
-        try:
-            peers = self._exchange(group, rows_hdr, head.timeout)
-        except GroupFailure as exc:
-            self._fail(exc)
-        self._check_header(peers, head.error, head.view)
-        if peers[0][2] & _JOIN:  # row 0 is the leader's header
-            self._transition_pending = True
-        per_slot = [sum(p[_DISPATCH_ROW + s] for p in peers) for s in range(s_per)]
-        recv_counts = torch.tensor(per_slot, dtype=torch.int64)
-        n_recv = sum(per_slot)
-        recv_x = self._buffer("recv_x", (n_recv, hw), itype, xi.device)
-        recv_w = self._buffer("recv_w", (1, n_recv), torch.float32, xi.device)[0]
-        xs: list[torch.Tensor] = []
-        ws: list[torch.Tensor] = []
-        chunk_at = [[0] * s_per for _ in range(m)]  # where chunk (source i, slot s) lands
-        try:
-            src_x, src_w, cursor = [], [], []
-            for p in peers:
-                buf = shm.peer(DISPATCH, p[5], p[6], p[7]) if p[0] else out
-                src_x.append(buf[: buf.numel() // row_bytes * row_bytes].view(itype).view(-1, hw))
-                src_w.append(buf[p[8] :].view(torch.float32))
-                cursor.append(p[4])
-            at = 0
-            for s in range(s_per):
-                for i, p in enumerate(peers):
-                    cnt = p[_DISPATCH_ROW + s]
-                    if cnt:
-                        a = cursor[i]
-                        xs.append(src_x[i][a : a + cnt])
-                        ws.append(src_w[i][a : a + cnt])
-                        cursor[i] = a + cnt
-                        chunk_at[i][s] = at
-                        at += cnt
-            if xs:
-                torch.cat(xs, out=recv_x)
-                torch.cat(ws, out=recv_w)
-        except OSError as exc:  # a source's buffer vanished between its header and our read
-            self._fail(GroupFailure(f"shared-memory read of round {self.round} failed: {exc}"))
-        handle = DispatchHandle(
-            epoch=head.view.epoch,
-            round=self.round,
-            num_tokens=head.num_tokens,
-            send_token=send_token,
-            send_splits=[sum(c) for c in send_counts],
-            recv_splits=[int(p[0]) for p in peers],
-            pair_row=torch.empty(0, dtype=torch.int64),
-            pair_weight=recv_w,
-            num_recv_rows=n_recv,
-            dtype=head.dtype,
-            num_pairs=n_recv,
-            shm_send_counts=send_counts,
-            shm_chunk_at=chunk_at,
-        )
-        return recv_x.view(head.dtype), recv_counts, handle
+        return self._plane.dispatch(group, head, xi, pairs)
 
     def _exchange(
         self, group: Group, rows: list[list[int]], timeout: float | None
@@ -755,7 +468,7 @@ class ElasticEP:
             shm.post(seq, rows)
             t = self.config.timeout_s if timeout is None else timeout
             try:
-                got = shm.collect(seq, group.rank, len(rows[0]), t, _abort_word(epoch))
+                got = shm.collect(seq, group.rank, len(rows[0]), t, abort_word(epoch))
             except MailboxFailure as exc:
                 raise GroupFailure(f"header exchange failed: {exc}") from exc
             self._xchg += 1
@@ -766,14 +479,8 @@ class ElasticEP:
         self._xchg += 1
         return out
 
-    def _leave_mailboxes(self, epoch: int) -> None:
-        """Members waiting on our mailbox for the exchange in progress fail at once (the
-        shared-memory counterpart of closing the group)."""
-        if self._mailbox and self._shm is not None:
-            self._shm.abort_slot(self._xchg + 1, _abort_word(epoch))
-
     def _check_header(self, hdr: list[list[int]], error: InvalidRouting | None, view: View) -> None:
-        bad = [view.members[i] for i, row in enumerate(hdr) if row[2] & _ERR]
+        bad = [view.members[i] for i, row in enumerate(hdr) if row[CTRL] & ERR]
         if error is not None:
             raise error
         if bad:
@@ -781,12 +488,12 @@ class ElasticEP:
                 f"seat(s) {bad} rejected their input in round {self.round}; the round was aborted on "
                 "every rank (see the error on those ranks)"
             )
-        rounds = [row[3] for row in hdr]
+        rounds = [row[ROUND] for row in hdr]
         if any(r != self.round for r in rounds):
             raise EPError(
                 f"round mismatch in epoch {view.epoch}: members at rounds {rounds}, this seat at {self.round}"
             )
-        hashes = {view.members[i]: row[1] for i, row in enumerate(hdr) if row[1] != _WILDCARD}
+        hashes = {view.members[i]: row[MASK] for i, row in enumerate(hdr) if row[MASK] != WILDCARD}
         if len(set(hashes.values())) > 1:
             raise InvalidRouting(
                 f"active_ranks differs across ranks in round {self.round} (mask hash per seat: {hashes}); "
@@ -794,156 +501,6 @@ class ElasticEP:
             )
 
     # ------------------------------------------------------------------ internals: epochs
-    def _fail(self, exc: GroupFailure) -> NoReturn:
-        self._transition("failure", cause=exc)
-        raise RankFailure(
-            f"seat {self.seat}: membership changed during round {self.round}; now epoch {self.epoch} "
-            f"with seats {list(self.members)}; redo the step"
-        ) from exc
-
-    def _transition(
-        self, reason: str, rebalance: bool = False, cause: Exception | None = None
-    ) -> None:
-        t0 = time.monotonic()
-        old = self._require_view()
-        self._leave_mailboxes(old.epoch)
-        if self.group is not None:
-            self.group.close()
-            self.group = None
-        self._transition_pending = False
-        epoch = old.epoch + 1
-        logger.info(
-            "EP seat %d: transition to epoch %d (%s) %s", self.seat, epoch, reason, cause or ""
-        )
-        while True:
-            info = AliveInfo(
-                self.round, self.step, tuple(self.bank.held()), tuple(self.load.tolist()), rebalance
-            )
-            self.membership.post_alive(epoch, info)
-            view = self._await_view(epoch, old, reason)
-            if self.seat not in view.members:
-                self.view = None
-                raise Evicted(
-                    f"seat {self.seat} was left out of epoch {view.epoch} (members {list(view.members)}); "
-                    "call join() to come back"
-                )
-            try:
-                self._install(view)
-                break
-            except GroupFailure as exc:
-                logger.warning(
-                    "EP seat %d: installing epoch %d failed: %s", self.seat, view.epoch, exc
-                )
-                if self.group is not None:
-                    self.group.close()
-                    self.group = None
-                old, epoch = view, view.epoch + 1
-        self.stats["transitions"] += 1
-        self.stats["last_recover_s"] = time.monotonic() - t0
-
-    def _await_view(self, epoch: int, old: View, reason: str) -> View:
-        cfg = self.config
-        start = time.monotonic()
-        while True:
-            view = self.membership.read_view(epoch)
-            if view is not None:
-                return view
-            posted = self.membership.read_alive(epoch, old.members)
-            # A member seat with a fresh join request was restarted: its old process is gone.
-            rejoining = self.membership.pending_joins(s for s in old.members if s not in posted)
-            waiting = []
-            for seat in old.members:
-                if seat in posted:
-                    continue
-                age = self.membership.heartbeat_age(seat)
-                dead = (
-                    seat in rejoining
-                    or age is None
-                    or age > cfg.stale_s
-                    or time.monotonic() - start > cfg.timeout_s + cfg.stale_s
-                )
-                if not dead:
-                    waiting.append(seat)
-            if not waiting:
-                outside = [s for s in range(cfg.num_seats) if s not in posted]
-                joiners = self.membership.pending_joins(outside)
-                proposal = plan_view(
-                    old,
-                    posted,
-                    joiners,
-                    store_fallback=self.store_source is not None,
-                    reason=reason,
-                )
-                won = self.membership.offer_view(proposal)
-                if won == proposal:
-                    logger.info(
-                        "EP epoch %d: members %s, %d expert copies (%s)",
-                        won.epoch,
-                        list(won.members),
-                        len(won.transfers),
-                        won.reason,
-                    )
-                return won
-            time.sleep(0.005)
-
-    def _install(self, view: View, connect_timeout_s: float | None = None) -> None:
-        cfg = self.config
-        idx = view.members.index(self.seat)
-        self.view = view
-        self.group = open_group(
-            self.membership.store,
-            f"{cfg.prefix}/pg/{view.epoch}/",
-            idx,
-            len(view.members),
-            backend=cfg.backend,
-            timeout_s=cfg.timeout_s,
-            connect_timeout_s=connect_timeout_s or cfg.timeout_s + cfg.stale_s,
-            host=cfg.host,
-        )
-        self._xchg = 0
-        self._shm_on = self._probe_shm(self.group)
-        self._mailbox = self._shm_on and MAILBOX_OK
-        ctx = FetchContext(self.seat, view.members, self.bank, self.group)
-        got = self.live_source.fetch(view.transfers, ctx)
-        if self.store_source is not None and any(t.src_seat == STORE for t in view.transfers):
-            got.update(self.store_source.fetch(view.transfers, ctx))
-        for e, flat in got.items():
-            self.bank.put(e, flat)
-        self.bank.retain([e for e in view.placement.seat_experts(self.seat) if e >= 0])
-        self._seat_to_member.fill_(-1)
-        for i, seat in enumerate(view.members):
-            self._seat_to_member[seat] = i
-        self._replica_table = view.placement.replica_table()
-        self._table = None
-        self.round = view.resume_round
-
-    def _probe_shm(self, group: Group) -> bool:
-        """Collective: does this epoch move rows over the shared-memory plane?"""
-        cfg = self.config
-        if cfg.transport == "collective" or group.device.type != "cpu":
-            if cfg.transport == "shm":
-                raise EPError("EP transport 'shm' needs CPU tensors (backend 'gloo')")
-            return False
-        if self._shm is None:
-            try:
-                self._shm = ShmPlane(
-                    max_members=cfg.num_seats, row_width=_DISPATCH_ROW + cfg.slots_per_rank
-                )
-            except (OSError, MooncakeError) as exc:
-                logger.warning("EP seat %d: no shared memory (%s)", self.seat, exc)
-        row = self._shm.probe_row() if self._shm is not None else ShmPlane.no_probe_row()
-        rows = group.all_gather(row)
-        ok = self._shm is not None and self._shm.probe(rows)
-        votes = group.all_reduce(torch.tensor([int(ok)], dtype=torch.int64))
-        agreed = int(votes.item()) == group.size
-        if not agreed and cfg.transport == "shm":
-            raise EPError(
-                "EP transport 'shm' was required but some member cannot map the others' shared "
-                "memory (different hosts or no permission); use transport 'auto'"
-            )
-        logger.debug("EP seat %d: epoch data plane %s", self.seat, "shm" if agreed else "group")
-        return agreed
-
     @property
     def transport(self) -> str:
         """Where this epoch's rows travel: ``"shm"`` or ``"collective"``."""
@@ -970,11 +527,6 @@ class ElasticEP:
         if not isinstance(self.store_source, StoreWeightSource):
             raise EPError(f"expert {expert} missing and no store source configured")
         return self.store_source.load(expert)
-
-    def _require_view(self) -> View:
-        if self.view is None:
-            raise EPError(f"seat {self.seat} is not serving; call start() or join()")
-        return self.view
 
     def _require_group(self) -> Group:
         if self.group is None:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch._C._distributed_c10d import TCPStore
 
+from mooncake_core.config import env_str
 from mooncake_core.ep.config import EPConfig
 from mooncake_core.ep.engine import ElasticEP
 from mooncake_core.ep.experts import ExpertBank, make_expert_weights
@@ -187,7 +188,7 @@ def _die(queue: Any, seat: int, sig: int = signal.SIGKILL) -> None:
 def run_worker(seat: int, port: int, spec: WorkerSpec, queue: Any) -> None:
     """Body of one EP rank process (target of a ``spawn`` process)."""
     torch.set_num_threads(1)
-    if os.environ.get("MOONCAKE_EP_TEST_LOG"):
+    if env_str("MOONCAKE_EP_TEST_LOG"):  # any value turns on debug logs of the rank processes
         logging.basicConfig(
             level=logging.DEBUG, format=f"%(asctime)s seat{seat} %(name)s %(message)s"
         )
