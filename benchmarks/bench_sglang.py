@@ -2,7 +2,7 @@
 
 import sys
 
-from mooncake_core.bench.sglang import main
+from mooncake_sglang.bench import main
 
 if __name__ == "__main__":
     raise SystemExit(main(sys.argv[1:]))

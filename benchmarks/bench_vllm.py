@@ -2,6 +2,6 @@
 
 import sys
 
-from mooncake_core.bench.vllm import main
+from mooncake_vllm.bench import main
 
 raise SystemExit(main(sys.argv[1:]))

@@ -68,7 +68,7 @@ SGLANG_DEPS="orjson psutil pybase64 requests packaging pillow starlette msgspec 
 transformers dill apache-tvm-ffi sentencepiece compressed-tensors"
 SGLANG_STAMP="$VENV/.mooncake-peer-sglang-stamp"
 # The bench's own helper imports SGLang's pool and MooncakeStore modules the way it runs them.
-SGLANG_CHECK="$ROOT/mooncake_core/bench/_mooncake_sglang.py"
+SGLANG_CHECK="$ROOT/benchmarks/published/_mooncake_sglang.py"
 if [ "$WITH_SGLANG" = 1 ]; then
   want="$(echo "$SGLANG_PINS $SGLANG_DEPS" | sha256sum | cut -d' ' -f1)"
   if [ ! -f "$SGLANG_STAMP" ] || [ "$(cat "$SGLANG_STAMP")" != "$want" ]; then

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
+from mooncake_core import config
 from mooncake_core.conductor.policy import POLICIES
 from mooncake_core.conductor.scheduler import Conductor, ConductorConfig
 from mooncake_core.conductor.simulator import DEFAULT_CLUSTER, simulate
@@ -39,8 +39,9 @@ def find_trace() -> Path | None:
     """Locate the conversation trace (see the module docstring); None if nowhere."""
     repo = Path(__file__).resolve().parents[2]
     cands = []
-    if os.environ.get("MOONCAKE_TRACE_DIR"):
-        cands.append(Path(os.environ["MOONCAKE_TRACE_DIR"]) / _NAME)
+    trace_dir = config.env_str("MOONCAKE_TRACE_DIR")
+    if trace_dir:
+        cands.append(Path(trace_dir) / _NAME)
     cands += [
         Path.cwd().parent / "shared" / "traces" / _NAME,
         repo.parent / "shared" / "traces" / _NAME,

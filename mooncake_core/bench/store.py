@@ -19,8 +19,8 @@ the same bytes in the same pattern (as many distinct 16 MiB sources, read as oft
 
 ``--compare-mooncake PYTHON`` uses the hook :func:`run_mooncake`, which runs the same
 workload on the published Mooncake store through
-``mooncake_core.bench.mooncake_peer.run_mooncake_store_bench(python, quick)`` when that
-module exists; ours and theirs alternate round by round, and the JSON adds
+``run_mooncake_store_bench(python, quick)`` of ``benchmarks/published/mooncake_peer.py``
+(:mod:`mooncake_core.bench.published`; needs the source checkout); ours and theirs alternate round by round, and the JSON adds
 ``mooncake_<key>`` and ``<key>_ratio_vs_mooncake`` (ours / theirs; for the latency keys
 lower is better) for each figure both report, and ``raw_tcp_<key>_ratio_vs_mooncake``: the
 raw-TCP reference (a bare Python socket, no store) against the published store, i.e. the
@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from mooncake_core import config
 from mooncake_core.bench import rawtcp
 
 SIZES = [64 << 10, 1 << 20, 16 << 20, 64 << 20]
@@ -200,15 +201,18 @@ def _meta(client: Any, seg: str, quick: bool) -> dict[str, float]:
 def run_mooncake(python: str, quick: bool) -> dict[str, Any]:
     """HOOK for ``--compare-mooncake PYTHON``: one run of the same workload on the published store.
 
-    Calls ``mooncake_core.bench.mooncake_peer.run_mooncake_store_bench(python, quick)``
-    (written separately; it starts the published ``mooncake_master`` with its embedded
+    Calls ``run_mooncake_store_bench(python, quick)`` of ``benchmarks/published/mooncake_peer.py``
+    (found by :func:`mooncake_core.bench.published.peer`; it starts the published ``mooncake_master`` with its embedded
     HTTP metadata server, a holder and a reader over TCP) and returns its figures, which
     use our key names. On failure returns ``{"mooncake_error": "..."}``.
     """
+    from mooncake_core.bench.published import peer
+    from mooncake_core.errors import ConfigError
+
     try:
-        from mooncake_core.bench import mooncake_peer
-    except ImportError as exc:
-        return {"mooncake_error": f"mooncake_core.bench.mooncake_peer is not available: {exc}"}
+        mooncake_peer = peer()
+    except (ConfigError, ImportError) as exc:
+        return {"mooncake_error": f"benchmarks/published/mooncake_peer.py is not available: {exc}"}
     runner = getattr(mooncake_peer, "run_mooncake_store_bench", None)
     if runner is None:
         return {"mooncake_error": "mooncake_peer has no run_mooncake_store_bench(python, quick)"}
@@ -269,7 +273,7 @@ def run_bench(quick: bool, transport: str, rounds: int) -> dict[str, Any]:
     from mooncake_core.store import StoreClient
 
     tmp = tempfile.mkdtemp(prefix="mc-bench-store-")
-    env = dict(os.environ, MOONCAKE_LOG_LEVEL="WARNING")
+    env = dict(config.environment(), MOONCAKE_LOG_LEVEL="WARNING")
     procs: list[subprocess.Popen[Any]] = []
     try:
         mready = os.path.join(tmp, "master.json")

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from mooncake_core import config
 from mooncake_core.bench import rawtcp
 from mooncake_core.transfer import TransferEngine, TransferRequest
 
@@ -69,7 +70,7 @@ def _median(xs: list[float]) -> float:
 
 
 def run(quick: bool) -> dict[str, Any]:
-    env = dict(os.environ)
+    env = dict(config.environment())
     proc = subprocess.Popen([sys.executable, "-m", "mooncake_core.bench.transfer", "--serve"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
@@ -184,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench transfer: two processes on loopback ({'quick' if args.quick else 'full'}) ...", file=sys.stderr, flush=True)
     r = run(args.quick)
     if args.compare_mooncake:
-        from mooncake_core.bench.mooncake_peer import run_mooncake_transfer_bench
+        from mooncake_core.bench.published import peer
+
+        run_mooncake_transfer_bench = peer().run_mooncake_transfer_bench
 
         print("bench transfer: published Mooncake engine (TCP) ...", file=sys.stderr, flush=True)
         mc = run_mooncake_transfer_bench(os.path.abspath(args.compare_mooncake), args.quick)

@@ -1,7 +1,9 @@
 """``mooncake-core bench NAME [options]``: run one of the benchmarks.
 
 Each benchmark module defines ``main(argv) -> int``, prints a table and, with
-``--json``, one JSON object as its last line.
+``--json``, one JSON object as its last line. The core's are below; engine adapters add
+theirs (``bench vllm``, ``bench sglang``) through entry points ``bench.NAME`` of the group
+``mooncake_core.cli`` (:mod:`mooncake_core.cli.extensions`).
 """
 
 from __future__ import annotations
@@ -9,24 +11,40 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from mooncake_core.cli import extensions
+from mooncake_core.errors import ConfigError
+
+__all__ = ["BENCHES", "add_arguments", "available", "run"]
+
 BENCHES: dict[str, str] = {
     "transfer": "mooncake_core.bench.transfer",
     "store": "mooncake_core.bench.store",
     "conductor": "mooncake_core.bench.conductor",
     "ep": "mooncake_core.bench.ep",
-    "vllm": "mooncake_core.bench.vllm",
-    "sglang": "mooncake_core.bench.sglang",
 }
 
 
+def available() -> dict[str, str]:
+    """Every benchmark: the core's and the installed adapters' (name -> module)."""
+    out = dict(BENCHES)
+    for name, mod in extensions.benches().items():
+        out.setdefault(name, mod)
+    return out
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
+    names = ", ".join(sorted(available()))
+    parser.add_argument("name", metavar="NAME", help=f"which benchmark: {names}")
     parser.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see NAME --help)")
 
 
 def run(args: argparse.Namespace) -> int:
+    table = available()
+    if args.name not in table:
+        raise ConfigError(f"no benchmark {args.name!r}; available: {', '.join(sorted(table))} "
+                          "(engine benchmarks come with their adapters)")
     try:
-        mod = importlib.import_module(BENCHES[args.name])
+        mod = importlib.import_module(table[args.name])
     except ModuleNotFoundError as exc:
-        raise SystemExit(f"mooncake-core: error: benchmark {args.name!r} is not available ({exc})") from None
+        raise ConfigError(f"benchmark {args.name!r} is not available ({exc})") from None
     return int(mod.main(list(args.rest)) or 0)

@@ -9,8 +9,10 @@ from typing import Any
 
 import pytest
 
-from mooncake_core.bench.mooncake_peer import default_peer_python
+from mooncake_core.bench.published import peer
 from mooncake_core.bench.store import ratios
+
+default_peer_python = peer().default_peer_python
 
 pytestmark = pytest.mark.slow
 

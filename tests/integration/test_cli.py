@@ -70,3 +70,31 @@ def test_bench_transfer_quick_json_contract() -> None:
     for key in ("tcp_write_gbps_16m", "tcp_read_gbps_16m", "raw_tcp_gbps", "shm_write_gbps_16m",
                 "shm_read_gbps_16m", "memcpy_gbps", "lat64k_p50_us", "lat64k_p99_us"):
         assert isinstance(last[key], (int, float)) and last[key] > 0, key
+
+
+def test_adapter_commands_are_listed_and_unknown_ones_are_one_line() -> None:
+    from mooncake_core.cli import extensions
+
+    out = mc("--help")
+    assert out.returncode == 0
+    for name in extensions.commands():
+        assert name in out.stdout  # e.g. pd-demo from the vLLM adapter's entry point
+    bench = mc("bench", "--help")
+    for name in ("transfer", "store", *extensions.benches()):
+        assert name in bench.stdout
+    for args in (("no-such-command",), ("bench", "no-such-bench")):
+        bad = mc(*args)
+        lines = bad.stderr.strip().splitlines()
+        assert bad.returncode == 2 and len(lines) == 1 and lines[0].startswith("mooncake-core: error:"), bad.stderr
+        assert args[-1] in lines[0]
+
+
+def test_log_level_after_the_command_and_from_the_config() -> None:
+    import os
+
+    out = mc("plugins", "--json", "--log-level", "DEBUG")
+    assert out.returncode == 0, out.stderr
+    env = dict(os.environ, MOONCAKE_LOG_LEVEL="loud")
+    out = subprocess.run([sys.executable, "-m", "mooncake_core", "plugins"], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 2 and "log.level" in out.stderr

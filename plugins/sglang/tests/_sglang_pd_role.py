@@ -16,7 +16,7 @@ chunks as chunked prefill does) and ``MooncakeKVReceiver`` (``try_ensure_paralle
 ``init``, ``send_metadata``). ``mooncake`` is ``mooncake_core.compat``
 (``mooncake_sglang.plugin.install_compat``, forced even if a published wheel is
 importable). Nothing is faked; the only stand-in is the inert ``torchvision`` module of
-``mooncake_sglang.testing`` (PyPI only has CUDA builds of it).
+``torchvision_stand_in.py`` next to this script (PyPI only has CUDA builds of it).
 
 Both sides walk the same plan, one request (bootstrap room) after another, over one
 manager each, as a server handles consecutive requests. The prefill fills its pool with
@@ -53,12 +53,14 @@ def _setup(role: str, model: str, port: int) -> Any:
     os.environ["MOONCAKE_SGLANG_FORCE_COMPAT"] = "1"
     from mooncake_sglang.plugin import install_compat
     from mooncake_sglang.testing import import_sglang_pools
+    from torchvision_stand_in import install as install_torchvision_stand_in  # next to this script
 
     if not install_compat():
         raise SystemExit("mooncake_core.compat could not be installed as `mooncake`")
     import mooncake.engine
 
     assert mooncake.engine.__name__.startswith("mooncake_core"), mooncake.engine.__name__
+    install_torchvision_stand_in()
     import_sglang_pools()
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import ServerArgs

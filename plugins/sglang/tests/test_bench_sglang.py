@@ -19,7 +19,7 @@ pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="sglang is no
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 PEER = Path(__file__).resolve().parents[3] / ".scratch" / "mooncake-venv" / "bin" / "python"
-BENCH = Path(__file__).resolve().parents[3] / "mooncake_core" / "bench" / "_mooncake_sglang.py"
+BENCH = Path(__file__).resolve().parents[3] / "benchmarks" / "published" / "_mooncake_sglang.py"
 
 
 def _bench(*args: str) -> dict[str, float]:

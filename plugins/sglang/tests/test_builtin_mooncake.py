@@ -32,7 +32,7 @@ class BuiltinMooncakeFixtures(AdapterFixtures):
 
     @pytest.fixture
     def harness_factory(self) -> str:
-        return "mooncake_sglang.testing:make_harness"
+        return "mooncake_sglang.testing.harness:make_harness"
 
     @pytest.fixture(params=LAYOUTS, ids=[lay.label for lay in LAYOUTS])
     def kv_layout(self, request: pytest.FixtureRequest) -> KVLayout:

@@ -29,7 +29,7 @@ LAYOUTS = [
 
 
 class SGLangFixtures(AdapterFixtures):
-    """How the suite drives mooncake-sglang (``mooncake_sglang.testing``)."""
+    """How the suite drives mooncake-sglang (``mooncake_sglang.testing.harness``)."""
 
     @pytest.fixture
     def adapter_name(self) -> str:
@@ -41,7 +41,7 @@ class SGLangFixtures(AdapterFixtures):
 
     @pytest.fixture
     def harness_factory(self) -> str:
-        return "mooncake_sglang.testing:make_harness"
+        return "mooncake_sglang.testing.harness:make_harness"
 
     @pytest.fixture(params=LAYOUTS, ids=[lay.label for lay in LAYOUTS])
     def kv_layout(self, request: pytest.FixtureRequest) -> KVLayout:

@@ -7,7 +7,7 @@ prefill, ``MooncakeKVSender`` / ``MooncakeKVReceiver`` per request, SGLang's
 ``mooncake_core.compat.engine.TransferEngine`` here. The KV is SGLang's
 ``MHATokenToKVPool`` allocated on CPU (registered by address), the aux rows its
 ``MetadataBuffers``. No GPU call is reached on this path, so no shim is applied; the
-only stand-in is the inert ``torchvision`` module of ``mooncake_sglang.testing``.
+only stand-in is the inert ``torchvision`` module of ``torchvision_stand_in.py`` (these tests').
 
 Requests, in order, on one manager per side (SGLang's default protocol, ``rdma``, which
 our compat engine serves over TCP on a machine without RDMA):

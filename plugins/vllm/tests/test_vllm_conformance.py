@@ -2,7 +2,7 @@
 
 Drives ``MooncakeCoreStoreConnector``'s scheduler and worker halves the way vLLM calls
 them, on KV caches allocated by vLLM's own CPU allocator, against a real master and
-memory node; no vLLM engine or model runs (see ``mooncake_vllm.conformance``).
+memory node; no vLLM engine or model runs (see ``mooncake_vllm.testing.harness``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ LAYOUTS = [BASE, BASE.replace(tp_size=2)]
 
 
 class VLLMFixtures(AdapterFixtures):
-    """How the suite drives mooncake-vllm's store connector (``mooncake_vllm.conformance``)."""
+    """How the suite drives mooncake-vllm's store connector (``mooncake_vllm.testing.harness``)."""
 
     @pytest.fixture
     def adapter_name(self) -> str:
@@ -34,7 +34,7 @@ class VLLMFixtures(AdapterFixtures):
 
     @pytest.fixture
     def harness_factory(self) -> str:
-        return "mooncake_vllm.conformance:make_harness"
+        return "mooncake_vllm.testing.harness:make_harness"
 
     @pytest.fixture(params=LAYOUTS, ids=[lay.label for lay in LAYOUTS])
     def kv_layout(self, request: pytest.FixtureRequest) -> KVLayout:

@@ -6,7 +6,10 @@
   ``mooncake_core.compat`` under SGLang's built-in mooncake backends.
 - :mod:`mooncake_sglang.keys`, :mod:`mooncake_sglang.layout`: page keys and host-pool
   layouts (no SGLang import).
-- :mod:`mooncake_sglang.testing`: the conformance harness on SGLang's real classes.
+- :mod:`mooncake_sglang.testing`: test support; ``testing.harness`` is the conformance
+  harness on SGLang's real classes.
+- :mod:`mooncake_sglang.bench`: ``mooncake-core bench sglang`` (entry-point group
+  ``mooncake_core.cli``).
 """
 
 from __future__ import annotations

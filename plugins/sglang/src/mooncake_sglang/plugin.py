@@ -13,7 +13,9 @@ allow-list) can exclude it by its name, ``mooncake_core_compat``.
 from __future__ import annotations
 
 import logging
-import os
+
+from mooncake_core.config import env_flag
+from mooncake_core.errors import ConfigError
 
 __all__ = ["install_compat"]
 
@@ -24,7 +26,11 @@ def install_compat() -> bool:
     """Install mooncake_core.compat as ``mooncake``; True if ours is now in place."""
     import mooncake_core.compat as compat
 
-    force = os.environ.get("MOONCAKE_SGLANG_FORCE_COMPAT", "") in ("1", "true", "yes")
+    try:
+        force = env_flag("MOONCAKE_SGLANG_FORCE_COMPAT")
+    except ConfigError as exc:  # never stop SGLang over a typo: warn, do not force
+        logger.warning("%s; not forcing mooncake_core.compat", exc)
+        force = False
     done = compat.install(force=force)
     if done:
         logger.info("mooncake_sglang: SGLang's mooncake backends now run on mooncake_core.compat")

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mooncake_core.config import MooncakeConfig, load_config
+from mooncake_core.config import MooncakeConfig, env_str, load_config
 
 __all__ = ["Counters", "config_from_engine", "option", "TEST_CORRUPT_ENV"]
 
@@ -44,8 +44,8 @@ def option(extra: dict[str, Any] | None, key: str, default: Any) -> Any:
     if extra and key in extra:
         return extra[key]
     env = _ENV.get(key)
-    if env and os.environ.get(env):
-        raw = os.environ[env]
+    raw = env_str(env) if env else ""
+    if raw:
         return type(default)(raw) if default is not None and not isinstance(default, str) else raw
     return default
 

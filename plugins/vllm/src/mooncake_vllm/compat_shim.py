@@ -19,7 +19,9 @@ the compat layer).
 from __future__ import annotations
 
 import logging
-import os
+from collections.abc import Mapping
+
+from mooncake_core.config import env_str
 
 __all__ = ["ENV", "CPU_SHIM_ENV", "compat_mode", "install_compat", "install_cpu_workarounds"]
 
@@ -32,9 +34,9 @@ _TRUE = ("1", "true", "yes", "on", "force")
 _FALSE = ("0", "false", "no", "off")
 
 
-def compat_mode(environ: dict[str, str] | None = None) -> str:
+def compat_mode(environ: Mapping[str, str] | None = None) -> str:
     """``"force"``, ``"off"`` or ``"auto"`` from ``MOONCAKE_CORE_COMPAT``."""
-    value = (os.environ if environ is None else environ).get(ENV, "").strip().lower()
+    value = env_str(ENV, "", environ).lower()
     if value in _TRUE:
         return "force"
     if value in _FALSE:
@@ -44,7 +46,7 @@ def compat_mode(environ: dict[str, str] | None = None) -> str:
     return "auto"
 
 
-def install_compat(environ: dict[str, str] | None = None) -> bool:
+def install_compat(environ: Mapping[str, str] | None = None) -> bool:
     """Register our ``mooncake`` / ``mooncake.engine`` / ``mooncake.store`` modules.
 
     Returns True when ours is installed after the call.
@@ -75,7 +77,7 @@ def install_compat(environ: dict[str, str] | None = None) -> bool:
 CPU_SHIM_ENV = "MOONCAKE_CORE_CPU_SHIM"
 
 
-def install_cpu_workarounds(environ: dict[str, str] | None = None) -> list[str]:
+def install_cpu_workarounds(environ: Mapping[str, str] | None = None) -> list[str]:
     """With ``MOONCAKE_CORE_CPU_SHIM=1`` on a host without an accelerator, patch the one
     accelerator-only torch call that stops vLLM 0.32.0's built-in ``MooncakeConnector`` on
     the CPU backend: ``torch.accelerator.current_device_index()`` in
@@ -88,7 +90,7 @@ def install_cpu_workarounds(environ: dict[str, str] | None = None) -> list[str]:
     Off by default: unmodified, ``MooncakeConnector`` stops with exactly that error on CPU.
     Returns the names patched (empty when off, already patched, or an accelerator exists).
     """
-    value = (os.environ if environ is None else environ).get(CPU_SHIM_ENV, "").strip().lower()
+    value = env_str(CPU_SHIM_ENV, "", environ).lower()
     if value not in _TRUE:
         return []
     try:

