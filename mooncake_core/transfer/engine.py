@@ -96,6 +96,7 @@ class Batch:
     """An asynchronous batch of requests. ``wait()`` raises if any request failed."""
 
     _ids = itertools.count(1)
+    _named: tuple[BaseException, ...] = ()  # errors whose message already names their request
 
     def __init__(self, requests: Sequence[TransferRequest]) -> None:
         self.id = next(Batch._ids)
@@ -128,7 +129,7 @@ class Batch:
         where = f"segment {req.segment!r}+{req.offset}" if req.segment is not None else (
             f"0x{req.remote_addr:x}" if isinstance(req.remote_addr, int) else "?")
         what = f"request {i} ({req.op} to peer {req.peer!r} at {where})"
-        if str(cause).startswith(f"request {i}"):
+        if any(cause is e for e in self._named):
             what = ""
         lead = f"{len(failed)} of {len(self.statuses)} requests failed; first: " if len(failed) > 1 else ""
         msg = f"{lead}{what}{': ' if what else ''}{cause}"
@@ -528,8 +529,11 @@ class TransferEngine:
         self._execute_chain(req.peer, peer, chain, [it], deadline)
         if it.done:
             return length
-        cause = it.error or TransportError(f"request 0 to {req.peer!r} did not complete")
         batch = _DoneBatch([req])
+        cause = it.error
+        if cause is None:
+            cause = TransportError(f"request 0 to {req.peer!r} did not complete")
+            batch._named = (cause,)
         batch.statuses[0].error = cause
         batch.statuses[0].state = "timeout" if isinstance(cause, TransferTimeout) else "failed"
         exc = batch._failure()
@@ -576,7 +580,12 @@ class TransferEngine:
                 if it.done:
                     st.transferred += it.length
                 elif st.error is None:
-                    st.error = it.error or TransportError(f"request {it.req} to {batch.requests[it.req].peer!r} did not complete")
+                    st.error = it.error
+                    if st.error is None:
+                        peer = batch.requests[it.req].peer
+                        st.error = TransportError(f"request {it.req} to {peer!r} did not complete")
+                    if st.error is not it.error or it.extra.get("names_request"):
+                        batch._named += (st.error,)
             wanted = [0] * len(batch.statuses)
             for it in items:
                 wanted[it.req] += it.length
@@ -627,7 +636,9 @@ class TransferEngine:
             for it in bad:
                 req = batch.requests[it.req]
                 where = f"segment {req.segment!r}" if req.segment is not None else f"0x{it.remote_addr:x}+{it.length}"
-                it.error = InvalidRequest(f"request {it.req}: {where} is not inside memory registered by peer {name!r}")
+                it.error = InvalidRequest(f"request {it.req}: {where} is not inside memory registered "
+                                          f"by peer {name!r}")
+                it.extra["names_request"] = True
         if self.config.transfer.secret and not peer.desc:
             raise PeerUnreachable(f"peer {name!r} gave no descriptor")
         # staging: device memory to host before writes

@@ -348,8 +348,10 @@ def test_bad_requests_get_clear_errors(engine: TransferEngine, spawn_peer: Any) 
     peer = spawn_peer()
     raddr = peer.call("alloc", size=1 << 20)["addr"]
     buf = bytearray(4096)
-    with pytest.raises(InvalidRequest, match="not inside memory registered by peer"):
+    with pytest.raises(InvalidRequest, match="^request 0: 0x1000\\+4096 is not inside memory registered by peer"):
         engine.write(peer.name, buf, 0x1000)
+    with pytest.raises(InvalidRequest, match=r"^2 of 2 requests failed; first: request 0: 0x1000\+4096 is not"):
+        engine.transfer([TransferRequest("write", peer.name, buf, None, 0x1000)] * 2)
     with pytest.raises(InvalidRequest, match="not inside memory registered"):
         engine.write(peer.name, buf, raddr + (1 << 20) - 100)  # runs past the end
     with pytest.raises(InvalidRequest, match="length must be positive"):
