@@ -55,7 +55,7 @@ import torch
 
 from mooncake_core.errors import EPError
 from mooncake_core.transfer.memory import ManagedBuffer
-from mooncake_core.transfer.transports.shm import host_identity
+from mooncake_core.transfer.topology import host_identity
 
 __all__ = ["COMBINE", "DISPATCH", "MAILBOX_OK", "MailboxFailure", "ShmPlane", "host_key"]
 
