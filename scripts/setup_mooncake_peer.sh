@@ -54,7 +54,7 @@ fi
 if ! "$VENV/bin/python" -c 'import mooncake.engine, mooncake.store' >/dev/null 2>&1; then
   log "installing $PKG into $VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
-  # numpy: our helper scripts (mooncake_core/bench/_mooncake_*.py) use it for buffers.
+  # numpy: our helper scripts (benchmarks/published/_mooncake_*.py) use it for buffers.
   "$VENV/bin/python" -m pip install -q "$PKG" numpy
 fi
 

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import msgspec
 import pytest
 from mooncake_vllm.proxy_support import VLLMProxyEngine, decode_kv_events, tokenize_request
 from mooncake_vllm.store_keys import StoreKeyScheme
-from tests_support import free_port
 
 from mooncake_core.conductor.policy import prefix_blocks
 from mooncake_core.plugins import get_plugin_manager
 from mooncake_core.proxy import ProxyEngine, StoreKeys, proxy_engine
-from mooncake_core.proxy.kvevents import BlockChain, KVEventListener
+from mooncake_core.proxy.kvevents import BlockChain
 
 
 def _stored(hashes: list[bytes], parent: bytes | None, tokens: list[int], size: int = 4) -> dict[str, object]:
@@ -47,37 +45,6 @@ def test_vllm_events_rechain_to_the_proxys_prompt_hashes() -> None:
     assert c.removed(evs[2].block_hashes) == [want[5]]  # type: ignore[union-attr]
     with pytest.raises(ValueError):
         decode_kv_events(b"\xc1garbage")
-
-
-def test_listener_with_vllm_events_over_real_zmq() -> None:
-    zmq = pytest.importorskip("zmq")
-    ep = f"tcp://127.0.0.1:{free_port()}"
-    got: list[tuple[str, int, list[int]]] = []
-
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        lst = KVEventListener([ep], 4, lambda i, b: got.append(("stored", i, b)),
-                              lambda i, b: got.append(("removed", i, b)), loop, decode_kv_events)
-        pub = zmq.Context.instance().socket(zmq.PUB)
-        pub.connect(ep)  # as vLLM does for an endpoint without '*'
-        try:
-            payload = _batch(_stored([b"a", b"b"], None, list(range(8))),
-                             {"type": "BlockRemoved", "block_hashes": [b"b"], "medium": "GPU"})
-            for _ in range(50):  # PUB drops messages until the connection is up
-                pub.send_multipart([b"", (1).to_bytes(8, "big"), payload])
-                await asyncio.sleep(0.05)
-                if got:
-                    break
-            pub.send_multipart([b"", (2).to_bytes(8, "big"), b"\xc1garbage"])  # malformed: logged, ignored
-            await asyncio.sleep(0.3)
-        finally:
-            pub.close(linger=0)
-            lst.close()
-
-    asyncio.run(main())
-    ids = list(prefix_blocks(list(range(8)), 4))
-    assert got[0] == ("stored", 0, ids)
-    assert got[1] == ("removed", 0, [ids[1]])
 
 
 def test_pd_split_and_tokenizer_body() -> None:
