@@ -25,6 +25,7 @@ __all__ = [
     "NoSpace",
     "LeaseExpired",
     "MasterUnavailable",
+    "ProxyError",
     "EPError",
     "InvalidRouting",
     "RankFailure",
@@ -102,6 +103,10 @@ class LeaseExpired(StoreError):
 
 class MasterUnavailable(StoreError, ConnectionError):
     """No master (leader) could be reached."""
+
+
+class ProxyError(MooncakeError):
+    """The OpenAI-compatible proxy (:mod:`mooncake_core.proxy`) could not serve a request."""
 
 
 class EPError(MooncakeError):

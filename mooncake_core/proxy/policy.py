@@ -30,7 +30,7 @@ from typing import Any
 
 from mooncake_core.conductor import policy as conductor_policy
 from mooncake_core.conductor.policy import least_loaded, prefix_blocks
-from mooncake_core.errors import ConfigError, MooncakeError
+from mooncake_core.errors import ConfigError, ProxyError
 from mooncake_core.proxy.engine import ProxyEngine
 
 __all__ = [
@@ -198,7 +198,7 @@ class LeastLoadPolicy(RoutingPolicy):
         return Placement(p, d)
 
 
-class RequestRejected(MooncakeError):
+class RequestRejected(ProxyError):
     """Early rejection: the predicted TTFT or TBT misses the SLO (the proxy answers 429)."""
 
 

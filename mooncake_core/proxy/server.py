@@ -42,7 +42,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from mooncake_core.errors import MooncakeError
+from mooncake_core.errors import ProxyError
 from mooncake_core.proxy.engine import DEFAULT_ENGINE, ProxyEngine, proxy_engine
 from mooncake_core.proxy.policy import (
     Instance,
@@ -90,7 +90,7 @@ class ProxyConfig:
     engine: str = DEFAULT_ENGINE
 
 
-class UpstreamError(MooncakeError):
+class UpstreamError(ProxyError):
     """An instance answered badly or not at all; carries the HTTP answer to give."""
 
     def __init__(self, status: int, message: str, kind: str = "upstream_error") -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from mooncake_core.bench.mooncake_peer import default_peer_python
+from mooncake_core.bench.published import peer
 from mooncake_core.compat.engine import (
     ERR_ADDRESS_OVERLAPPED,
     TransferEngine,
@@ -211,7 +211,7 @@ def test_two_processes_like_mooncake_examples(script: Path, protocol: str) -> No
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_same_script_against_published_wheel(script: Path) -> None:
-    real = os.environ.get("MOONCAKE_PEER_PYTHON") or default_peer_python()
+    real = os.environ.get("MOONCAKE_PEER_PYTHON") or peer().default_peer_python()
     if real is None:
         pytest.skip("no scratch venv with the published wheel; run scripts/setup_mooncake_peer.sh "
                     "(or set MOONCAKE_PEER_PYTHON)")

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from mooncake_core.bench.mooncake_peer import default_peer_python, mooncake_env
+from mooncake_core.bench.published import peer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -107,7 +107,7 @@ SCRIPT = textwrap.dedent(
 
 
 def _env(ours: bool) -> dict[str, str]:
-    env = mooncake_env()
+    env = peer().mooncake_env()
     env["GLOG_minloglevel"] = "2"
     if ours:
         env["USE_MOONCAKE_CORE"] = "1"
@@ -161,7 +161,7 @@ def our_master() -> Iterator[tuple[str, str]]:
 
 @contextmanager
 def their_master(python: str) -> Iterator[tuple[str, str]]:
-    from mooncake_core.bench.mooncake_peer import free_port
+    free_port = peer().free_port
 
     rpc, http, metrics = free_port(), free_port(), free_port()
     exe = str(Path(python).parent / "mooncake_master")
@@ -241,7 +241,7 @@ def test_compat_store_against_our_master(script: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_same_store_script_against_published_wheel(script: Path) -> None:
-    real = os.environ.get("MOONCAKE_PEER_PYTHON") or default_peer_python()
+    real = os.environ.get("MOONCAKE_PEER_PYTHON") or peer().default_peer_python()
     if real is None:
         pytest.skip("no scratch venv with the published wheel; run scripts/setup_mooncake_peer.sh "
                     "(or set MOONCAKE_PEER_PYTHON)")

@@ -80,7 +80,7 @@ def _check_extra(extra: dict[str, Any]) -> None:
             raise ConfigError(f"--hicache-storage-backend-extra-config: unknown key {k!r}{hint}")
 
 
-class MooncakeCoreStorage(HiCacheStorage):
+class MooncakeCoreStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
     """HiCache L3 storage on a mooncake-core store (see module doc).
 
     Args:

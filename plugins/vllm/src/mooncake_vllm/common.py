@@ -25,13 +25,10 @@ from typing import Any
 
 from mooncake_core.config import MooncakeConfig, env_str, load_config
 
-__all__ = ["Counters", "config_from_engine", "option", "TEST_CORRUPT_ENV"]
+__all__ = ["Counters", "config_from_engine", "option"]
 
 logger = logging.getLogger(__name__)
 
-# Test hook: "1" corrupts every loaded KV block (zeros), "param" only those of requests
-# whose kv_transfer_params carry ``"mooncake_test_corrupt_kv": true``.
-TEST_CORRUPT_ENV = "MOONCAKE_VLLM_TEST_CORRUPT_KV"
 
 _ENV = {
     "send_timeout_s": "MOONCAKE_VLLM_SEND_TIMEOUT_S",

@@ -31,7 +31,6 @@ class RecvSpec:
             "block_bytes": n}`` from the prefill workers' handshake.
         local_block_ids: where the KV goes here.
         remote_block_ids: where it lies on the prefill instance, same length.
-        corrupt: test hook: zero the blocks after loading them.
     """
 
     request_id: str
@@ -40,7 +39,6 @@ class RecvSpec:
     peers: dict[str, dict[str, Any]]
     local_block_ids: list[int] = field(default_factory=list)
     remote_block_ids: list[int] = field(default_factory=list)
-    corrupt: bool = False
 
 
 @dataclass

@@ -92,7 +92,7 @@ class PDScheduler:
         request.kv_transfer_params["do_remote_prefill"] = False  # one fetch per request
         rid = request.request_id
         spec = RecvSpec(rid, str(p["remote_request_id"]), str(p.get("remote_engine_id", "?")),
-                        dict(p["remote_peers"]), corrupt=bool(p.get("mooncake_test_corrupt_kv")))
+                        dict(p["remote_peers"]))
         local_hit = self._local_hit.pop(rid, 0)
         if num_external_tokens > 0:
             bs = self.block_size

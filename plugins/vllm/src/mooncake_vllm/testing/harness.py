@@ -36,12 +36,14 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from mooncake_conformance.harness import EngineHarness, HarnessSpec
 
 if TYPE_CHECKING:
     import torch
+
+    from mooncake_vllm.store_keys import StoreKeyScheme
 
 __all__ = ["VLLMStoreHarness", "make_harness", "allocate_cpu_kv_caches"]
 
@@ -60,6 +62,7 @@ def allocate_cpu_kv_caches(num_layers: int, num_blocks: int, block_size: int, nu
         KVCacheTensor,
     )
     from vllm.v1.worker.utils import allocate_kv_cache
+
 
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
@@ -141,7 +144,8 @@ class VLLMStoreHarness(EngineHarness):
         # In vLLM one scheduler asks for every TP rank's shard of a page (a hit needs all of
         # them). The suite counts hits per rank, so each rank's harness asks for its own
         # shard only: the same query, narrowed to the rank this harness plays.
-        self.sched.scheme = _OneRankScheme(self.sched.scheme, spec.rank)
+        narrowed = _OneRankScheme(self.sched.scheme, spec.rank)  # duck-typed: same methods
+        self.sched.scheme = cast("StoreKeyScheme", narrowed)
         self.worker = _StoreWorker(vllm_config, extra, engine_id, spec.rank)
         self.worker.register_kv_caches(self.kv)
         if self.worker.client is None:
