@@ -30,6 +30,7 @@ LAYERS, BLOCKS, BLOCK_TOKENS, KV_HEADS, HEAD_DIM = 16, 32, 16, 8, 128
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", choices=["sender", "receiver"], default="sender", help=argparse.SUPPRESS)
+    parser.add_argument("--nbytes", type=int, default=0, help=argparse.SUPPRESS)  # receiver's buffer
     parser.add_argument("--layers", type=int, default=LAYERS, help=f"KV layers to move (default {LAYERS})")
     parser.add_argument("--blocks", type=int, default=BLOCKS, help=f"KV blocks per layer (default {BLOCKS})")
 
@@ -78,10 +79,10 @@ def run(args: argparse.Namespace) -> int:
     raw = _as_bytes(kv)
     nbytes = raw.nbytes
     if args.role == "receiver":
-        return _receiver(int(os.environ["MC_DEMO_BYTES"]))
-    env = dict(os.environ, MC_DEMO_BYTES=str(nbytes))
-    proc = subprocess.Popen([sys.executable, "-m", "mooncake_core", "--log-level", "WARNING", "demo", "--role", "receiver"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        return _receiver(args.nbytes)
+    cmd = [sys.executable, "-m", "mooncake_core", "--log-level", "WARNING", "demo",
+           "--role", "receiver", "--nbytes", str(nbytes)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdin is not None and proc.stdout is not None
 
     def ask(**msg: Any) -> dict[str, Any]:

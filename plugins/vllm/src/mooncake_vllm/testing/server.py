@@ -23,6 +23,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from mooncake_core.config import environment
+
 __all__ = ["build_tiny_llama", "VLLMServer", "free_port", "engine_env", "http_json", "stream_ttft",
            "read_counters", "pd_transfer_config", "store_transfer_config"]
 
@@ -46,7 +48,7 @@ def free_port() -> int:
 
 def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for a vLLM subprocess on this CPU (loopback, offline, no stats)."""
-    env = dict(os.environ)
+    env = dict(environment())
     env.update({
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
