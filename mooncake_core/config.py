@@ -140,9 +140,15 @@ class TransferConfig:
     retry_backoff_s: float = 0.02
     secret: str = ""
     shm: bool = True
-    spin_us: float = 100.0  # TCP: poll this long for a peer's answer before sleeping (0 = never spin)
-    shm_dir: str = ""  # "" = memfd; else a tmpfs directory for shared segments (huge=always: 2 MiB pages)
-    shm_copy_threads: int = 0  # shared-memory copies of >= 2 MiB are split over this many threads (0: min(4, CPUs))
+    spin_us: float = (
+        100.0  # TCP: poll this long for a peer's answer before sleeping (0 = never spin)
+    )
+    shm_dir: str = (
+        ""  # "" = memfd; else a tmpfs directory for shared segments (huge=always: 2 MiB pages)
+    )
+    shm_copy_threads: int = (
+        0  # shared-memory copies of >= 2 MiB are split over this many threads (0: min(4, CPUs))
+    )
     interfaces: str = ""
     stripe_interfaces: bool = False
     gid_index: int = 0  # RDMA: GID index of the port (also MC_GID_INDEX, as in Mooncake)
@@ -171,10 +177,16 @@ class StoreConfig:
     put_timeout_s: float = 30.0
     ssd_path: str = ""
     placement: str = "free-ratio-first"
-    max_objects: int = 2_000_000  # metadata cap: puts beyond it evict LRU objects (bounds the master's memory)
+    max_objects: int = (
+        2_000_000  # metadata cap: puts beyond it evict LRU objects (bounds the master's memory)
+    )
     rpc_spin_us: float = 100.0  # clients spin this long for a master answer before sleeping
-    client_reservations: bool = True  # puts up to 4 MiB allocate from a lent extent: one master RPC per put
-    location_cache: int = 4096  # keys whose last replica a client remembers: their gets read while asking (0: off)
+    client_reservations: bool = (
+        True  # puts up to 4 MiB allocate from a lent extent: one master RPC per put
+    )
+    location_cache: int = (
+        4096  # keys whose last replica a client remembers: their gets read while asking (0: off)
+    )
     early_commit: bool = True  # one-RPC puts send the commit with the write (masters without HA)
 
 
@@ -240,7 +252,16 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
     if typ is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, (int, str)) and str(value).strip().lower() in {"1", "true", "yes", "on", "0", "false", "no", "off"}:
+        if isinstance(value, (int, str)) and str(value).strip().lower() in {
+            "1",
+            "true",
+            "yes",
+            "on",
+            "0",
+            "false",
+            "no",
+            "off",
+        }:
             return str(value).strip().lower() in {"1", "true", "yes", "on"}
         raise ConfigError(f"{key}: expected true/false, got {value!r}")
     if typ is int:
@@ -280,7 +301,9 @@ def _build(cls: Any, data: Mapping[str, Any], where: str) -> Any:
             if dataclasses.is_dataclass(value) and not isinstance(value, type):
                 value = dataclasses.asdict(value)
             if not isinstance(value, Mapping):
-                raise ConfigError(f"{where}{key}: expected an object with section keys, got {value!r}")
+                raise ConfigError(
+                    f"{where}{key}: expected an object with section keys, got {value!r}"
+                )
             kwargs[key] = _build(typ, value, f"{where}{key}.")
         else:
             kwargs[key] = _coerce(value, typ, f"{where}{key}")
@@ -293,16 +316,24 @@ def _validate(cfg: Any, where: str) -> None:
     if isinstance(cfg, MooncakeConfig):
         proto = cfg.protocol.lower()
         if proto not in _PROTOCOLS:
-            raise ConfigError(f"protocol: unknown protocol {cfg.protocol!r} (use one of {sorted(_PROTOCOLS)})")
+            raise ConfigError(
+                f"protocol: unknown protocol {cfg.protocol!r} (use one of {sorted(_PROTOCOLS)})"
+            )
         if not cfg.local_hostname:
             raise ConfigError("local_hostname: must not be empty")
     elif isinstance(cfg, TransferConfig):
         if not 0 <= cfg.shm_copy_threads <= 64:
-            raise ConfigError(f"{where}shm_copy_threads: must be 0..64 (0 = automatic), got {cfg.shm_copy_threads}")
+            raise ConfigError(
+                f"{where}shm_copy_threads: must be 0..64 (0 = automatic), got {cfg.shm_copy_threads}"
+            )
         if cfg.slice_size < 4096:
-            raise ConfigError(f"{where}slice_size: must be at least 4096 bytes, got {cfg.slice_size}")
+            raise ConfigError(
+                f"{where}slice_size: must be at least 4096 bytes, got {cfg.slice_size}"
+            )
         if not 1 <= cfg.connections_per_peer <= 64:
-            raise ConfigError(f"{where}connections_per_peer: must be 1..64, got {cfg.connections_per_peer}")
+            raise ConfigError(
+                f"{where}connections_per_peer: must be 1..64, got {cfg.connections_per_peer}"
+            )
         if cfg.timeout_s <= 0:
             raise ConfigError(f"{where}timeout_s: must be positive, got {cfg.timeout_s}")
         if cfg.retry_count < 0:
@@ -315,13 +346,17 @@ def _validate(cfg: Any, where: str) -> None:
         if cfg.replica_num < 1:
             raise ConfigError(f"{where}replica_num: must be >= 1, got {cfg.replica_num}")
         if not 0 < cfg.eviction_high_watermark <= 1:
-            raise ConfigError(f"{where}eviction_high_watermark: must be in (0, 1], got {cfg.eviction_high_watermark}")
+            raise ConfigError(
+                f"{where}eviction_high_watermark: must be in (0, 1], got {cfg.eviction_high_watermark}"
+            )
         if not 0 < cfg.eviction_ratio <= 1:
             raise ConfigError(f"{where}eviction_ratio: must be in (0, 1], got {cfg.eviction_ratio}")
         if cfg.max_objects < 1:
             raise ConfigError(f"{where}max_objects: must be at least 1, got {cfg.max_objects}")
         if cfg.location_cache < 0:
-            raise ConfigError(f"{where}location_cache: must not be negative, got {cfg.location_cache}")
+            raise ConfigError(
+                f"{where}location_cache: must not be negative, got {cfg.location_cache}"
+            )
         if not 0 <= cfg.rpc_spin_us <= 100_000:
             raise ConfigError(f"{where}rpc_spin_us: must be 0..100000, got {cfg.rpc_spin_us}")
     elif isinstance(cfg, LogConfig):
@@ -370,7 +405,9 @@ def load_config(
         try:
             text = p.read_text()
         except OSError as exc:
-            raise ConfigError(f"MOONCAKE_CONFIG_PATH: cannot read {str(p)!r}: {exc.strerror}") from None
+            raise ConfigError(
+                f"MOONCAKE_CONFIG_PATH: cannot read {str(p)!r}: {exc.strerror}"
+            ) from None
         try:
             loaded = json.loads(text)
         except json.JSONDecodeError as exc:

@@ -23,12 +23,14 @@ T = TypeVar("T")
 
 def parse_etcd_url(url: str) -> list[tuple[str, int]]:
     """``etcd://h1:p1,h2:p2`` (or bare ``h:p``) -> endpoints."""
-    rest = url[len("etcd://"):] if url.startswith("etcd://") else url
+    rest = url[len("etcd://") :] if url.startswith("etcd://") else url
     out = []
     for item in rest.strip("/").split(","):
         u = urllib.parse.urlsplit("//" + item.strip())
         if not u.hostname:
-            raise ConfigError(f"etcd address {url!r}: cannot parse endpoint {item!r} (use etcd://host:port)")
+            raise ConfigError(
+                f"etcd address {url!r}: cannot parse endpoint {item!r} (use etcd://host:port)"
+            )
         out.append((u.hostname, u.port or 2379))
     return out
 
@@ -45,7 +47,9 @@ class EtcdClient:
         try:
             import aetcd
         except ImportError as exc:
-            raise ConfigError("etcd metadata needs the aetcd package: pip install 'mooncake-core[etcd]'") from exc
+            raise ConfigError(
+                "etcd metadata needs the aetcd package: pip install 'mooncake-core[etcd]'"
+            ) from exc
         self._aetcd = aetcd
         self.endpoints = parse_etcd_url(url)
         self.timeout = timeout
@@ -63,7 +67,9 @@ class EtcdClient:
             return fut.result(timeout or self.timeout)
         except TimeoutError as exc:
             fut.cancel()
-            raise MetadataError(f"etcd at {self.endpoints} did not answer within {timeout or self.timeout:.1f}s") from exc
+            raise MetadataError(
+                f"etcd at {self.endpoints} did not answer within {timeout or self.timeout:.1f}s"
+            ) from exc
         except MetadataError:
             raise
         except Exception as exc:
@@ -72,6 +78,7 @@ class EtcdClient:
     def _connect(self) -> None:
         last: BaseException | None = None
         for host, port in self.endpoints:
+
             async def mk(h: str = host, p: int = port) -> Any:
                 c = self._aetcd.Client(host=h, port=p, timeout=int(max(1, self.timeout)))
                 await c.connect()
@@ -102,7 +109,9 @@ class EtcdClient:
 
     def put(self, key: str, value: bytes, lease: int | None = None) -> None:
         async def f() -> None:
-            await self._client.put(key.encode(), value, lease=self._leases.get(lease) if lease else None)
+            await self._client.put(
+                key.encode(), value, lease=self._leases.get(lease) if lease else None
+            )
 
         self._run(f())
 
@@ -118,7 +127,11 @@ class EtcdClient:
         async def f() -> bool:
             c = self._client
             cmp = [c.transactions.create(key.encode()) == 0]
-            put = [c.transactions.put(key.encode(), value, lease=self._leases.get(lease) if lease else None)]
+            put = [
+                c.transactions.put(
+                    key.encode(), value, lease=self._leases.get(lease) if lease else None
+                )
+            ]
             ok, _ = await c.transaction(compare=cmp, success=put, failure=[])
             return bool(ok)
 

@@ -189,7 +189,9 @@ def get_plugin_manager() -> pluggy.PluginManager:
                 try:
                     pm.load_setuptools_entrypoints(group)
                 except Exception as exc:  # a broken third-party plugin must be named
-                    raise PluginError(f"loading entry points of group {group!r} failed: {exc}") from exc
+                    raise PluginError(
+                        f"loading entry points of group {group!r} failed: {exc}"
+                    ) from exc
         for table in _BUILTINS.values():
             for name, modpath in table.items():
                 if pm.has_plugin(name) or pm.is_blocked(name):

@@ -33,7 +33,9 @@ class EtcdServer:
     def __init__(self) -> None:
         exe = shutil.which("etcd") or "/usr/bin/etcd"
         if not os.path.exists(exe):
-            pytest.skip("etcd is not installed (scripts/setup.sh installs Debian's etcd-server as root)")
+            pytest.skip(
+                "etcd is not installed (scripts/setup.sh installs Debian's etcd-server as root)"
+            )
         self.exe = exe
         self.client_port = free_port()
         self.peer_port = free_port()
@@ -54,11 +56,26 @@ class EtcdServer:
         c, p = self.client_port, self.peer_port
         self.log = open(os.path.join(self.data, "etcd.log"), "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [self.exe, "--name", "t", "--data-dir", os.path.join(self.data, "d"),
-             "--listen-client-urls", f"http://127.0.0.1:{c}", "--advertise-client-urls", f"http://127.0.0.1:{c}",
-             "--listen-peer-urls", f"http://127.0.0.1:{p}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{p}",
-             "--initial-cluster", f"t=http://127.0.0.1:{p}"],
-            stdout=self.log, stderr=self.log)
+            [
+                self.exe,
+                "--name",
+                "t",
+                "--data-dir",
+                os.path.join(self.data, "d"),
+                "--listen-client-urls",
+                f"http://127.0.0.1:{c}",
+                "--advertise-client-urls",
+                f"http://127.0.0.1:{c}",
+                "--listen-peer-urls",
+                f"http://127.0.0.1:{p}",
+                "--initial-advertise-peer-urls",
+                f"http://127.0.0.1:{p}",
+                "--initial-cluster",
+                f"t=http://127.0.0.1:{p}",
+            ],
+            stdout=self.log,
+            stderr=self.log,
+        )
         end = time.monotonic() + 20
         while time.monotonic() < end:
             try:
@@ -68,7 +85,9 @@ class EtcdServer:
             except OSError:
                 pass
             if self.proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with {self.proc.returncode}; see {self.data}/etcd.log")
+                raise RuntimeError(
+                    f"etcd exited with {self.proc.returncode}; see {self.data}/etcd.log"
+                )
             time.sleep(0.1)
         raise RuntimeError("etcd did not become healthy within 20 s")
 
@@ -105,12 +124,23 @@ def etcd_url(etcd_server: EtcdServer) -> str:
 class Peer:
     """A transfer-engine peer in its own process, driven by JSON lines over stdin/stdout."""
 
-    def __init__(self, env: dict[str, str] | None = None, prefix: list[str] | None = None, args: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        env: dict[str, str] | None = None,
+        prefix: list[str] | None = None,
+        args: list[str] | None = None,
+    ) -> None:
         e = dict(os.environ)
         e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
         e.update(env or {})
-        self.proc = subprocess.Popen([*(prefix or []), sys.executable, str(PEER_SCRIPT), *(args or [])],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=e, bufsize=1)
+        self.proc = subprocess.Popen(
+            [*(prefix or []), sys.executable, str(PEER_SCRIPT), *(args or [])],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=e,
+            bufsize=1,
+        )
         hello = self._read(timeout=60)
         self.name: str = hello["name"]
         self.pid: int = hello["pid"]

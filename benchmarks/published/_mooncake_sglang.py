@@ -34,14 +34,18 @@ from typing import Any
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 #: the SGLang tests' inert torchvision (standard library only)
-STAND_IN = os.path.join(_HERE, os.pardir, os.pardir, "plugins", "sglang", "tests", "torchvision_stand_in.py")
+STAND_IN = os.path.join(
+    _HERE, os.pardir, os.pardir, "plugins", "sglang", "tests", "torchvision_stand_in.py"
+)
 
 LAYERS, PAGE, HEADS, HEAD_DIM = 32, 64, 2, 128
 
 
 def _import_sglang() -> None:
     # load the stand-in by path: this venv has neither mooncake_core nor the adapter
-    spec = importlib.util.spec_from_file_location("_mc_torchvision_stand_in", os.path.abspath(STAND_IN))
+    spec = importlib.util.spec_from_file_location(
+        "_mc_torchvision_stand_in", os.path.abspath(STAND_IN)
+    )
     assert spec is not None and spec.loader is not None
     stand_in = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(stand_in)
@@ -59,14 +63,35 @@ def _pool(pages: int) -> Any:
     dev_tokens = PAGE * 4  # stand-in for the GPU pool; only its geometry is read
     k = tuple(torch.zeros(dev_tokens, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS))
     v = tuple(torch.zeros(dev_tokens, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS))
-    buffers = KVBuffers(k=k, v=v, k_data_ptrs=torch.tensor([t.data_ptr() for t in k], dtype=torch.uint64),
-                        v_data_ptrs=torch.tensor([t.data_ptr() for t in v], dtype=torch.uint64),
-                        layout=KVBufferLayout.NHD)
-    info = MHABufferInfo(buffers=buffers, page_size=PAGE, head_num=HEADS, head_dim=HEAD_DIM, v_head_dim=HEAD_DIM,
-                         dtype=dtype, device=torch.device("cpu"))
-    return MHATokenToKVPoolHost(info, 2.0, 0, PAGE, "page_first", pin_memory=False, device="cpu",
-                                device_capacity_tokens=dev_tokens, start_layer=0, end_layer=LAYERS,
-                                host_token_capacity=(pages + 2) * PAGE)
+    buffers = KVBuffers(
+        k=k,
+        v=v,
+        k_data_ptrs=torch.tensor([t.data_ptr() for t in k], dtype=torch.uint64),
+        v_data_ptrs=torch.tensor([t.data_ptr() for t in v], dtype=torch.uint64),
+        layout=KVBufferLayout.NHD,
+    )
+    info = MHABufferInfo(
+        buffers=buffers,
+        page_size=PAGE,
+        head_num=HEADS,
+        head_dim=HEAD_DIM,
+        v_head_dim=HEAD_DIM,
+        dtype=dtype,
+        device=torch.device("cpu"),
+    )
+    return MHATokenToKVPoolHost(
+        info,
+        2.0,
+        0,
+        PAGE,
+        "page_first",
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=dev_tokens,
+        start_layer=0,
+        end_layer=LAYERS,
+        host_token_capacity=(pages + 2) * PAGE,
+    )
 
 
 def say(obj: dict[str, Any]) -> None:
@@ -74,8 +99,13 @@ def say(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def serve(backend: Any, indices: Callable[[int], Any], zero_pool: Callable[[], Any],
-          digests: Callable[[], list[str]], clear: Callable[[], int]) -> None:
+def serve(
+    backend: Any,
+    indices: Callable[[int], Any],
+    zero_pool: Callable[[], Any],
+    digests: Callable[[], list[str]],
+    clear: Callable[[], int],
+) -> None:
     """Answer the driver's commands on stdin (the line protocol in the module doc) until ``exit``.
 
     ``indices(n)`` gives the host-pool token indices of the first ``n`` pages; ``zero_pool``
@@ -114,11 +144,28 @@ def rank(role: str, master: str, metadata: str, pages: int) -> int:
     from sglang.srt.mem_cache.storage import StorageBackendFactory
 
     pool = _pool(pages)
-    extra = {"master_server_address": master, "metadata_server": metadata, "protocol": "tcp",
-             "global_segment_size": 0, "local_hostname": "127.0.0.1", "device_name": "", "check_server": False}
-    cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                               is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
-                               model_name="bench/sglang-32l", extra_config=extra)
+    extra = {
+        "master_server_address": master,
+        "metadata_server": metadata,
+        "protocol": "tcp",
+        "global_segment_size": 0,
+        "local_hostname": "127.0.0.1",
+        "device_name": "",
+        "check_server": False,
+    }
+    cfg = HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="bench/sglang-32l",
+        extra_config=extra,
+    )
     backend = StorageBackendFactory.create_backend("mooncake", cfg, pool)
     backend.register_mem_pool_host(pool)
     slots = list(range(pages))
@@ -126,8 +173,16 @@ def rank(role: str, master: str, metadata: str, pages: int) -> int:
     idx = torch.cat([torch.arange(s * PAGE, s * PAGE + PAGE, dtype=torch.int64) for s in slots])
 
     def digests() -> list[str]:
-        return [hashlib.sha256(pool.get_data_page(s * PAGE, flat=True).contiguous().view(torch.uint8).numpy()
-                               .tobytes()).hexdigest() for s in check]
+        return [
+            hashlib.sha256(
+                pool.get_data_page(s * PAGE, flat=True)
+                .contiguous()
+                .view(torch.uint8)
+                .numpy()
+                .tobytes()
+            ).hexdigest()
+            for s in check
+        ]
 
     if role == "writer":
         n = int(pool.get_dummy_flat_data_page().numel())
@@ -137,8 +192,13 @@ def rank(role: str, master: str, metadata: str, pages: int) -> int:
             pool.set_from_flat_data_page(s * PAGE, data.view(torch.bfloat16))
     page_bytes = int(pool.get_dummy_flat_data_page().numel()) * 2
     say({"ready": True, "page_bytes": page_bytes, "digests": digests()})
-    serve(backend, lambda n: idx[: n * PAGE], pool.kv_buffer.zero_, digests,
-          lambda: int(backend.store.remove_all(force=True)))
+    serve(
+        backend,
+        lambda n: idx[: n * PAGE],
+        pool.kv_buffer.zero_,
+        digests,
+        lambda: int(backend.store.remove_all(force=True)),
+    )
     return 0
 
 

@@ -122,8 +122,14 @@ def reader(master: str, metadata: str, quick: bool) -> dict[str, Any]:
     keys = [f"meta-{i}" for i in range(META_KEYS)]
     for i in range(0, META_KEYS, 500):
         chunk = keys[i : i + 500]
-        _check(min(s.batch_put_from(chunk, [src_ptr + 64 * j for j in range(len(chunk))], [64] * len(chunk))),
-               "batch_put_from meta")
+        _check(
+            min(
+                s.batch_put_from(
+                    chunk, [src_ptr + 64 * j for j in range(len(chunk))], [64] * len(chunk)
+                )
+            ),
+            "batch_put_from meta",
+        )
     t = time.perf_counter()
     hits = sum(1 for k in keys if s.is_exist(k) == 1)
     dt = time.perf_counter() - t

@@ -72,6 +72,7 @@ def initiator(info: dict[str, Any], quick: bool) -> dict[str, Any]:
         def run() -> None:
             if fn(peer, local, raddr, n) != 0:
                 raise SystemExit(f"transfer_sync_{kind} of {n} bytes failed")
+
         return run
 
     def batch(kind: str) -> Callable[[], None]:
@@ -82,6 +83,7 @@ def initiator(info: dict[str, Any], quick: bool) -> dict[str, Any]:
         def run() -> None:
             if fn(peer, bufs, remote, [1 << 20] * 32) != 0:
                 raise SystemExit(f"batch_transfer_sync_{kind} failed")
+
         return run
 
     res: dict[str, list[float]] = {}
@@ -91,7 +93,9 @@ def initiator(info: dict[str, Any], quick: bool) -> dict[str, Any]:
             for kind in ("write", "read"):
                 res.setdefault(f"tcp_{kind}_gbps_{lb}", []).append(_rate(op(kind, n), n, budget))
         for kind in ("write", "read"):
-            res.setdefault(f"tcp_batch_{kind}_32x1m", []).append(_rate(batch(kind), 32 << 20, budget))
+            res.setdefault(f"tcp_batch_{kind}_32x1m", []).append(
+                _rate(batch(kind), 32 << 20, budget)
+            )
     # check the bytes once: what we wrote is what we read back
     want = bytes(_array(local, 4096))
     te.transfer_sync_write(peer, local, raddr, 4096)

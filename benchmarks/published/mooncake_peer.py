@@ -37,8 +37,15 @@ from typing import IO, Any
 from mooncake_core import config
 from mooncake_core.errors import MooncakeError
 
-__all__ = ["run_mooncake_transfer_bench", "run_mooncake_store_bench", "mooncake_env", "default_peer_python", "free_port",
-           "TRANSFER_SCRIPT", "STORE_SCRIPT"]
+__all__ = [
+    "run_mooncake_transfer_bench",
+    "run_mooncake_store_bench",
+    "mooncake_env",
+    "default_peer_python",
+    "free_port",
+    "TRANSFER_SCRIPT",
+    "STORE_SCRIPT",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +57,9 @@ HOLDER_SEGMENT = 512 << 20
 
 def default_peer_python() -> str | None:
     """The scratch venv's python (``$MOONCAKE_PEER_VENV`` or ``<repo>/.scratch/mooncake-venv``) if it exists."""
-    venv = config.env_str("MOONCAKE_PEER_VENV") or str(_HERE.parent.parent / ".scratch" / "mooncake-venv")
+    venv = config.env_str("MOONCAKE_PEER_VENV") or str(
+        _HERE.parent.parent / ".scratch" / "mooncake-venv"
+    )
     py = Path(venv) / "bin" / "python"
     return str(py) if py.is_file() else None
 
@@ -60,7 +69,9 @@ def mooncake_env() -> dict[str, str]:
     env = dict(config.environment())
     for k in ("MOONCAKE_CONFIG_PATH", "PYTHONPATH"):
         env.pop(k, None)
-    env.update({"MC_TCP_BIND_ADDRESS": "127.0.0.1", "GLOG_minloglevel": "1", "PYTHONUNBUFFERED": "1"})
+    env.update(
+        {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "GLOG_minloglevel": "1", "PYTHONUNBUFFERED": "1"}
+    )
     return env
 
 
@@ -86,11 +97,20 @@ class _Procs:
         self.procs: list[tuple[str, subprocess.Popen[str]]] = []
         self._files: list[IO[str]] = []
 
-    def start(self, name: str, argv: list[str], *, stdin: bool = False, stdout: bool = True) -> subprocess.Popen[str]:
+    def start(
+        self, name: str, argv: list[str], *, stdin: bool = False, stdout: bool = True
+    ) -> subprocess.Popen[str]:
         err = open(self.workdir / f"{name}.log", "w")  # closed in stop_all
         self._files.append(err)
-        p = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                             stdout=subprocess.PIPE if stdout else err, stderr=err, text=True, env=mooncake_env(), cwd=self.workdir)
+        p = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+            stdout=subprocess.PIPE if stdout else err,
+            stderr=err,
+            text=True,
+            env=mooncake_env(),
+            cwd=self.workdir,
+        )
         self.procs.append((name, p))
         return p
 
@@ -129,8 +149,10 @@ def _readline(p: subprocess.Popen[str], what: str, procs: _Procs, name: str, tim
     sel.close()
     line = p.stdout.readline() if ready else ""
     if not line:
-        raise MooncakeError(f"published mooncake {name} gave no {what} within {timeout:.0f}s "
-                            f"(exit {p.poll()}); its log ends:\n{procs.log(name)}")
+        raise MooncakeError(
+            f"published mooncake {name} gave no {what} within {timeout:.0f}s "
+            f"(exit {p.poll()}); its log ends:\n{procs.log(name)}"
+        )
     return line.strip()
 
 
@@ -140,19 +162,25 @@ def _result(p: subprocess.Popen[str], procs: _Procs, name: str, timeout: float) 
     except subprocess.TimeoutExpired:
         p.kill()
         p.communicate()
-        raise MooncakeError(f"published mooncake {name} did not finish within {timeout:.0f}s; log:\n"
-                            f"{procs.log(name)}") from None
+        raise MooncakeError(
+            f"published mooncake {name} did not finish within {timeout:.0f}s; log:\n"
+            f"{procs.log(name)}"
+        ) from None
     lines = [ln for ln in out.splitlines() if ln.strip()]
     if p.returncode != 0 or not lines:
-        raise MooncakeError(f"published mooncake {name} failed (exit {p.returncode}); output: {out[-500:]!r}; "
-                            f"log:\n{procs.log(name)}")
+        raise MooncakeError(
+            f"published mooncake {name} failed (exit {p.returncode}); output: {out[-500:]!r}; "
+            f"log:\n{procs.log(name)}"
+        )
     res: dict[str, Any] = json.loads(lines[-1])
     return res
 
 
 def _check_python(python: str) -> None:
     if not Path(python).is_file():
-        raise MooncakeError(f"no Python at {python!r}; run scripts/setup_mooncake_peer.sh and pass the path it prints")
+        raise MooncakeError(
+            f"no Python at {python!r}; run scripts/setup_mooncake_peer.sh and pass the path it prints"
+        )
 
 
 def run_mooncake_transfer_bench(python: str, quick: bool) -> dict[str, Any]:
@@ -198,7 +226,9 @@ def run_mooncake_store_bench(python: str, quick: bool) -> dict[str, Any]:
     _check_python(python)
     master_bin = Path(python).parent / "mooncake_master"
     if not master_bin.is_file():
-        raise MooncakeError(f"{master_bin} not found; the venv of {python!r} lacks mooncake-transfer-engine-non-cuda")
+        raise MooncakeError(
+            f"{master_bin} not found; the venv of {python!r} lacks mooncake-transfer-engine-non-cuda"
+        )
     t0 = time.monotonic()
     rpc, http, metrics = free_port(), free_port(), free_port()
     master_addr = f"127.0.0.1:{rpc}"
@@ -206,22 +236,40 @@ def run_mooncake_store_bench(python: str, quick: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="mc-peer-") as tmp, ExitStack() as stack:
         procs = _Procs(Path(tmp))
         stack.callback(procs.stop_all)
-        master = procs.start("master", [
-            str(master_bin), f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
-            "--enable_http_metadata_server=true", f"--http_metadata_server_port={http}",
-            "--http_metadata_server_host=127.0.0.1", f"--metrics_port={metrics}", "--metrics_host=127.0.0.1",
-            "--enable_metric_reporting=false",
-        ], stdout=False)
+        master = procs.start(
+            "master",
+            [
+                str(master_bin),
+                f"--rpc_port={rpc}",
+                "--rpc_address=127.0.0.1",
+                "--enable_http_metadata_server=true",
+                f"--http_metadata_server_port={http}",
+                "--http_metadata_server_host=127.0.0.1",
+                f"--metrics_port={metrics}",
+                "--metrics_host=127.0.0.1",
+                "--enable_metric_reporting=false",
+            ],
+            stdout=False,
+        )
         deadline = time.monotonic() + 30
         if not (_wait_port(rpc, deadline) and _wait_port(http, deadline)):
-            raise MooncakeError(f"mooncake_master did not listen on {rpc}/{http} (exit {master.poll()}); log:\n"
-                                f"{procs.log('master')}")
-        holder = procs.start("holder", [python, str(STORE_SCRIPT), "holder", master_addr, metadata,
-                                        str(HOLDER_SEGMENT)], stdin=True)
+            raise MooncakeError(
+                f"mooncake_master did not listen on {rpc}/{http} (exit {master.poll()}); log:\n"
+                f"{procs.log('master')}"
+            )
+        holder = procs.start(
+            "holder",
+            [python, str(STORE_SCRIPT), "holder", master_addr, metadata, str(HOLDER_SEGMENT)],
+            stdin=True,
+        )
         line = _readline(holder, "ready line", procs, "holder", 60)
         if line != "ready":
-            raise MooncakeError(f"published mooncake holder said {line!r}; log:\n{procs.log('holder')}")
-        argv = [python, str(STORE_SCRIPT), "reader", master_addr, metadata] + (["--quick"] if quick else [])
+            raise MooncakeError(
+                f"published mooncake holder said {line!r}; log:\n{procs.log('holder')}"
+            )
+        argv = [python, str(STORE_SCRIPT), "reader", master_addr, metadata] + (
+            ["--quick"] if quick else []
+        )
         res = _result(procs.start("reader", argv), procs, "reader", 400)
     res["wall_s"] = round(time.monotonic() - t0, 1)
     logger.info("published mooncake store bench: %s", res)

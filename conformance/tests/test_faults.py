@@ -34,8 +34,13 @@ def corrupt() -> Iterator[faults.CorruptWrites]:
 
 
 @pytest.mark.parametrize("hint", [None, "tcp"])
-def test_writes_deliver_zeros_only_while_switched_on(corrupt: faults.CorruptWrites, hint: str | None) -> None:
-    with TransferEngine(transfer={"timeout_s": 5}) as a, TransferEngine(transfer={"timeout_s": 5}) as b:
+def test_writes_deliver_zeros_only_while_switched_on(
+    corrupt: faults.CorruptWrites, hint: str | None
+) -> None:
+    with (
+        TransferEngine(transfer={"timeout_s": 5}) as a,
+        TransferEngine(transfer={"timeout_s": 5}) as b,
+    ):
         src = bytearray(b"\x5a" * 4096)
         dst = bytearray(4096)
         a.register(src)
@@ -53,10 +58,20 @@ def test_writes_deliver_zeros_only_while_switched_on(corrupt: faults.CorruptWrit
 def test_child_loads_the_plugin_through_the_entry_point(tmp_path: Path) -> None:
     env = dict(environment(), **faults.corrupt_writes_env(tmp_path))
     env.pop("MOONCAKE_DISABLE_PLUGIN_AUTOLOAD", None)
-    code = ("import json; from mooncake_core.plugins import transports; "
-            "print(json.dumps({n: t.description for n, t in transports().items()}))")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60,
-                         check=True).stdout
+    code = (
+        "import json; from mooncake_core.plugins import transports; "
+        "print(json.dumps({n: t.description for n, t in transports().items()}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     desc = json.loads(out.strip().splitlines()[-1])
-    assert desc["tcp"].endswith("[test: writes corrupted]") and desc["shm"].endswith("[test: writes corrupted]")
+    assert desc["tcp"].endswith("[test: writes corrupted]") and desc["shm"].endswith(
+        "[test: writes corrupted]"
+    )
     assert "[test" not in desc.get("rdma", "")

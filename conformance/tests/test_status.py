@@ -9,7 +9,9 @@ import pytest
 from mooncake_conformance import status
 
 
-def test_status_merges_runs_and_detects_staleness(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_status_merges_runs_and_detects_staleness(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("MOONCAKE_CONFORMANCE_DIR", str(tmp_path))
     names = status.contract_checks()
     assert "test_layout_roundtrip_byte_for_byte" in names and len(names) >= 10
@@ -17,7 +19,9 @@ def test_status_merges_runs_and_detects_staleness(tmp_path: Path, monkeypatch: p
     status.write_status("x", "mooncake_conformance", {names[0]: "passed"}, {})
     assert status.describe("x", "mooncake_conformance").startswith(f"incomplete: 1 of {len(names)}")
     status.write_status("x", "mooncake_conformance", {n: "passed" for n in names[1:]}, {})
-    assert status.describe("x", "mooncake_conformance").startswith(f"passed {len(names)} of {len(names)}")
+    assert status.describe("x", "mooncake_conformance").startswith(
+        f"passed {len(names)} of {len(names)}"
+    )
     p = tmp_path / "x.json"
     data = json.loads(p.read_text())
     data["source_digest"] = "0" * 16

@@ -30,8 +30,10 @@ _DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "published"
 def published_dir() -> Path:
     """``benchmarks/published`` of the source checkout this package runs from."""
     if not _DIR.is_dir():
-        raise ConfigError(f"the published-Mooncake comparisons live in a source checkout ({_DIR} is missing); "
-                          "run from the mooncake-core repository")
+        raise ConfigError(
+            f"the published-Mooncake comparisons live in a source checkout ({_DIR} is missing); "
+            "run from the mooncake-core repository"
+        )
     return _DIR
 
 

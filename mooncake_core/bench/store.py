@@ -84,7 +84,7 @@ def _rotating_memcpy(big: np.ndarray, dst: np.ndarray, sources: int, copies: int
     sources = min(sources, len(big) // n)
     t0 = time.perf_counter()
     for i in range(copies):
-        np.copyto(dst[:n], big[(i % sources) * n:(i % sources + 1) * n])
+        np.copyto(dst[:n], big[(i % sources) * n : (i % sources + 1) * n])
     return copies * n / (time.perf_counter() - t0) / 1e9
 
 
@@ -103,8 +103,15 @@ def _gbps(nbytes: int, fn: Callable[[], None], reps: int) -> float:
 
 
 # ---------------------------------------------------------------------- store rounds
-def _store_round(client: Any, seg: str, src: np.ndarray, dst: np.ndarray, quick: bool, rnd: int,
-                 big: np.ndarray | None = None) -> dict[str, float]:
+def _store_round(
+    client: Any,
+    seg: str,
+    src: np.ndarray,
+    dst: np.ndarray,
+    quick: bool,
+    rnd: int,
+    big: np.ndarray | None = None,
+) -> dict[str, float]:
     out: dict[str, float] = {}
     budget = (48 << 20) if quick else (192 << 20)
     for size in SIZES:
@@ -132,14 +139,16 @@ def _store_round(client: Any, seg: str, src: np.ndarray, dst: np.ndarray, quick:
                 client._forget(None)
                 client.get_into(k, dv)
             out["get_uncached_gbps_1m"] = size * n / (time.perf_counter() - t0) / 1e9
-        if size == 16 << 20 and big is not None:  # memcpy with the get loop's own pattern: n distinct sources
+        if (
+            size == 16 << 20 and big is not None
+        ):  # memcpy with the get loop's own pattern: n distinct sources
             out["memcpy_pattern_gbps_16m"] = _rotating_memcpy(big, dst, n, n * reads)
         if rnd == 0 and size == 1 << 20 and not np.array_equal(src[:size], dst[:size]):
             raise AssertionError("store bench read back wrong bytes")
         client.remove_by_regex(f"^r{rnd}/s{size}/", force=True)
     reps = 3 if quick else 8
-    bviews = [_mv(src)[i * BATCH_SZ:(i + 1) * BATCH_SZ] for i in range(BATCH_N)]
-    dviews = [_mv(dst)[i * BATCH_SZ:(i + 1) * BATCH_SZ] for i in range(BATCH_N)]
+    bviews = [_mv(src)[i * BATCH_SZ : (i + 1) * BATCH_SZ] for i in range(BATCH_N)]
+    dviews = [_mv(dst)[i * BATCH_SZ : (i + 1) * BATCH_SZ] for i in range(BATCH_N)]
     tput = tget = 0.0
     for r in range(reps):
         keys = [f"r{rnd}/b{r}/{i}" for i in range(BATCH_N)]
@@ -152,7 +161,9 @@ def _store_round(client: Any, seg: str, src: np.ndarray, dst: np.ndarray, quick:
         got = client.batch_get_into(keys, dviews)
         tget += time.perf_counter() - t0
         if any(not isinstance(x, int) for x in got):
-            raise AssertionError(f"batch get failed: {next(x for x in got if not isinstance(x, int))}")
+            raise AssertionError(
+                f"batch get failed: {next(x for x in got if not isinstance(x, int))}"
+            )
     out["batch_put_gbps_32x1m"] = BATCH_N * BATCH_SZ * reps / tput / 1e9
     out["batch_get_gbps_32x1m"] = BATCH_N * BATCH_SZ * reps / tget / 1e9
     client.remove_by_regex(f"^r{rnd}/b", force=True)
@@ -178,7 +189,7 @@ def _meta(client: Any, seg: str, quick: bool) -> dict[str, float]:
     keys = [f"meta/{i}" for i in range(10_000)]
     tiny = memoryview(bytearray(64))
     for i in range(0, len(keys), 1000):
-        res = client.batch_put_from(keys[i:i + 1000], [tiny] * 1000, preferred_segment=seg)
+        res = client.batch_put_from(keys[i : i + 1000], [tiny] * 1000, preferred_segment=seg)
         if any(x is not None for x in res):
             raise AssertionError(f"meta put failed: {next(x for x in res if x is not None)}")
     reps = 3 if quick else 10
@@ -230,10 +241,17 @@ def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
     for k, v in theirs.items():
         out[f"mooncake_{k}"] = v
         mine = ours.get(k)
-        if k not in ("rounds", "wall_s") and isinstance(mine, (int, float)) and isinstance(v, (int, float)) and v:
+        if (
+            k not in ("rounds", "wall_s")
+            and isinstance(mine, (int, float))
+            and isinstance(v, (int, float))
+            and v
+        ):
             out[f"{k}_ratio_vs_mooncake"] = round(mine / v, 3)
         if k == "get_gbps_1m" and isinstance(ours.get("get_uncached_gbps_1m"), (int, float)) and v:
-            out["get_uncached_gbps_1m_ratio_vs_mooncake"] = round(ours["get_uncached_gbps_1m"] / v, 3)
+            out["get_uncached_gbps_1m_ratio_vs_mooncake"] = round(
+                ours["get_uncached_gbps_1m"] / v, 3
+            )
         # the ceiling: what a bare Python socket (no store at all) scores against the published store
         raw = ours.get(f"raw_tcp_{k}")
         if isinstance(raw, (int, float)) and isinstance(v, (int, float)) and v:
@@ -250,13 +268,19 @@ def compare_with_mooncake(python: str, quick: bool, ours: dict[str, Any]) -> dic
 def _median_dicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in rows[0].items():
-        vals = [r[k] for r in rows if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)]
+        vals = [
+            r[k]
+            for r in rows
+            if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)
+        ]
         out[k] = round(statistics.median(vals), 3) if vals and len(vals) == len(rows) else v
     return out
 
 
 # ---------------------------------------------------------------------- driver
-def _wait_file(path: str, proc: subprocess.Popen[Any], what: str, timeout: float = 60.0) -> dict[str, Any]:
+def _wait_file(
+    path: str, proc: subprocess.Popen[Any], what: str, timeout: float = 60.0
+) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if os.path.exists(path):
@@ -277,15 +301,44 @@ def run_bench(quick: bool, transport: str, rounds: int) -> dict[str, Any]:
     procs: list[subprocess.Popen[Any]] = []
     try:
         mready = os.path.join(tmp, "master.json")
-        master = subprocess.Popen([sys.executable, "-m", "mooncake_core", "--log-level", "WARNING", "master",
-                                   "--rpc-port", "0", "--http-port", "-1", "--ready-file", mready], env=env)
+        master = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "mooncake_core",
+                "--log-level",
+                "WARNING",
+                "master",
+                "--rpc-port",
+                "0",
+                "--http-port",
+                "-1",
+                "--ready-file",
+                mready,
+            ],
+            env=env,
+        )
         procs.append(master)
         addr = f"127.0.0.1:{_wait_file(mready, master, 'master')['rpc_port']}"
         hready = os.path.join(tmp, "holder.json")
         seg_size = (256 << 20) if quick else (768 << 20)
-        holder = subprocess.Popen([sys.executable, "-m", "mooncake_core.bench.store", "--role", "holder",
-                                   "--master", addr, "--segment-size", str(seg_size), "--ready-file", hready],
-                                  env=env, stdin=subprocess.PIPE)
+        holder = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "mooncake_core.bench.store",
+                "--role",
+                "holder",
+                "--master",
+                addr,
+                "--segment-size",
+                str(seg_size),
+                "--ready-file",
+                hready,
+            ],
+            env=env,
+            stdin=subprocess.PIPE,
+        )
         procs.append(holder)
         info = _wait_file(hready, holder, "holder")
         seg = str(info["segment"])
@@ -301,22 +354,38 @@ def run_bench(quick: bool, transport: str, rounds: int) -> dict[str, Any]:
                 for size in (1 << 20, 16 << 20):
                     reps = max(2, (64 << 20) // size // (2 if quick else 1))
                     sv, dv = _mv(src)[:size], _mv(dst)[:size]
-                    row[f"raw_tcp_put_gbps_{_label(size)}"] = _gbps(size, functools.partial(raw.write, sv), reps)
-                    row[f"raw_tcp_get_gbps_{_label(size)}"] = _gbps(size, functools.partial(raw.read, dv), reps)
+                    row[f"raw_tcp_put_gbps_{_label(size)}"] = _gbps(
+                        size, functools.partial(raw.write, sv), reps
+                    )
+                    row[f"raw_tcp_get_gbps_{_label(size)}"] = _gbps(
+                        size, functools.partial(raw.read, dv), reps
+                    )
                 row.update(_store_round(client, seg, src, dst, quick, rnd, big))
-                row["memcpy_gbps_16m"] = _gbps(16 << 20, lambda: np.copyto(a[: 16 << 20], src[: 16 << 20]), 8)
+                row["memcpy_gbps_16m"] = _gbps(
+                    16 << 20, lambda: np.copyto(a[: 16 << 20], src[: 16 << 20]), 8
+                )
                 row["memcpy_cold_gbps_16m"] = _cold_memcpy(big, a)
                 row["memcpy_gbps_64m"] = _gbps(64 << 20, lambda: np.copyto(a, src), 4)
                 rows.append(row)
             meta = _meta(client, seg, quick)
-        result: dict[str, Any] = {k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]}
+        result: dict[str, Any] = {
+            k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]
+        }
         result.update({k: round(v, 1) for k, v in meta.items()})
         # the shm target's reference: a memcpy of the same bytes in the same pattern (n distinct 16 MiB
         # sources, each read as often as the gets read them); hot = one source again and again (cache-resident)
-        result["get_vs_memcpy_16m"] = round(result["get_gbps_16m"] / result["memcpy_pattern_gbps_16m"], 3)
-        result["get_vs_memcpy_hot_16m"] = round(result["get_gbps_16m"] / result["memcpy_gbps_16m"], 3)
-        result["get_vs_memcpy_cold_16m"] = round(result["get_gbps_16m"] / result["memcpy_cold_gbps_16m"], 3)
-        result["get_vs_raw_tcp_16m"] = round(result["get_gbps_16m"] / result["raw_tcp_get_gbps_16m"], 3)
+        result["get_vs_memcpy_16m"] = round(
+            result["get_gbps_16m"] / result["memcpy_pattern_gbps_16m"], 3
+        )
+        result["get_vs_memcpy_hot_16m"] = round(
+            result["get_gbps_16m"] / result["memcpy_gbps_16m"], 3
+        )
+        result["get_vs_memcpy_cold_16m"] = round(
+            result["get_gbps_16m"] / result["memcpy_cold_gbps_16m"], 3
+        )
+        result["get_vs_raw_tcp_16m"] = round(
+            result["get_gbps_16m"] / result["raw_tcp_get_gbps_16m"], 3
+        )
         result["transport"] = transport
         result["rounds"] = rounds
         return result
@@ -334,13 +403,21 @@ def run_bench(quick: bool, transport: str, rounds: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="mooncake-core bench store", description=__doc__.splitlines()[0] if __doc__ else None)
+    ap = argparse.ArgumentParser(
+        prog="mooncake-core bench store", description=__doc__.splitlines()[0] if __doc__ else None
+    )
     ap.add_argument("--quick", action="store_true", help="fewer iterations and rounds")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    ap.add_argument("--transport", choices=["tcp", "shm"], default="tcp", help="path between holder and reader")
+    ap.add_argument(
+        "--transport", choices=["tcp", "shm"], default="tcp", help="path between holder and reader"
+    )
     ap.add_argument("--rounds", type=int, default=None, help="rounds (default 3, quick 2)")
-    ap.add_argument("--compare-mooncake", metavar="PYTHON", default=None,
-                    help="a Python with mooncake-transfer-engine-non-cuda installed: also run the published store")
+    ap.add_argument(
+        "--compare-mooncake",
+        metavar="PYTHON",
+        default=None,
+        help="a Python with mooncake-transfer-engine-non-cuda installed: also run the published store",
+    )
     ap.add_argument("--role", default="reader", help=argparse.SUPPRESS)
     ap.add_argument("--master", default="", help=argparse.SUPPRESS)
     ap.add_argument("--segment-size", type=int, default=0, help=argparse.SUPPRESS)
@@ -363,29 +440,56 @@ def main(argv: list[str] | None = None) -> int:
             theirs.append(t)
         res = _median_dicts(mine)
         res["rounds"] = len(mine)
-        res.update(theirs[0] if "mooncake_error" in theirs[0] else ratios(res, _median_dicts(theirs)))
-    print(f"store bench ({res['transport']}, reader and holder in separate processes, median of {rounds} rounds)")
+        res.update(
+            theirs[0] if "mooncake_error" in theirs[0] else ratios(res, _median_dicts(theirs))
+        )
+    print(
+        f"store bench ({res['transport']}, reader and holder in separate processes, median of {rounds} rounds)"
+    )
     for size in SIZES:
         lb = _label(size)
-        print(f"  {lb:>4}: put {res[f'put_gbps_{lb}']:7.2f} GB/s   get {res[f'get_gbps_{lb}']:7.2f} GB/s")
-    print(f"  batch 32x1m: put {res['batch_put_gbps_32x1m']:.2f} GB/s   get {res['batch_get_gbps_32x1m']:.2f} GB/s")
-    print(f"  get 64k: p50 {res['get64k_p50_us']:.0f} us  p99 {res['get64k_p99_us']:.0f} us  "
-          f"({res['get64k_ops_per_s']:.0f} ops/s)")
-    print(f"  exists: {res['meta_ops_per_s']:.0f} keys/s batched, {res['meta_single_ops_per_s']:.0f} ops/s single")
-    print(f"  references: raw TCP get 16m {res['raw_tcp_get_gbps_16m']:.2f} GB/s, put 16m "
-          f"{res['raw_tcp_put_gbps_16m']:.2f} GB/s; memcpy 16m {res['memcpy_gbps_16m']:.2f} GB/s")
-    print(f"  get 16m vs memcpy {res['get_vs_memcpy_16m']:.2f}x (same pattern: "
-          f"{res['memcpy_pattern_gbps_16m']:.2f} GB/s), {res['get_vs_memcpy_hot_16m']:.2f}x (one cache-resident "
-          f"buffer), {res['get_vs_memcpy_cold_16m']:.2f}x (cold: {res['memcpy_cold_gbps_16m']:.2f} GB/s); "
-          f"vs raw TCP {res['get_vs_raw_tcp_16m']:.2f}x")
+        print(
+            f"  {lb:>4}: put {res[f'put_gbps_{lb}']:7.2f} GB/s   get {res[f'get_gbps_{lb}']:7.2f} GB/s"
+        )
+    print(
+        f"  batch 32x1m: put {res['batch_put_gbps_32x1m']:.2f} GB/s   get {res['batch_get_gbps_32x1m']:.2f} GB/s"
+    )
+    print(
+        f"  get 64k: p50 {res['get64k_p50_us']:.0f} us  p99 {res['get64k_p99_us']:.0f} us  "
+        f"({res['get64k_ops_per_s']:.0f} ops/s)"
+    )
+    print(
+        f"  exists: {res['meta_ops_per_s']:.0f} keys/s batched, {res['meta_single_ops_per_s']:.0f} ops/s single"
+    )
+    print(
+        f"  references: raw TCP get 16m {res['raw_tcp_get_gbps_16m']:.2f} GB/s, put 16m "
+        f"{res['raw_tcp_put_gbps_16m']:.2f} GB/s; memcpy 16m {res['memcpy_gbps_16m']:.2f} GB/s"
+    )
+    print(
+        f"  get 16m vs memcpy {res['get_vs_memcpy_16m']:.2f}x (same pattern: "
+        f"{res['memcpy_pattern_gbps_16m']:.2f} GB/s), {res['get_vs_memcpy_hot_16m']:.2f}x (one cache-resident "
+        f"buffer), {res['get_vs_memcpy_cold_16m']:.2f}x (cold: {res['memcpy_cold_gbps_16m']:.2f} GB/s); "
+        f"vs raw TCP {res['get_vs_raw_tcp_16m']:.2f}x"
+    )
     if "get_uncached_gbps_1m" in res:
-        print(f"  get 1m by a client that remembers no locations: {res['get_uncached_gbps_1m']:.2f} GB/s")
+        print(
+            f"  get 1m by a client that remembers no locations: {res['get_uncached_gbps_1m']:.2f} GB/s"
+        )
     if "raw_tcp_put_gbps_1m_ratio_vs_mooncake" in res:
-        print("  vs published: " + ", ".join(f"{op} {lb} {res[f'{op}_gbps_{lb}_ratio_vs_mooncake']:.2f}x "
-                                             f"(bare Python TCP {res[f'raw_tcp_{op}_gbps_{lb}_ratio_vs_mooncake']:.2f}x)"
-                                             for lb in ("1m", "16m") for op in ("put", "get"))
-              + (f"; get 1m, no remembered locations {res['get_uncached_gbps_1m_ratio_vs_mooncake']:.2f}x"
-                 if "get_uncached_gbps_1m_ratio_vs_mooncake" in res else ""))
+        print(
+            "  vs published: "
+            + ", ".join(
+                f"{op} {lb} {res[f'{op}_gbps_{lb}_ratio_vs_mooncake']:.2f}x "
+                f"(bare Python TCP {res[f'raw_tcp_{op}_gbps_{lb}_ratio_vs_mooncake']:.2f}x)"
+                for lb in ("1m", "16m")
+                for op in ("put", "get")
+            )
+            + (
+                f"; get 1m, no remembered locations {res['get_uncached_gbps_1m_ratio_vs_mooncake']:.2f}x"
+                if "get_uncached_gbps_1m_ratio_vs_mooncake" in res
+                else ""
+            )
+        )
     if args.json:
         print(json.dumps(res))
     return 0

@@ -71,8 +71,13 @@ def _median(xs: list[float]) -> float:
 
 def run(quick: bool) -> dict[str, Any]:
     env = dict(config.environment())
-    proc = subprocess.Popen([sys.executable, "-m", "mooncake_core.bench.transfer", "--serve"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mooncake_core.bench.transfer", "--serve"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         assert proc.stdout is not None
         info = json.loads(proc.stdout.readline())
@@ -114,16 +119,35 @@ def _measure(info: dict[str, Any], quick: bool) -> dict[str, Any]:
     sizes = SIZES
     for _ in range(rounds):
         for n in sizes:
-            res.setdefault(f"raw_write_{_label(n)}", []).append(_rate(functools.partial(raw_write, n), n, budget))
-            res.setdefault(f"raw_read_{_label(n)}", []).append(_rate(functools.partial(raw_read, n), n, budget))
+            res.setdefault(f"raw_write_{_label(n)}", []).append(
+                _rate(functools.partial(raw_write, n), n, budget)
+            )
+            res.setdefault(f"raw_read_{_label(n)}", []).append(
+                _rate(functools.partial(raw_read, n), n, budget)
+            )
             for tr in ("tcp", "shm"):
-                res.setdefault(f"{tr}_write_{_label(n)}", []).append(_rate(ours("write", tr, n), n, budget))
-                res.setdefault(f"{tr}_read_{_label(n)}", []).append(_rate(ours("read", tr, n), n, budget))
+                res.setdefault(f"{tr}_write_{_label(n)}", []).append(
+                    _rate(ours("write", tr, n), n, budget)
+                )
+                res.setdefault(f"{tr}_read_{_label(n)}", []).append(
+                    _rate(ours("read", tr, n), n, budget)
+                )
         for tr in ("tcp", "shm"):
             for op in ("write", "read"):
-                reqs = [TransferRequest(op, peer, local.addr + i * (1 << 20), 1 << 20, raddr + i * (1 << 20), transport=tr)
-                        for i in range(32)]
-                res.setdefault(f"{tr}_batch_{op}_32x1m", []).append(_rate(functools.partial(_batch, eng, reqs), 32 << 20, budget))
+                reqs = [
+                    TransferRequest(
+                        op,
+                        peer,
+                        local.addr + i * (1 << 20),
+                        1 << 20,
+                        raddr + i * (1 << 20),
+                        transport=tr,
+                    )
+                    for i in range(32)
+                ]
+                res.setdefault(f"{tr}_batch_{op}_32x1m", []).append(
+                    _rate(functools.partial(_batch, eng, reqs), 32 << 20, budget)
+                )
         # memcpy reference: numpy copy of 256 MiB (both arrays pre-faulted)
         res.setdefault("memcpy", []).append(_memcpy_rate())
     lat: dict[str, list[float]] = {}
@@ -148,41 +172,67 @@ def _measure(info: dict[str, Any], quick: bool) -> dict[str, Any]:
     for op in ("write", "read"):
         out[f"tcp_{op}_gbps_16m"] = out[f"tcp_{op}_16m"]
         out[f"shm_{op}_gbps_16m"] = out[f"shm_{op}_16m"]
-    out["tcp_ratio_vs_raw_16m"] = round((out["tcp_write_16m"] + out["tcp_read_16m"]) / 2 / out["raw_tcp_gbps"], 3)
-    out["shm_ratio_vs_memcpy_16m"] = round((out["shm_write_16m"] + out["shm_read_16m"]) / 2 / out["memcpy_gbps"], 3)
+    out["tcp_ratio_vs_raw_16m"] = round(
+        (out["tcp_write_16m"] + out["tcp_read_16m"]) / 2 / out["raw_tcp_gbps"], 3
+    )
+    out["shm_ratio_vs_memcpy_16m"] = round(
+        (out["shm_write_16m"] + out["shm_read_16m"]) / 2 / out["memcpy_gbps"], 3
+    )
     out["rounds"] = rounds
     return out
 
 
 def print_table(r: dict[str, Any]) -> None:
-    print(f"{'size':>6} | {'raw w':>7} {'raw r':>7} | {'tcp w':>7} {'tcp r':>7} | {'shm w':>7} {'shm r':>7}   (GB/s, median)")
+    print(
+        f"{'size':>6} | {'raw w':>7} {'raw r':>7} | {'tcp w':>7} {'tcp r':>7} | {'shm w':>7} {'shm r':>7}   (GB/s, median)"
+    )
     for n in SIZES:
         lb = _label(n)
-        print(f"{lb:>6} | {r[f'raw_write_{lb}']:7.2f} {r[f'raw_read_{lb}']:7.2f} | {r[f'tcp_write_{lb}']:7.2f} "
-              f"{r[f'tcp_read_{lb}']:7.2f} | {r[f'shm_write_{lb}']:7.2f} {r[f'shm_read_{lb}']:7.2f}")
-    print(f"batch 32 x 1 MiB: tcp write {r['tcp_batch_write_32x1m']:.2f} read {r['tcp_batch_read_32x1m']:.2f} | "
-          f"shm write {r['shm_batch_write_32x1m']:.2f} read {r['shm_batch_read_32x1m']:.2f} GB/s")
+        print(
+            f"{lb:>6} | {r[f'raw_write_{lb}']:7.2f} {r[f'raw_read_{lb}']:7.2f} | {r[f'tcp_write_{lb}']:7.2f} "
+            f"{r[f'tcp_read_{lb}']:7.2f} | {r[f'shm_write_{lb}']:7.2f} {r[f'shm_read_{lb}']:7.2f}"
+        )
+    print(
+        f"batch 32 x 1 MiB: tcp write {r['tcp_batch_write_32x1m']:.2f} read {r['tcp_batch_read_32x1m']:.2f} | "
+        f"shm write {r['shm_batch_write_32x1m']:.2f} read {r['shm_batch_read_32x1m']:.2f} GB/s"
+    )
     print(f"memcpy (numpy copy, 256 MiB): {r['memcpy_gbps']:.2f} GB/s")
-    print(f"64 KiB read latency: tcp p50 {r['lat64k_p50_us']:.0f} us p99 {r['lat64k_p99_us']:.0f} us | "
-          f"shm p50 {r['shm_lat64k_p50_us']:.0f} us p99 {r['shm_lat64k_p99_us']:.0f} us")
-    print(f"ratios at 16 MiB: tcp/raw {r['tcp_ratio_vs_raw_16m']:.2f} (target >= 0.8), "
-          f"shm/memcpy {r['shm_ratio_vs_memcpy_16m']:.2f} (target >= 0.7)")
+    print(
+        f"64 KiB read latency: tcp p50 {r['lat64k_p50_us']:.0f} us p99 {r['lat64k_p99_us']:.0f} us | "
+        f"shm p50 {r['shm_lat64k_p50_us']:.0f} us p99 {r['shm_lat64k_p99_us']:.0f} us"
+    )
+    print(
+        f"ratios at 16 MiB: tcp/raw {r['tcp_ratio_vs_raw_16m']:.2f} (target >= 0.8), "
+        f"shm/memcpy {r['shm_ratio_vs_memcpy_16m']:.2f} (target >= 0.7)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="mooncake-core bench transfer", description=__doc__.splitlines()[0] if __doc__ else "")
-    ap.add_argument("--quick", action="store_true", help="fewer rounds and bytes (finishes within ~45 s)")
+    ap = argparse.ArgumentParser(
+        prog="mooncake-core bench transfer", description=__doc__.splitlines()[0] if __doc__ else ""
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="fewer rounds and bytes (finishes within ~45 s)"
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    ap.add_argument("--compare-mooncake", metavar="PYTHON", default=None,
-                    help="also run the published Mooncake engine with this Python (scripts/setup_mooncake_peer.sh "
-                         "makes one) and add <key>_ratio_vs_mooncake figures")
+    ap.add_argument(
+        "--compare-mooncake",
+        metavar="PYTHON",
+        default=None,
+        help="also run the published Mooncake engine with this Python (scripts/setup_mooncake_peer.sh "
+        "makes one) and add <key>_ratio_vs_mooncake figures",
+    )
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve:
         holder_main()
         return 0
     t0 = time.time()
-    print(f"bench transfer: two processes on loopback ({'quick' if args.quick else 'full'}) ...", file=sys.stderr, flush=True)
+    print(
+        f"bench transfer: two processes on loopback ({'quick' if args.quick else 'full'}) ...",
+        file=sys.stderr,
+        flush=True,
+    )
     r = run(args.quick)
     if args.compare_mooncake:
         from mooncake_core.bench.published import peer
@@ -195,8 +245,16 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in r2.items():
             if isinstance(v, float) and k in r and "lat" not in k:
                 r[k] = round((r[k] + v) / 2, 3)
-        for key in ("tcp_write_gbps_16m", "tcp_read_gbps_16m", "tcp_write_gbps_64m", "tcp_read_gbps_64m",
-                    "tcp_batch_write_32x1m", "tcp_batch_read_32x1m", "lat64k_p50_us", "lat64k_p99_us"):
+        for key in (
+            "tcp_write_gbps_16m",
+            "tcp_read_gbps_16m",
+            "tcp_write_gbps_64m",
+            "tcp_read_gbps_64m",
+            "tcp_batch_write_32x1m",
+            "tcp_batch_read_32x1m",
+            "lat64k_p50_us",
+            "lat64k_p99_us",
+        ):
             ours_key = key.replace("_gbps_64m", "_64m")
             if key in mc and ours_key in r and mc[key]:
                 r[f"mooncake_{key}"] = mc[key]
@@ -204,8 +262,14 @@ def main(argv: list[str] | None = None) -> int:
     r["elapsed_s"] = round(time.time() - t0, 1)
     print_table(r)
     if args.compare_mooncake:
-        print("vs published Mooncake (TCP, same run): " + ", ".join(
-            f"{k.removesuffix('_ratio_vs_mooncake')} {v:.2f}x" for k, v in r.items() if k.endswith("_ratio_vs_mooncake")))
+        print(
+            "vs published Mooncake (TCP, same run): "
+            + ", ".join(
+                f"{k.removesuffix('_ratio_vs_mooncake')} {v:.2f}x"
+                for k, v in r.items()
+                if k.endswith("_ratio_vs_mooncake")
+            )
+        )
     if args.json:
         print(json.dumps(r))
     return 0

@@ -25,13 +25,25 @@ __all__ = ["main", "COMMANDS"]
 
 # name -> (module, one-line help); adapters add theirs through extensions
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("mooncake_core.cli.demo", "transfer-engine demo: two processes move KV tensors over loopback"),
-    "bench": ("mooncake_core.cli.bench", "run a benchmark: transfer, store, conductor, ep, and adapters' ones"),
-    "plugins": ("mooncake_core.cli.plugins_cmd", "list discovered transports, metadata backends and adapters"),
+    "demo": (
+        "mooncake_core.cli.demo",
+        "transfer-engine demo: two processes move KV tensors over loopback",
+    ),
+    "bench": (
+        "mooncake_core.cli.bench",
+        "run a benchmark: transfer, store, conductor, ep, and adapters' ones",
+    ),
+    "plugins": (
+        "mooncake_core.cli.plugins_cmd",
+        "list discovered transports, metadata backends and adapters",
+    ),
     "metadata-server": ("mooncake_core.cli.metadata_server", "run the HTTP metadata server"),
     "master": ("mooncake_core.cli.master", "run a store master"),
     "store": ("mooncake_core.cli.store_node", "run a store node that only contributes memory"),
-    "simulate": ("mooncake_core.cli.simulate", "replay a request trace through the conductor simulator"),
+    "simulate": (
+        "mooncake_core.cli.simulate",
+        "replay a request trace through the conductor simulator",
+    ),
     "conductor": ("mooncake_core.cli.conductor", "conductor tools (fit the cost model)"),
     "proxy": ("mooncake_core.cli.proxy", "OpenAI-compatible prefill/decode proxy"),
 }
@@ -62,7 +74,9 @@ def _command_word(args: Sequence[str]) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="mooncake-core", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="mooncake-core", description=__doc__.splitlines()[0] if __doc__ else None
+    )
     parser.add_argument("--log-level", default=None, help=_LOG_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     args_list = list(sys.argv[1:] if argv is None else argv)
@@ -71,8 +85,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         table.setdefault(name, (modpath, None))
     word = _command_word(args_list)
     if word is not None and word not in table:
-        print(f"mooncake-core: error: no command {word!r}; commands: {', '.join(sorted(table))} "
-              "(engine adapters add theirs, e.g. pd-demo, when installed)", file=sys.stderr)
+        print(
+            f"mooncake-core: error: no command {word!r}; commands: {', '.join(sorted(table))} "
+            "(engine adapters add theirs, e.g. pd-demo, when installed)",
+            file=sys.stderr,
+        )
         return 2
     # Only import the chosen subcommand's module (others may need optional packages).
     for name, (modpath, help_) in table.items():
@@ -83,7 +100,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 mod = importlib.import_module(modpath)
             except ModuleNotFoundError as exc:
-                print(f"mooncake-core: error: command {name!r} is not available ({exc})", file=sys.stderr)
+                print(
+                    f"mooncake-core: error: command {name!r} is not available ({exc})",
+                    file=sys.stderr,
+                )
                 return 2
             mod.add_arguments(p)
             p.set_defaults(_run=mod.run)
@@ -96,7 +116,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from mooncake_core.config import load_config
 
-        cfg = load_config()  # a bad file or MOONCAKE_* variable fails here, as one line naming the key
+        cfg = (
+            load_config()
+        )  # a bad file or MOONCAKE_* variable fails here, as one line naming the key
         _setup_logging(args.log_level or cfg.log.level)
         return int(args._run(args) or 0)
     except MooncakeError as exc:

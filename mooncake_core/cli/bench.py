@@ -35,14 +35,18 @@ def available() -> dict[str, str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     names = ", ".join(sorted(available()))
     parser.add_argument("name", metavar="NAME", help=f"which benchmark: {names}")
-    parser.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see NAME --help)")
+    parser.add_argument(
+        "rest", nargs=argparse.REMAINDER, help="options of that benchmark (see NAME --help)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     table = available()
     if args.name not in table:
-        raise ConfigError(f"no benchmark {args.name!r}; available: {', '.join(sorted(table))} "
-                          "(engine benchmarks come with their adapters)")
+        raise ConfigError(
+            f"no benchmark {args.name!r}; available: {', '.join(sorted(table))} "
+            "(engine benchmarks come with their adapters)"
+        )
     try:
         mod = importlib.import_module(table[args.name])
     except ModuleNotFoundError as exc:

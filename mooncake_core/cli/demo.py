@@ -29,10 +29,18 @@ LAYERS, BLOCKS, BLOCK_TOKENS, KV_HEADS, HEAD_DIM = 16, 32, 16, 8, 128
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--role", choices=["sender", "receiver"], default="sender", help=argparse.SUPPRESS)
-    parser.add_argument("--nbytes", type=int, default=0, help=argparse.SUPPRESS)  # receiver's buffer
-    parser.add_argument("--layers", type=int, default=LAYERS, help=f"KV layers to move (default {LAYERS})")
-    parser.add_argument("--blocks", type=int, default=BLOCKS, help=f"KV blocks per layer (default {BLOCKS})")
+    parser.add_argument(
+        "--role", choices=["sender", "receiver"], default="sender", help=argparse.SUPPRESS
+    )
+    parser.add_argument(
+        "--nbytes", type=int, default=0, help=argparse.SUPPRESS
+    )  # receiver's buffer
+    parser.add_argument(
+        "--layers", type=int, default=LAYERS, help=f"KV layers to move (default {LAYERS})"
+    )
+    parser.add_argument(
+        "--blocks", type=int, default=BLOCKS, help=f"KV blocks per layer (default {BLOCKS})"
+    )
 
 
 def _receiver(nbytes: int) -> int:
@@ -46,8 +54,16 @@ def _receiver(nbytes: int) -> int:
             print(json.dumps({"sha": hashlib.sha256(buf.view[a : a + n]).hexdigest()}), flush=True)
         elif msg["cmd"] == "tensor":
             t = eng.get_tensor(msg["key"], timeout=30)
-            print(json.dumps({"shape": list(t.shape), "dtype": str(t.dtype),
-                              "sha": hashlib.sha256(_as_bytes(t).data).hexdigest()}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "shape": list(t.shape),
+                        "dtype": str(t.dtype),
+                        "sha": hashlib.sha256(_as_bytes(t).data).hexdigest(),
+                    }
+                ),
+                flush=True,
+            )
         elif msg["cmd"] == "exit":
             break
     eng.close()
@@ -59,9 +75,13 @@ def _kv_blocks(layers: int, blocks: int) -> Any:
         import torch
 
         g = torch.Generator().manual_seed(0)
-        return torch.randn(layers, 2, blocks, BLOCK_TOKENS, KV_HEADS, HEAD_DIM, generator=g, dtype=torch.float32).to(torch.bfloat16)
+        return torch.randn(
+            layers, 2, blocks, BLOCK_TOKENS, KV_HEADS, HEAD_DIM, generator=g, dtype=torch.float32
+        ).to(torch.bfloat16)
     except ImportError:  # numpy fallback
-        return np.random.default_rng(0).standard_normal((layers, 2, blocks, BLOCK_TOKENS, KV_HEADS, HEAD_DIM), dtype=np.float32)
+        return np.random.default_rng(0).standard_normal(
+            (layers, 2, blocks, BLOCK_TOKENS, KV_HEADS, HEAD_DIM), dtype=np.float32
+        )
 
 
 def _as_bytes(t: Any) -> np.ndarray:
@@ -80,8 +100,18 @@ def run(args: argparse.Namespace) -> int:
     nbytes = raw.nbytes
     if args.role == "receiver":
         return _receiver(args.nbytes)
-    cmd = [sys.executable, "-m", "mooncake_core", "--log-level", "WARNING", "demo",
-           "--role", "receiver", "--nbytes", str(nbytes)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mooncake_core",
+        "--log-level",
+        "WARNING",
+        "demo",
+        "--role",
+        "receiver",
+        "--nbytes",
+        str(nbytes),
+    ]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdin is not None and proc.stdout is not None
 
@@ -95,13 +125,18 @@ def run(args: argparse.Namespace) -> int:
     try:
         line = proc.stdout.readline()
         if not line:
-            print("mooncake-core: error: the demo's receiver process failed to start (see its log above)", file=sys.stderr)
+            print(
+                "mooncake-core: error: the demo's receiver process failed to start (see its log above)",
+                file=sys.stderr,
+            )
             return 1
         info = json.loads(line)
         peer, base = info["name"], int(info["addr"])
         print(f"receiver process pid {proc.pid} listening as {peer}; sender pid {os.getpid()}")
-        print(f"KV cache: {args.layers} layers x (K,V) x {args.blocks} blocks x {BLOCK_TOKENS} tokens x "
-              f"{KV_HEADS} heads x {HEAD_DIM} dims, {getattr(kv, 'dtype', 'float32')} = {format_size(nbytes)}")
+        print(
+            f"KV cache: {args.layers} layers x (K,V) x {args.blocks} blocks x {BLOCK_TOKENS} tokens x "
+            f"{KV_HEADS} heads x {HEAD_DIM} dims, {getattr(kv, 'dtype', 'float32')} = {format_size(nbytes)}"
+        )
         with TransferEngine(protocol="tcp") as eng:
             local = eng.allocate(nbytes, prefault=True)
             local.numpy()[:] = raw
@@ -110,8 +145,17 @@ def run(args: argparse.Namespace) -> int:
             rows = []
             for transport in ("shm", "tcp"):
                 # one request per layer: a batch, as a prefill instance pushes its KV to decode
-                reqs = [TransferRequest("write", peer, local.addr + i * per_layer, per_layer, base + i * per_layer, transport=transport)
-                        for i in range(args.layers)]
+                reqs = [
+                    TransferRequest(
+                        "write",
+                        peer,
+                        local.addr + i * per_layer,
+                        per_layer,
+                        base + i * per_layer,
+                        transport=transport,
+                    )
+                    for i in range(args.layers)
+                ]
                 eng.transfer(reqs)  # warm (first touch, connections)
                 t = time.perf_counter()
                 reps = 5
@@ -120,11 +164,21 @@ def run(args: argparse.Namespace) -> int:
                 dt = (time.perf_counter() - t) / reps
                 ok = ask(cmd="digest", offset=0, length=nbytes)["sha"] == want
                 rows.append((f"write {args.layers} layers", transport, nbytes, dt, ok))
-                back = np.ones(nbytes, dtype=np.uint8)  # pre-touched pages (first touch is slow here)
+                back = np.ones(
+                    nbytes, dtype=np.uint8
+                )  # pre-touched pages (first touch is slow here)
                 t = time.perf_counter()
                 eng.read(peer, back, base, transport=transport)
                 dt = time.perf_counter() - t
-                rows.append(("read back", transport, nbytes, dt, hashlib.sha256(back.data).hexdigest() == want))
+                rows.append(
+                    (
+                        "read back",
+                        transport,
+                        nbytes,
+                        dt,
+                        hashlib.sha256(back.data).hexdigest() == want,
+                    )
+                )
             eng.put_tensor_async(kv[1], peer, "warm").result(30)
             ask(cmd="tensor", key="warm")
             t = time.perf_counter()
@@ -132,10 +186,20 @@ def run(args: argparse.Namespace) -> int:
             dt = time.perf_counter() - t
             got = ask(cmd="tensor", key="layer0")
             l0 = _as_bytes(kv[0])
-            rows.append((f"put_tensor {list(kv[0].shape)}", "tcp", l0.nbytes, dt, got["sha"] == hashlib.sha256(l0.data).hexdigest()))
+            rows.append(
+                (
+                    f"put_tensor {list(kv[0].shape)}",
+                    "tcp",
+                    l0.nbytes,
+                    dt,
+                    got["sha"] == hashlib.sha256(l0.data).hexdigest(),
+                )
+            )
         print(f"{'what':<34} {'transport':<9} {'bytes':>10} {'time':>9} {'GB/s':>7}  verified")
         for what, tr, n, dt, ok in rows:
-            print(f"{what:<34} {tr:<9} {format_size(n):>10} {dt * 1e3:7.1f}ms {n / dt / 1e9:7.2f}  {'yes' if ok else 'NO'}")
+            print(
+                f"{what:<34} {tr:<9} {format_size(n):>10} {dt * 1e3:7.1f}ms {n / dt / 1e9:7.2f}  {'yes' if ok else 'NO'}"
+            )
         proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
         proc.stdin.flush()
         proc.wait(10)

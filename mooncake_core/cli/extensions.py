@@ -40,7 +40,7 @@ def commands() -> dict[str, str]:
 
 def benches() -> dict[str, str]:
     """Benchmarks from installed packages: name (without ``bench.``) -> module."""
-    return {k[len(_BENCH):]: v for k, v in _entries().items() if k.startswith(_BENCH)}
+    return {k[len(_BENCH) :]: v for k, v in _entries().items() if k.startswith(_BENCH)}
 
 
 def summary(module: str) -> str:

@@ -13,7 +13,9 @@ logger = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)"
+    )
     parser.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     parser.add_argument("--path", default="/metadata", help="URL path (default /metadata)")
 

@@ -17,11 +17,21 @@ def run(args: argparse.Namespace) -> int:
     md = plugins.metadata_backends()
     ad = plugins.adapters()
     if args.json:
-        print(json.dumps({
-            "transports": {k: {"priority": v.priority, "description": v.description} for k, v in tr.items()},
-            "metadata": {k: {"schemes": list(v.schemes), "description": v.description} for k, v in md.items()},
-            "adapters": [a.__dict__ for a in ad],
-        }))
+        print(
+            json.dumps(
+                {
+                    "transports": {
+                        k: {"priority": v.priority, "description": v.description}
+                        for k, v in tr.items()
+                    },
+                    "metadata": {
+                        k: {"schemes": list(v.schemes), "description": v.description}
+                        for k, v in md.items()
+                    },
+                    "adapters": [a.__dict__ for a in ad],
+                }
+            )
+        )
         return 0
     print("transports (group mooncake_core.transports):")
     for name, t in sorted(tr.items(), key=lambda kv: kv[1].priority):
@@ -34,5 +44,7 @@ def run(args: argparse.Namespace) -> int:
         print("  (none installed)")
     for a in ad:
         inst = "installed" if a.engine_installed else "not installed"
-        print(f"  {a.name:<9} {a.package:<18} engine {a.engine} ({inst}); conformance: {a.conformance}; {a.status}")
+        print(
+            f"  {a.name:<9} {a.package:<18} engine {a.engine} ({inst}); conformance: {a.conformance}; {a.status}"
+        )
     return 0

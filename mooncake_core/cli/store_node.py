@@ -17,25 +17,46 @@ logger = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="mooncake.json (default $MOONCAKE_CONFIG_PATH)")
-    parser.add_argument("--master", default=None,
-                        help="master host:port or etcd://host:port (default master_server_address)")
-    parser.add_argument("--segment-size", default=None, help="memory to contribute, e.g. 4GB (default global_segment_size)")
-    parser.add_argument("--ssd-path", default=None, help="directory for the SSD tier (offload on eviction)")
+    parser.add_argument(
+        "--master",
+        default=None,
+        help="master host:port or etcd://host:port (default master_server_address)",
+    )
+    parser.add_argument(
+        "--segment-size",
+        default=None,
+        help="memory to contribute, e.g. 4GB (default global_segment_size)",
+    )
+    parser.add_argument(
+        "--ssd-path", default=None, help="directory for the SSD tier (offload on eviction)"
+    )
     parser.add_argument("--cluster-id", default="default", help="HA namespace in etcd")
-    parser.add_argument("--prefault", action="store_true", help="touch every page of the segment at start")
+    parser.add_argument(
+        "--prefault", action="store_true", help="touch every page of the segment at start"
+    )
     parser.add_argument("--ready-file", default=None, help="write {segment, pid} here once mounted")
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
-    size = parse_size(args.segment_size, "--segment-size") if args.segment_size is not None else None
+    size = (
+        parse_size(args.segment_size, "--segment-size") if args.segment_size is not None else None
+    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    with StoreClient(cfg, master=args.master, segment_size=size, ssd_path=args.ssd_path,
-                     cluster_id=args.cluster_id, prefault=args.prefault) as client:
+    with StoreClient(
+        cfg,
+        master=args.master,
+        segment_size=size,
+        ssd_path=args.ssd_path,
+        cluster_id=args.cluster_id,
+        prefault=args.prefault,
+    ) as client:
         names = client.segment_names
-        logger.info("store node %s contributes %s", client.hostname, ", ".join(names) or "no memory")
+        logger.info(
+            "store node %s contributes %s", client.hostname, ", ".join(names) or "no memory"
+        )
         if args.ready_file:
             tmp = args.ready_file + ".tmp"
             with open(tmp, "w") as f:

@@ -30,7 +30,15 @@ from typing import Any
 from mooncake_core.compat import engine
 from mooncake_core.compat.engine import TransferEngine, TransferNotify, TransferOpcode
 
-__all__ = ["install", "uninstall", "installed", "engine", "TransferEngine", "TransferOpcode", "TransferNotify"]
+__all__ = [
+    "install",
+    "uninstall",
+    "installed",
+    "engine",
+    "TransferEngine",
+    "TransferOpcode",
+    "TransferNotify",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +82,9 @@ def install(*, force: bool = False) -> bool:
     if installed():
         return True
     if not force and _real_package_present():
-        logger.info("the published mooncake package is installed; compat.install() leaves it in place")
+        logger.info(
+            "the published mooncake package is installed; compat.install() leaves it in place"
+        )
         return False
     modules: dict[str, ModuleType] = {}
     for upstream, ours in _MODULES.items():

@@ -93,15 +93,30 @@ SUPPORT_INTRA_NVLINK = False
 UPSTREAM_ENV: Mapping[str, tuple[str, str]] = {
     "MC_TRANSFER_TIMEOUT": ("transfer.timeout_s", "transfer timeout in seconds (default 30)"),
     "MC_TCP_BIND_ADDRESS": ("transfer.listen_host", "address the transfer listener binds to"),
-    "MC_METADATA_SERVER": ("metadata_server", "metadata server when initialize() gets an empty one"),
+    "MC_METADATA_SERVER": (
+        "metadata_server",
+        "metadata server when initialize() gets an empty one",
+    ),
 }
 
 # Published protocol strings -> ours. RDMA-family protocols go to our RDMA transport,
 # which falls back to TCP when there is no device; the rest run on TCP/shared memory.
-_PROTOCOLS = {"tcp": "tcp", "rdma": "rdma", "efa": "rdma", "barex": "rdma", "shm": "shm", "auto": "auto"}
+_PROTOCOLS = {
+    "tcp": "tcp",
+    "rdma": "rdma",
+    "efa": "rdma",
+    "barex": "rdma",
+    "shm": "shm",
+    "auto": "auto",
+}
 _HINTS = {"tcp": "tcp", "rdma": "rdma", "shm": "shm"}
-_METADATA_TYPES = {"p2p": "P2PHANDSHAKE", "p2phandshake": "P2PHANDSHAKE", "etcd": "etcd://",
-                   "http": "http://", "redis": "redis://"}
+_METADATA_TYPES = {
+    "p2p": "P2PHANDSHAKE",
+    "p2phandshake": "P2PHANDSHAKE",
+    "etcd": "etcd://",
+    "http": "http://",
+    "redis": "redis://",
+}
 
 
 class TransferOpcode(enum.IntEnum):
@@ -126,7 +141,10 @@ class TransferNotify:
         return f"TransferNotify(name={self.name!r}, msg={self.msg!r})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, TransferNotify) and (self.name, self.msg) == (other.name, other.msg)
+        return isinstance(other, TransferNotify) and (self.name, self.msg) == (
+            other.name,
+            other.msg,
+        )
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -168,7 +186,9 @@ class TransferEngine:
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ lifecycle
-    def initialize(self, local_hostname: str, metadata_server: str, protocol: str, device_name: str) -> int:
+    def initialize(
+        self, local_hostname: str, metadata_server: str, protocol: str, device_name: str
+    ) -> int:
         """Start the engine. ``metadata_server``: ``P2PHANDSHAKE``, ``http://h:p/metadata``,
         ``etcd://h:p`` or bare ``h:p`` (etcd). ``protocol="rdma"`` falls back to TCP when
         there is no RDMA device. Calling it again on a started engine returns 0."""
@@ -179,7 +199,9 @@ class TransferEngine:
             eng = _engine_mod.TransferEngine(cfg)
             eng.start()
         except MooncakeError as exc:
-            logger.error("initialize(%r, %r, %r) failed: %s", local_hostname, metadata_server, protocol, exc)
+            logger.error(
+                "initialize(%r, %r, %r) failed: %s", local_hostname, metadata_server, protocol, exc
+            )
             return ERR_INVALID_ARGUMENT
         except OSError as exc:
             logger.error("initialize(%r) cannot listen: %s", local_hostname, exc)
@@ -187,8 +209,14 @@ class TransferEngine:
         self._eng = eng
         return OK
 
-    def initialize_ext(self, local_hostname: str, metadata_server: str, protocol: str, device_name: str,
-                       metadata_type: str) -> int:
+    def initialize_ext(
+        self,
+        local_hostname: str,
+        metadata_server: str,
+        protocol: str,
+        device_name: str,
+        metadata_type: str,
+    ) -> int:
         """Like :meth:`initialize` with an explicit metadata type (``etcd``, ``http``,
         ``redis``, ``p2p``): a bare ``metadata_server`` gets that type's scheme."""
         kind = metadata_type.strip().lower()
@@ -199,7 +227,9 @@ class TransferEngine:
         return self.initialize(local_hostname, target, protocol, device_name)
 
     @staticmethod
-    def _config(local_hostname: str, metadata_server: str, protocol: str, device_name: str) -> MooncakeConfig:
+    def _config(
+        local_hostname: str, metadata_server: str, protocol: str, device_name: str
+    ) -> MooncakeConfig:
         env = dict(environment())
         # The published engine does not read mooncake.json; a store-only key there must
         # not break initialize().
@@ -208,16 +238,26 @@ class TransferEngine:
         host = local_hostname.strip() or "127.0.0.1"
         bare = host.rpartition(":")[0] if host.rpartition(":")[2].isdigit() else host
         ip = _ip_literal(bare)
-        if "listen_host" not in transfer and "MOONCAKE_TRANSFER_LISTEN_HOST" not in env and ip is not None \
-                and not ipaddress.ip_address(ip).is_loopback:
+        if (
+            "listen_host" not in transfer
+            and "MOONCAKE_TRANSFER_LISTEN_HOST" not in env
+            and ip is not None
+            and not ipaddress.ip_address(ip).is_loopback
+        ):
             transfer["listen_host"] = ip  # cross-host use: listen where we told peers to connect
-        meta = metadata_server.strip() or env_str("MC_METADATA_SERVER", environ=env) or "P2PHANDSHAKE"
+        meta = (
+            metadata_server.strip() or env_str("MC_METADATA_SERVER", environ=env) or "P2PHANDSHAKE"
+        )
         proto = _PROTOCOLS.get(protocol.strip().lower())
         if proto is None:
             logger.warning("protocol %r is not available here; using tcp/shared memory", protocol)
             proto = "tcp"
-        overrides: dict[str, Any] = {"local_hostname": host, "metadata_server": meta, "protocol": proto,
-                                     "device_name": device_name}
+        overrides: dict[str, Any] = {
+            "local_hostname": host,
+            "metadata_server": meta,
+            "protocol": proto,
+            "device_name": device_name,
+        }
         if transfer:
             overrides["transfer"] = transfer
         return load_config(environ=env, **overrides)
@@ -271,10 +311,16 @@ class TransferEngine:
             return ERR_ADDRESS_NOT_REGISTERED
         return OK
 
-    def batch_register_memory(self, buffer_addresses: list[int], capacities: list[int], location: str = "*") -> int:
+    def batch_register_memory(
+        self, buffer_addresses: list[int], capacities: list[int], location: str = "*"
+    ) -> int:
         """Register several ranges; on the first failure the ones already done are undone."""
         if len(buffer_addresses) != len(capacities):
-            logger.error("batch_register_memory: %d addresses but %d capacities", len(buffer_addresses), len(capacities))
+            logger.error(
+                "batch_register_memory: %d addresses but %d capacities",
+                len(buffer_addresses),
+                len(capacities),
+            )
             return ERR_INVALID_ARGUMENT
         done: list[int] = []
         for addr, cap in zip(buffer_addresses, capacities, strict=True):
@@ -314,7 +360,9 @@ class TransferEngine:
     def _host_range(self, addr: int, length: int) -> memoryview:
         region = self._engine().segments.find(int(addr), int(length))
         if region.kind != "host":
-            raise SegmentError(f"0x{addr:x} is {region.kind} memory; only host memory can be read or written here")
+            raise SegmentError(
+                f"0x{addr:x} is {region.kind} memory; only host memory can be read or written here"
+            )
         return host_view(int(addr), int(length))
 
     def write_bytes_to_buffer(self, dest_address: int, src: bytes | str, length: int) -> int:
@@ -325,7 +373,11 @@ class TransferEngine:
         """
         data = src.encode() if isinstance(src, str) else bytes(src)
         if length < 0 or length > len(data):
-            logger.error("write_bytes_to_buffer: length %d out of range for %d source bytes", length, len(data))
+            logger.error(
+                "write_bytes_to_buffer: length %d out of range for %d source bytes",
+                length,
+                len(data),
+            )
             return ERR_INVALID_ARGUMENT
         if length == 0:
             return OK
@@ -348,21 +400,44 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ transfers
     @staticmethod
-    def _requests(op: str, target: str, buffers: Sequence[int], peer_addrs: Sequence[int],
-                  lengths: Sequence[int], hint: str) -> list[TransferRequest] | None:
+    def _requests(
+        op: str,
+        target: str,
+        buffers: Sequence[int],
+        peer_addrs: Sequence[int],
+        lengths: Sequence[int],
+        hint: str,
+    ) -> list[TransferRequest] | None:
         if not (len(buffers) == len(peer_addrs) == len(lengths)) or not buffers:
-            logger.error("%s batch to %r: need equal, non-empty lists (got %d buffers, %d peer addresses, %d lengths)",
-                         op, target, len(buffers), len(peer_addrs), len(lengths))
+            logger.error(
+                "%s batch to %r: need equal, non-empty lists (got %d buffers, %d peer addresses, %d lengths)",
+                op,
+                target,
+                len(buffers),
+                len(peer_addrs),
+                len(lengths),
+            )
             return None
         if any(int(n) < 0 for n in lengths):
             logger.error("%s batch to %r: negative length in %s", op, target, list(lengths))
             return None
         transport = _HINTS.get(hint.strip().lower()) if hint else None
-        return [TransferRequest(op, target, int(b), int(n), int(a), transport=transport)
-                for b, a, n in zip(buffers, peer_addrs, lengths, strict=True) if int(n) > 0]
+        return [
+            TransferRequest(op, target, int(b), int(n), int(a), transport=transport)
+            for b, a, n in zip(buffers, peer_addrs, lengths, strict=True)
+            if int(n) > 0
+        ]
 
-    def _sync(self, op: str, target: str, buffers: Sequence[int], peer_addrs: Sequence[int],
-              lengths: Sequence[int], hint: str, notify: TransferNotify | None = None) -> int:
+    def _sync(
+        self,
+        op: str,
+        target: str,
+        buffers: Sequence[int],
+        peer_addrs: Sequence[int],
+        lengths: Sequence[int],
+        hint: str,
+        notify: TransferNotify | None = None,
+    ) -> int:
         reqs = self._requests(op, target, buffers, peer_addrs, lengths, hint)
         if reqs is None:
             return ERR_INVALID_ARGUMENT
@@ -377,8 +452,15 @@ class TransferEngine:
             return ERR_INVALID_ARGUMENT
         return OK
 
-    def _async(self, op: str, target: str, buffers: Sequence[int], peer_addrs: Sequence[int],
-               lengths: Sequence[int], hint: str) -> int:
+    def _async(
+        self,
+        op: str,
+        target: str,
+        buffers: Sequence[int],
+        peer_addrs: Sequence[int],
+        lengths: Sequence[int],
+        hint: str,
+    ) -> int:
         reqs = self._requests(op, target, buffers, peer_addrs, lengths, hint)
         if reqs is None:
             return 0
@@ -394,60 +476,156 @@ class TransferEngine:
             else:
                 batch = eng.submit(reqs)
         except MooncakeError as exc:
-            logger.error("%s batch of %d request(s) to %r not submitted: %s", op, len(reqs), target, exc)
+            logger.error(
+                "%s batch of %d request(s) to %r not submitted: %s", op, len(reqs), target, exc
+            )
             return 0
         with self._lock:
             self._batches[batch.id] = batch
         return batch.id
 
-    def transfer_sync_write(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int,
-                            transport_hint: str = "") -> int:
+    def transfer_sync_write(
+        self,
+        target_hostname: str,
+        buffer: int,
+        peer_buffer_address: int,
+        length: int,
+        transport_hint: str = "",
+    ) -> int:
         """Write ``length`` bytes at local ``buffer`` to ``peer_buffer_address`` on the peer; blocks."""
-        return self._sync("write", target_hostname, [buffer], [peer_buffer_address], [length], transport_hint)
+        return self._sync(
+            "write", target_hostname, [buffer], [peer_buffer_address], [length], transport_hint
+        )
 
-    def transfer_sync_read(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int,
-                           transport_hint: str = "") -> int:
+    def transfer_sync_read(
+        self,
+        target_hostname: str,
+        buffer: int,
+        peer_buffer_address: int,
+        length: int,
+        transport_hint: str = "",
+    ) -> int:
         """Read ``length`` bytes at ``peer_buffer_address`` on the peer into local ``buffer``; blocks."""
-        return self._sync("read", target_hostname, [buffer], [peer_buffer_address], [length], transport_hint)
+        return self._sync(
+            "read", target_hostname, [buffer], [peer_buffer_address], [length], transport_hint
+        )
 
-    def transfer_sync(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int,
-                      opcode: TransferOpcode, notify: TransferNotify | None = None, transport_hint: str = "") -> int:
+    def transfer_sync(
+        self,
+        target_hostname: str,
+        buffer: int,
+        peer_buffer_address: int,
+        length: int,
+        opcode: TransferOpcode,
+        notify: TransferNotify | None = None,
+        transport_hint: str = "",
+    ) -> int:
         """One blocking transfer in direction ``opcode``; then deliver ``notify`` to the peer."""
-        return self._sync(_op(opcode), target_hostname, [buffer], [peer_buffer_address], [length],
-                          transport_hint, notify)
+        return self._sync(
+            _op(opcode),
+            target_hostname,
+            [buffer],
+            [peer_buffer_address],
+            [length],
+            transport_hint,
+            notify,
+        )
 
-    def batch_transfer_sync_write(self, target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int],
-                                  lengths: list[int], transport_hint: str = "") -> int:
-        return self._sync("write", target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint)
+    def batch_transfer_sync_write(
+        self,
+        target_hostname: str,
+        buffers: list[int],
+        peer_buffer_addresses: list[int],
+        lengths: list[int],
+        transport_hint: str = "",
+    ) -> int:
+        return self._sync(
+            "write", target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint
+        )
 
-    def batch_transfer_sync_read(self, target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int],
-                                 lengths: list[int], transport_hint: str = "") -> int:
-        return self._sync("read", target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint)
+    def batch_transfer_sync_read(
+        self,
+        target_hostname: str,
+        buffers: list[int],
+        peer_buffer_addresses: list[int],
+        lengths: list[int],
+        transport_hint: str = "",
+    ) -> int:
+        return self._sync(
+            "read", target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint
+        )
 
-    def batch_transfer_sync(self, target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int],
-                            lengths: list[int], opcode: TransferOpcode, notify: TransferNotify | None = None,
-                            transport_hint: str = "") -> int:
-        return self._sync(_op(opcode), target_hostname, buffers, peer_buffer_addresses, lengths,
-                          transport_hint, notify)
+    def batch_transfer_sync(
+        self,
+        target_hostname: str,
+        buffers: list[int],
+        peer_buffer_addresses: list[int],
+        lengths: list[int],
+        opcode: TransferOpcode,
+        notify: TransferNotify | None = None,
+        transport_hint: str = "",
+    ) -> int:
+        return self._sync(
+            _op(opcode),
+            target_hostname,
+            buffers,
+            peer_buffer_addresses,
+            lengths,
+            transport_hint,
+            notify,
+        )
 
-    def batch_transfer_async_write(self, target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int],
-                                   lengths: list[int], transport_hint: str = "") -> int:
+    def batch_transfer_async_write(
+        self,
+        target_hostname: str,
+        buffers: list[int],
+        peer_buffer_addresses: list[int],
+        lengths: list[int],
+        transport_hint: str = "",
+    ) -> int:
         """Start a batch of writes; returns its batch id (0 if it could not be submitted)."""
-        return self._async("write", target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint)
+        return self._async(
+            "write", target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint
+        )
 
-    def batch_transfer_async_read(self, target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int],
-                                  lengths: list[int], transport_hint: str = "") -> int:
+    def batch_transfer_async_read(
+        self,
+        target_hostname: str,
+        buffers: list[int],
+        peer_buffer_addresses: list[int],
+        lengths: list[int],
+        transport_hint: str = "",
+    ) -> int:
         """Start a batch of reads; returns its batch id (0 if it could not be submitted)."""
-        return self._async("read", target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint)
+        return self._async(
+            "read", target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint
+        )
 
-    def batch_transfer_async(self, target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int],
-                             lengths: list[int], opcode: TransferOpcode, transport_hint: str = "") -> int:
-        return self._async(_op(opcode), target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint)
+    def batch_transfer_async(
+        self,
+        target_hostname: str,
+        buffers: list[int],
+        peer_buffer_addresses: list[int],
+        lengths: list[int],
+        opcode: TransferOpcode,
+        transport_hint: str = "",
+    ) -> int:
+        return self._async(
+            _op(opcode), target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint
+        )
 
-    def transfer_submit_write(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int,
-                              transport_hint: str = "") -> int:
+    def transfer_submit_write(
+        self,
+        target_hostname: str,
+        buffer: int,
+        peer_buffer_address: int,
+        length: int,
+        transport_hint: str = "",
+    ) -> int:
         """Start one write; poll it with :meth:`transfer_check_status`. Returns the batch id (0 on failure)."""
-        return self._async("write", target_hostname, [buffer], [peer_buffer_address], [length], transport_hint)
+        return self._async(
+            "write", target_hostname, [buffer], [peer_buffer_address], [length], transport_hint
+        )
 
     def get_batch_transfer_status(self, batch_ids: list[int]) -> int:
         """Wait for every batch in ``batch_ids``; 0 if all completed, -1 otherwise. Releases the ids."""
@@ -537,4 +715,3 @@ class TransferEngine:
 
 def _op(opcode: TransferOpcode | int) -> str:
     return "read" if int(opcode) == int(TransferOpcode.Read) else "write"
-

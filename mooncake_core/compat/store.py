@@ -151,8 +151,10 @@ class ReplicateConfig:
         self.group_ids: list[str] | None = None
 
     def __repr__(self) -> str:
-        return (f"ReplicateConfig(replica_num={self.replica_num}, with_hard_pin={self.with_hard_pin}, "
-                f"soft_pin_action={self.soft_pin_action.name}, preferred_segment={self.preferred_segment!r})")
+        return (
+            f"ReplicateConfig(replica_num={self.replica_num}, with_hard_pin={self.with_hard_pin}, "
+            f"soft_pin_action={self.soft_pin_action.name}, preferred_segment={self.preferred_segment!r})"
+        )
 
     def kwargs(self) -> dict[str, Any]:
         """The matching :class:`StoreClient` put keywords."""
@@ -160,9 +162,16 @@ class ReplicateConfig:
         if self.soft_pin_action == SoftPinAction.ENABLE:
             ms = self.soft_pin_ttl_ms if self.soft_pin_ttl_ms else _DEFAULT_SOFT_PIN_TTL_MS
             soft = ms / 1000.0
-        seg = self.preferred_segment or (self.preferred_segments[0] if self.preferred_segments else "")
-        return {"replica_num": int(self.replica_num), "preferred_segment": seg, "hard_pin": bool(self.with_hard_pin),
-                "soft_pin_ttl_s": soft, "strategy": "local-first" if self.prefer_alloc_in_same_node else ""}
+        seg = self.preferred_segment or (
+            self.preferred_segments[0] if self.preferred_segments else ""
+        )
+        return {
+            "replica_num": int(self.replica_num),
+            "preferred_segment": seg,
+            "hard_pin": bool(self.with_hard_pin),
+            "soft_pin_ttl_s": soft,
+            "strategy": "local-first" if self.prefer_alloc_in_same_node else "",
+        }
 
 
 class BufferHandle(bytearray):
@@ -211,11 +220,17 @@ class MooncakeDistributedStore:
             return INVALID_PARAMS
         try:
             return self._setup(
-                str(cfg["local_hostname"]), str(cfg["metadata_server"]),
+                str(cfg["local_hostname"]),
+                str(cfg["metadata_server"]),
                 parse_size(cfg.get("global_segment_size", 16 << 20), "global_segment_size"),
                 parse_size(cfg.get("local_buffer_size", 16 << 20), "local_buffer_size"),
-                str(cfg.get("protocol", "tcp")), str(cfg.get("rdma_devices", "")),
-                str(cfg.get("master_server_addr", cfg.get("master_server_address", "127.0.0.1:50051"))),
+                str(cfg.get("protocol", "tcp")),
+                str(cfg.get("rdma_devices", "")),
+                str(
+                    cfg.get(
+                        "master_server_addr", cfg.get("master_server_address", "127.0.0.1:50051")
+                    )
+                ),
                 enable_ssd_offload=bool(cfg.get("enable_ssd_offload", False)),
                 ssd_offload_path=str(cfg.get("ssd_offload_path", "")),
                 tenant_id=str(cfg.get("tenant_id", "default")),
@@ -224,15 +239,29 @@ class MooncakeDistributedStore:
             logger.error("setup(config): %s", exc)
             return INVALID_PARAMS
 
-    def _setup(self, local_hostname: str, metadata_server: str, global_segment_size: int, local_buffer_size: int,
-               protocol: str, rdma_devices: str, master_server_addr: str, engine: Any = None,
-               enable_ssd_offload: bool = False, ssd_offload_path: str = "", tenant_id: str = "default",
-               enable_client_http_server: bool = False, client_http_port: int = 9300) -> int:
+    def _setup(
+        self,
+        local_hostname: str,
+        metadata_server: str,
+        global_segment_size: int,
+        local_buffer_size: int,
+        protocol: str,
+        rdma_devices: str,
+        master_server_addr: str,
+        engine: Any = None,
+        enable_ssd_offload: bool = False,
+        ssd_offload_path: str = "",
+        tenant_id: str = "default",
+        enable_client_http_server: bool = False,
+        client_http_port: int = 9300,
+    ) -> int:
         if self._client is not None:
             logger.error("setup: this store is already set up")
             return INVALID_PARAMS
         if global_segment_size < 0 or local_buffer_size < 0:
-            logger.error("setup: sizes must not be negative (%d, %d)", global_segment_size, local_buffer_size)
+            logger.error(
+                "setup: sizes must not be negative (%d, %d)", global_segment_size, local_buffer_size
+            )
             return INVALID_PARAMS
         if tenant_id != "default" or enable_client_http_server:
             logger.info("setup: tenant_id and the client HTTP server are not supported; ignored")
@@ -245,12 +274,19 @@ class MooncakeDistributedStore:
             # With a metadata service the segment name is local_hostname; give each client
             # its own port, as the published client does.
             host = f"{host}:{_free_port(host)}"
-        proto = {"rdma": "rdma", "efa": "rdma", "barex": "rdma", "shm": "shm"}.get(protocol.strip().lower(), "tcp")
+        proto = {"rdma": "rdma", "efa": "rdma", "barex": "rdma", "shm": "shm"}.get(
+            protocol.strip().lower(), "tcp"
+        )
         transfer = _compat_engine.upstream_transfer_overrides(env)
-        overrides: dict[str, Any] = {"local_hostname": host, "metadata_server": meta, "protocol": proto,
-                                     "device_name": rdma_devices, "master_server_address": master_server_addr,
-                                     "global_segment_size": global_segment_size,
-                                     "local_buffer_size": local_buffer_size}
+        overrides: dict[str, Any] = {
+            "local_hostname": host,
+            "metadata_server": meta,
+            "protocol": proto,
+            "device_name": rdma_devices,
+            "master_server_address": master_server_addr,
+            "global_segment_size": global_segment_size,
+            "local_buffer_size": local_buffer_size,
+        }
         if transfer:
             overrides["transfer"] = transfer
         inner: _Engine | None = None
@@ -259,12 +295,20 @@ class MooncakeDistributedStore:
         elif isinstance(engine, _Engine):
             inner = engine
         elif engine is not None:
-            logger.error("setup: engine must come from TransferEngine.get_engine(), got %r", type(engine).__name__)
+            logger.error(
+                "setup: engine must come from TransferEngine.get_engine(), got %r",
+                type(engine).__name__,
+            )
             return INVALID_PARAMS
         try:
             cfg = load_config(environ=env, **overrides)
-            client = StoreClient(cfg, master=master_server_addr, segment_size=global_segment_size, engine=inner,
-                                 ssd_path=ssd_offload_path if enable_ssd_offload else "")
+            client = StoreClient(
+                cfg,
+                master=master_server_addr,
+                segment_size=global_segment_size,
+                engine=inner,
+                ssd_path=ssd_offload_path if enable_ssd_offload else "",
+            )
             client.start()
         except (MooncakeError, OSError) as exc:
             logger.error("setup(%r, master %r) failed: %s", host, master_server_addr, exc)
@@ -342,7 +386,9 @@ class MooncakeDistributedStore:
             return INVALID_PARAMS
         return self._put(f"put_parts {key!r}", run)
 
-    def put_batch(self, keys: list[str], values: list[Any], config: ReplicateConfig | None = None) -> int:
+    def put_batch(
+        self, keys: list[str], values: list[Any], config: ReplicateConfig | None = None
+    ) -> int:
         """0 if every key was stored (or already existed), else the first failure's code."""
         if len(keys) != len(values):
             logger.error("put_batch: %d keys but %d values", len(keys), len(values))
@@ -383,19 +429,31 @@ class MooncakeDistributedStore:
     def upsert_parts(self, key: str, *args: Any, config: ReplicateConfig | None = None) -> int:
         return self._upsert(key, lambda: self.put_parts(key, *args, config=config))
 
-    def upsert_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
+    def upsert_from(
+        self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None
+    ) -> int:
         return self._upsert(key, lambda: self.put_from(key, buffer_ptr, size, config))
 
-    def upsert_batch(self, keys: list[str], values: list[Any], config: ReplicateConfig | None = None) -> int:
+    def upsert_batch(
+        self, keys: list[str], values: list[Any], config: ReplicateConfig | None = None
+    ) -> int:
         for k in keys:
             rc = self.remove(k, True)
             if rc not in (0, OBJECT_NOT_FOUND):
                 return rc
         return self.put_batch(keys, values, config)
 
-    def batch_upsert_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
-                          config: ReplicateConfig | None = None) -> list[int]:
-        return [self.upsert_from(k, p, n, config) for k, p, n in zip(keys, buffer_ptrs, sizes, strict=False)]
+    def batch_upsert_from(
+        self,
+        keys: list[str],
+        buffer_ptrs: list[int],
+        sizes: list[int],
+        config: ReplicateConfig | None = None,
+    ) -> list[int]:
+        return [
+            self.upsert_from(k, p, n, config)
+            for k, p, n in zip(keys, buffer_ptrs, sizes, strict=False)
+        ]
 
     def _upsert(self, key: str, put: Callable[[], int]) -> int:
         rc = self.remove(key, True)
@@ -422,46 +480,76 @@ class MooncakeDistributedStore:
         rc = self._run("unregister_buffer", lambda c: c.unregister_buffer(int(buffer_ptr)))
         return rc if isinstance(rc, int) else 0
 
-    def put_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
-        return self._put(f"put_from {key!r}", lambda c: c.put_from(key, int(buffer_ptr), int(size),
-                                                                    **self._kw(config)))
+    def put_from(
+        self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None
+    ) -> int:
+        return self._put(
+            f"put_from {key!r}",
+            lambda c: c.put_from(key, int(buffer_ptr), int(size), **self._kw(config)),
+        )
 
     def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
         """Read ``key`` into registered memory; returns the bytes read or a negative code."""
-        return int(self._run(f"get_into {key!r}", lambda c: c.get_into(key, int(buffer_ptr), int(size))))
+        return int(
+            self._run(f"get_into {key!r}", lambda c: c.get_into(key, int(buffer_ptr), int(size)))
+        )
 
-    def batch_put_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
-                       config: ReplicateConfig | None = None) -> list[int]:
+    def batch_put_from(
+        self,
+        keys: list[str],
+        buffer_ptrs: list[int],
+        sizes: list[int],
+        config: ReplicateConfig | None = None,
+    ) -> list[int]:
         if not (len(keys) == len(buffer_ptrs) == len(sizes)):
             logger.error("batch_put_from: keys, buffer_ptrs and sizes differ in length")
             return [INVALID_PARAMS] * len(keys)
-        res = self._run("batch_put_from", lambda c: c.batch_put_from(keys, [int(p) for p in buffer_ptrs],
-                                                                      [int(n) for n in sizes], **self._kw(config)))
+        res = self._run(
+            "batch_put_from",
+            lambda c: c.batch_put_from(
+                keys, [int(p) for p in buffer_ptrs], [int(n) for n in sizes], **self._kw(config)
+            ),
+        )
         if isinstance(res, int):
             return [res] * len(keys)
         return [0 if e is None or isinstance(e, ObjectExists) else _code(e) for e in res]
 
-    def batch_get_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]:
+    def batch_get_into(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
+    ) -> list[int]:
         """Per key: bytes read, or a negative code."""
         if not (len(keys) == len(buffer_ptrs) == len(sizes)):
             logger.error("batch_get_into: keys, buffer_ptrs and sizes differ in length")
             return [INVALID_PARAMS] * len(keys)
-        res = self._run("batch_get_into", lambda c: c.batch_get_into(keys, [int(p) for p in buffer_ptrs],
-                                                                      [int(n) for n in sizes]))
+        res = self._run(
+            "batch_get_into",
+            lambda c: c.batch_get_into(
+                keys, [int(p) for p in buffer_ptrs], [int(n) for n in sizes]
+            ),
+        )
         if isinstance(res, int):
             return [res] * len(keys)
         return [r if isinstance(r, int) else _code(r) for r in res]
 
-    def batch_put_from_multi_buffers(self, keys: list[str], all_buffer_ptrs: list[list[int]],
-                                     all_sizes: list[list[int]], config: ReplicateConfig | None = None) -> list[int]:
+    def batch_put_from_multi_buffers(
+        self,
+        keys: list[str],
+        all_buffer_ptrs: list[list[int]],
+        all_sizes: list[list[int]],
+        config: ReplicateConfig | None = None,
+    ) -> list[int]:
         """Store each key as the concatenation of its parts ``(all_buffer_ptrs[i][j],
         all_sizes[i][j])`` in registered memory (vLLM's MooncakeStoreConnector saves a KV
         page of several layers this way). Per key: 0 or a negative code. Gathers by copy."""
         if not (len(keys) == len(all_buffer_ptrs) == len(all_sizes)):
-            logger.error("batch_put_from_multi_buffers: keys, buffer_ptrs and sizes differ in length")
+            logger.error(
+                "batch_put_from_multi_buffers: keys, buffer_ptrs and sizes differ in length"
+            )
             return [INVALID_PARAMS] * len(keys)
         if self._client is None:
-            logger.error("batch_put_from_multi_buffers: the store is not set up (call setup() first)")
+            logger.error(
+                "batch_put_from_multi_buffers: the store is not set up (call setup() first)"
+            )
             return [INVALID_PARAMS] * len(keys)
         out: list[int] = [0] * len(keys)
         todo_keys: list[str] = []
@@ -477,8 +565,10 @@ class MooncakeDistributedStore:
             todo_keys.append(keys[i])
             todo_idx.append(i)
         if todo_keys:
-            res = self._run("batch_put_from_multi_buffers",
-                            lambda c: c.put_batch(todo_keys, todo_vals, **self._kw(config)))
+            res = self._run(
+                "batch_put_from_multi_buffers",
+                lambda c: c.put_batch(todo_keys, todo_vals, **self._kw(config)),
+            )
             for n, i in enumerate(todo_idx):
                 if isinstance(res, int):
                     out[i] = res
@@ -487,13 +577,20 @@ class MooncakeDistributedStore:
                     out[i] = 0 if err is None or isinstance(err, ObjectExists) else _code(err)
         return out
 
-    def batch_get_into_multi_buffers(self, keys: list[str], all_buffer_ptrs: list[list[int]],
-                                     all_sizes: list[list[int]], prefer_same_node: bool = True) -> list[int]:
+    def batch_get_into_multi_buffers(
+        self,
+        keys: list[str],
+        all_buffer_ptrs: list[list[int]],
+        all_sizes: list[list[int]],
+        prefer_same_node: bool = True,
+    ) -> list[int]:
         """Read each key and scatter its bytes over its parts in registered memory (the
         parts' sizes must add up to the object's size). Per key: bytes read or a negative
         code (-704 missing)."""
         if not (len(keys) == len(all_buffer_ptrs) == len(all_sizes)):
-            logger.error("batch_get_into_multi_buffers: keys, buffer_ptrs and sizes differ in length")
+            logger.error(
+                "batch_get_into_multi_buffers: keys, buffer_ptrs and sizes differ in length"
+            )
             return [INVALID_PARAMS] * len(keys)
         res = self._run("batch_get_into_multi_buffers", lambda c: c.get_batch(keys))
         if isinstance(res, int):
@@ -512,9 +609,13 @@ class MooncakeDistributedStore:
 
     def _host(self, addr: int, n: int) -> memoryview:
         assert self._client is not None
-        region = self._client.engine.segments.find(int(addr), int(n))  # SegmentError if not registered
+        region = self._client.engine.segments.find(
+            int(addr), int(n)
+        )  # SegmentError if not registered
         if region.kind != "host":
-            raise SegmentError(f"0x{addr:x} is {region.kind} memory; only host memory is supported here")
+            raise SegmentError(
+                f"0x{addr:x} is {region.kind} memory; only host memory is supported here"
+            )
         return host_view(int(addr), int(n))
 
     def _gather(self, ptrs: list[int], sizes: list[int]) -> bytes:
@@ -524,11 +625,15 @@ class MooncakeDistributedStore:
 
     def _scatter(self, data: bytes, ptrs: list[int], sizes: list[int]) -> int:
         if len(ptrs) != len(sizes) or sum(int(n) for n in sizes) != len(data):
-            raise ValueError(f"object is {len(data)} bytes but the {len(ptrs)} buffers hold {sum(sizes)}")
-        views = [self._host(p, n) for p, n in zip(ptrs, sizes, strict=True)]  # check all before writing
+            raise ValueError(
+                f"object is {len(data)} bytes but the {len(ptrs)} buffers hold {sum(sizes)}"
+            )
+        views = [
+            self._host(p, n) for p, n in zip(ptrs, sizes, strict=True)
+        ]  # check all before writing
         off = 0
         for v in views:
-            v[:] = data[off:off + len(v)]
+            v[:] = data[off : off + len(v)]
             off += len(v)
         return len(data)
 
@@ -561,8 +666,12 @@ class MooncakeDistributedStore:
 
     def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
         """How many objects were removed (leased ones are skipped unless ``force``), or negative."""
-        return int(self._run(f"remove_by_regex {regex_pattern!r}",
-                             lambda c: c.remove_by_regex(regex_pattern, force=force)))
+        return int(
+            self._run(
+                f"remove_by_regex {regex_pattern!r}",
+                lambda c: c.remove_by_regex(regex_pattern, force=force),
+            )
+        )
 
     def remove_all(self, force: bool = False) -> int:
         """How many objects were removed (leased ones are skipped unless ``force``), or negative."""
@@ -581,7 +690,9 @@ class MooncakeDistributedStore:
         if client is None or self._closed:
             return
         try:
-            threading.Thread(target=_close_quietly, args=(client,), name="mc-compat-close", daemon=True).start()
+            threading.Thread(
+                target=_close_quietly, args=(client,), name="mc-compat-close", daemon=True
+            ).start()
         except Exception:  # interpreter shutdown: no new threads; nothing sensible left to do
             pass
 

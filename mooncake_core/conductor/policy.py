@@ -75,8 +75,10 @@ def prefix_blocks(prompt: Sequence[int] | str, block_tokens: int = 32) -> tuple[
         chunks = [unit[i : i + step] for i in range(0, len(unit) - step + 1, step)]
     else:
         toks = list(prompt)
-        chunks = [token_chunk(toks[i : i + block_tokens])
-                  for i in range(0, len(toks) - block_tokens + 1, block_tokens)]
+        chunks = [
+            token_chunk(toks[i : i + block_tokens])
+            for i in range(0, len(toks) - block_tokens + 1, block_tokens)
+        ]
     out: list[int] = []
     h = b""
     for c in chunks:

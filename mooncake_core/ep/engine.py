@@ -321,7 +321,11 @@ class ElasticEP(EpochChanges):
                 f"got {tuple(expert_out.shape)}"
             )
         group = self._require_group()
-        plane = self._plane if handle.shm_send_counts is not None and self._shm is not None else self._collective
+        plane = (
+            self._plane
+            if handle.shm_send_counts is not None and self._shm is not None
+            else self._collective
+        )
         y = plane.combine(group, expert_out, handle, timeout)
         if self.round == self.step:
             self.step += 1

@@ -87,6 +87,7 @@ class Head:
     num_tokens: int
     top_k: int  # pairs per token in the payload rows (the config's top_k after an error)
 
+
 class Pairs(NamedTuple):
     """A round's routed (token, expert) pairs, each ``[T, K]``."""
 

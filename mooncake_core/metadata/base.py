@@ -77,7 +77,9 @@ class KVMetadataBackend(MetadataBackend):
     def resolve(self, name: str) -> dict[str, Any]:
         raw = self.get(f"{self.prefix}/rpc_meta/{name}")
         if raw is None:
-            raise MetadataError(f"unknown peer {name!r}: no {self.prefix}/rpc_meta/{name} in the {self.scheme} metadata store")
+            raise MetadataError(
+                f"unknown peer {name!r}: no {self.prefix}/rpc_meta/{name} in the {self.scheme} metadata store"
+            )
         try:
             out: dict[str, Any] = json.loads(raw)
             return out
@@ -93,12 +95,16 @@ def open_backend(url: str, config: MooncakeConfig) -> MetadataBackend:
     """The backend serving connection string ``url`` (found through the plugin system)."""
     target = url.strip()
     if not target:
-        raise ConfigError("metadata_server: must not be empty (use P2PHANDSHAKE, http://h:p/metadata or etcd://h:p)")
+        raise ConfigError(
+            "metadata_server: must not be empty (use P2PHANDSHAKE, http://h:p/metadata or etcd://h:p)"
+        )
     backends = metadata_backends()
     backend: MetadataBackend
     for info in backends.values():
         for scheme in info.schemes:
-            if target.upper() == scheme.upper() or (scheme.endswith("://") and target.lower().startswith(scheme)):
+            if target.upper() == scheme.upper() or (
+                scheme.endswith("://") and target.lower().startswith(scheme)
+            ):
                 backend = info.factory(target, config)
                 return backend
     if "://" not in target and ":" in target and "etcd" in backends:  # bare host:port means etcd

@@ -55,4 +55,6 @@ def _factory(url: str, config: MooncakeConfig) -> KVMetadataBackend:
 
 @hookimpl
 def mooncake_metadata_backends() -> list[MetadataBackendInfo]:
-    return [MetadataBackendInfo("etcd", ("etcd://",), _factory, "etcd (aetcd client; keys on a lease)")]
+    return [
+        MetadataBackendInfo("etcd", ("etcd://",), _factory, "etcd (aetcd client; keys on a lease)")
+    ]

@@ -75,18 +75,24 @@ class HTTPMetadata(KVMetadataBackend):
         if status == 404:
             return None
         if status != 200:
-            raise MetadataError(f"metadata server {self.url}: GET {key!r} answered {status}: {body[:200]!r}")
+            raise MetadataError(
+                f"metadata server {self.url}: GET {key!r} answered {status}: {body[:200]!r}"
+            )
         return body
 
     def put(self, key: str, value: bytes) -> None:
         status, body = self._call("PUT", key, value)
         if status != 200:
-            raise MetadataError(f"metadata server {self.url}: PUT {key!r} answered {status}: {body[:200]!r}")
+            raise MetadataError(
+                f"metadata server {self.url}: PUT {key!r} answered {status}: {body[:200]!r}"
+            )
 
     def delete(self, key: str) -> None:
         status, body = self._call("DELETE", key)
         if status not in (200, 404):
-            raise MetadataError(f"metadata server {self.url}: DELETE {key!r} answered {status}: {body[:200]!r}")
+            raise MetadataError(
+                f"metadata server {self.url}: DELETE {key!r} answered {status}: {body[:200]!r}"
+            )
 
     def close(self) -> None:
         c = getattr(self._local, "conn", None)
@@ -94,7 +100,9 @@ class HTTPMetadata(KVMetadataBackend):
             c.close()
 
 
-def add_metadata_routes(app: web.Application, path: str = "/metadata", store: dict[str, bytes] | None = None) -> dict[str, bytes]:
+def add_metadata_routes(
+    app: web.Application, path: str = "/metadata", store: dict[str, bytes] | None = None
+) -> dict[str, bytes]:
     """Serve the metadata protocol on ``app`` at ``path``; returns the backing dict."""
     kv: dict[str, bytes] = {} if store is None else store
 
@@ -115,7 +123,9 @@ def add_metadata_routes(app: web.Application, path: str = "/metadata", store: di
     async def put(request: web.Request) -> web.Response:
         key = _key(request)
         if request.content_length is not None and request.content_length > MAX_VALUE:
-            raise web.HTTPRequestEntityTooLarge(max_size=MAX_VALUE, actual_size=request.content_length)
+            raise web.HTTPRequestEntityTooLarge(
+                max_size=MAX_VALUE, actual_size=request.content_length
+            )
         kv[key] = await request.read()
         return web.Response(text="metadata updated\n")
 
@@ -202,5 +212,11 @@ def _factory(url: str, config: MooncakeConfig) -> KVMetadataBackend:
 
 @hookimpl
 def mooncake_metadata_backends() -> list[MetadataBackendInfo]:
-    return [MetadataBackendInfo("http", ("http://", "https://"), _factory,
-                                "HTTP metadata server (mooncake-core metadata-server, or the master's)")]
+    return [
+        MetadataBackendInfo(
+            "http",
+            ("http://", "https://"),
+            _factory,
+            "HTTP metadata server (mooncake-core metadata-server, or the master's)",
+        )
+    ]

@@ -32,5 +32,11 @@ def _factory(url: str, config: MooncakeConfig) -> MetadataBackend:
 
 @hookimpl
 def mooncake_metadata_backends() -> list[MetadataBackendInfo]:
-    return [MetadataBackendInfo("p2p", ("P2PHANDSHAKE",), _factory,
-                                "peer-to-peer handshake, peer name = host:port (default)")]
+    return [
+        MetadataBackendInfo(
+            "p2p",
+            ("P2PHANDSHAKE",),
+            _factory,
+            "peer-to-peer handshake, peer name = host:port (default)",
+        )
+    ]

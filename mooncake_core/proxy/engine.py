@@ -152,7 +152,9 @@ def proxy_engine(name: str = DEFAULT_ENGINE) -> ProxyEngine:
 
     found = plugins.get_plugin_manager().hook.mooncake_proxy_engine(name=name)
     if found is None:
-        raise ConfigError(f"--engine {name!r}: no installed engine adapter serves it for the proxy "
-                          "(install that engine's adapter; `mooncake-core plugins` lists those found)")
+        raise ConfigError(
+            f"--engine {name!r}: no installed engine adapter serves it for the proxy "
+            "(install that engine's adapter; `mooncake-core plugins` lists those found)"
+        )
     engine: ProxyEngine = found
     return engine

@@ -100,9 +100,15 @@ class KVEventListener:
             (:meth:`~mooncake_core.proxy.engine.ProxyEngine.decode_kv_events`).
     """
 
-    def __init__(self, endpoints: Sequence[str], block_tokens: int,
-                 on_stored: Callable[[int, list[int]], None], on_removed: Callable[[int, list[int]], None],
-                 loop: asyncio.AbstractEventLoop, decode: Callable[[bytes], list[KVEvent]]) -> None:
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        block_tokens: int,
+        on_stored: Callable[[int, list[int]], None],
+        on_removed: Callable[[int, list[int]], None],
+        loop: asyncio.AbstractEventLoop,
+        decode: Callable[[bytes], list[KVEvent]],
+    ) -> None:
         import zmq
 
         self._zmq = zmq
@@ -138,7 +144,9 @@ class KVEventListener:
                 except zmq.Again:
                     continue
                 except (ValueError, TypeError, IndexError, KeyError, AttributeError) as exc:
-                    logger.warning("ignoring a malformed KV event from prefill instance %d: %s", inst, exc)
+                    logger.warning(
+                        "ignoring a malformed KV event from prefill instance %d: %s", inst, exc
+                    )
 
     def _handle(self, inst: int, payload: bytes) -> None:
         chain = self.chains[inst]

@@ -73,8 +73,14 @@ class Instance:
     errors: int = 0
 
     def as_dict(self) -> dict[str, Any]:
-        return {"url": self.url, "role": self.role, "in_flight": self.in_flight,
-                "tokens_in_flight": self.tokens_in_flight, "served": self.served, "errors": self.errors}
+        return {
+            "url": self.url,
+            "role": self.role,
+            "in_flight": self.in_flight,
+            "tokens_in_flight": self.tokens_in_flight,
+            "served": self.served,
+            "errors": self.errors,
+        }
 
 
 @dataclass
@@ -236,15 +242,29 @@ class GlobalCachePolicy(RoutingPolicy):
 
     name = conductor_policy.GlobalCachePolicy.name
 
-    def __init__(self, prefill: Sequence[Instance], decode: Sequence[Instance], block_tokens: int = 32,
-                 reject: bool = False, slo_ttft_s: float | None = None, slo_tbt_s: float | None = None,
-                 profile: str | None = None, kv_events: Sequence[str] | None = None, tokenize: bool = True,
-                 store_master: str | None = None, store_dtype: str | None = None, store_model: str | None = None,
-                 store_tp: int = 1, store_timeout_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        prefill: Sequence[Instance],
+        decode: Sequence[Instance],
+        block_tokens: int = 32,
+        reject: bool = False,
+        slo_ttft_s: float | None = None,
+        slo_tbt_s: float | None = None,
+        profile: str | None = None,
+        kv_events: Sequence[str] | None = None,
+        tokenize: bool = True,
+        store_master: str | None = None,
+        store_dtype: str | None = None,
+        store_model: str | None = None,
+        store_tp: int = 1,
+        store_timeout_s: float = 0.5,
+    ) -> None:
         super().__init__(prefill, decode)
         if kv_events and len(kv_events) != len(self.prefill):
-            raise ConfigError(f"give one KV-event endpoint per prefill instance: {len(kv_events)} for "
-                              f"{len(self.prefill)} instances")
+            raise ConfigError(
+                f"give one KV-event endpoint per prefill instance: {len(kv_events)} for "
+                f"{len(self.prefill)} instances"
+            )
         self.kv_event_endpoints = list(kv_events or [])
         self.kv_listener: Any = None
         self.wants_token_ids = bool(tokenize)
@@ -258,23 +278,45 @@ class GlobalCachePolicy(RoutingPolicy):
         )
         from mooncake_core.conductor.scheduler import DEFAULT_SLO_TBT_S, DEFAULT_SLO_TTFT_S
 
-        prof = load_profile(profile) if profile else dataclasses.replace(DEFAULT_PROFILE, block_tokens=block_tokens)
+        prof = (
+            load_profile(profile)
+            if profile
+            else dataclasses.replace(DEFAULT_PROFILE, block_tokens=block_tokens)
+        )
         self.block_tokens = prof.block_tokens
         self.store: Any = None
         if store_master:
             from mooncake_core.proxy.storelookup import StoreLookup
 
-            self.store = StoreLookup(store_master, self.block_tokens, store_dtype or "", store_tp, None,
-                                     timeout_s=store_timeout_s)
+            self.store = StoreLookup(
+                store_master,
+                self.block_tokens,
+                store_dtype or "",
+                store_tp,
+                None,
+                timeout_s=store_timeout_s,
+            )
             self._store_model = store_model
         self._model_retry_at = 0.0
-        self.conductor = Conductor(ConductorConfig(
-            n_prefill=len(self.prefill), n_decode=len(self.decode), policy="global-cache", reject=reject,
-            slo_ttft_s=DEFAULT_SLO_TTFT_S if slo_ttft_s is None else slo_ttft_s,
-            slo_tbt_s=DEFAULT_SLO_TBT_S if slo_tbt_s is None else slo_tbt_s,
-            store_blocks=None if self.store is not None else 0,
-            fetch_sources="store" if self.store is not None else "any"), prof)
-        self.counters = {"store_blocks_seen": 0, "fetch_from_store": 0, "fetched_blocks": 0, "char_hashed_prompts": 0}
+        self.conductor = Conductor(
+            ConductorConfig(
+                n_prefill=len(self.prefill),
+                n_decode=len(self.decode),
+                policy="global-cache",
+                reject=reject,
+                slo_ttft_s=DEFAULT_SLO_TTFT_S if slo_ttft_s is None else slo_ttft_s,
+                slo_tbt_s=DEFAULT_SLO_TBT_S if slo_tbt_s is None else slo_tbt_s,
+                store_blocks=None if self.store is not None else 0,
+                fetch_sources="store" if self.store is not None else "any",
+            ),
+            prof,
+        )
+        self.counters = {
+            "store_blocks_seen": 0,
+            "fetch_from_store": 0,
+            "fetched_blocks": 0,
+            "char_hashed_prompts": 0,
+        }
         self._t0 = time.monotonic()
 
     def _now(self) -> float:
@@ -296,8 +338,10 @@ class GlobalCachePolicy(RoutingPolicy):
         self._model_retry_at = time.monotonic() + 10.0
         root = await model_root([i.url for i in self.prefill], self.store.engine)
         if root is None:
-            logger.warning("no prefill instance listed its model (GET /v1/models); store lookups start once one "
-                           "does (or pass --store-model)")
+            logger.warning(
+                "no prefill instance listed its model (GET /v1/models); store lookups start once one "
+                "does (or pass --store-model)"
+            )
             return False
         self.store.set_model(root)
         return True
@@ -314,8 +358,13 @@ class GlobalCachePolicy(RoutingPolicy):
         from mooncake_core.conductor import Request
 
         blocks = prefix_blocks(job.prompt_key, self.block_tokens)
-        req = Request(rid=job.rid, arrival_s=self._now(), input_len=max(1, job.prompt_tokens),
-                      output_len=max(1, job.max_tokens), blocks=blocks)
+        req = Request(
+            rid=job.rid,
+            arrival_s=self._now(),
+            input_len=max(1, job.prompt_tokens),
+            output_len=max(1, job.max_tokens),
+            blocks=blocks,
+        )
         # The store's holdings of this prompt are known exactly now: put them in the index for
         # this decision only (the next request asks the store again, so nothing goes stale).
         held = list(blocks[: job.store_blocks or 0])
@@ -328,7 +377,9 @@ class GlobalCachePolicy(RoutingPolicy):
             if held:
                 self.conductor.store_removed(held)
         if d.rejected:
-            raise RequestRejected(f"rejected early: {d.reason} (predicted TTFT {d.ttft_s:.2f} s, TBT {d.tbt_s * 1e3:.0f} ms)")
+            raise RequestRejected(
+                f"rejected early: {d.reason} (predicted TTFT {d.ttft_s:.2f} s, TBT {d.tbt_s * 1e3:.0f} ms)"
+            )
         dec = d.decode if 0 <= d.decode < len(self.decode) else 0
         if d.fetch_blocks and d.fetch_source == len(self.prefill):
             source = "store"
@@ -338,25 +389,40 @@ class GlobalCachePolicy(RoutingPolicy):
         else:
             source = "none"
         self.counters["fetched_blocks"] += d.fetch_blocks
-        info = (f"cached_blocks={d.cached_blocks}; fetch_blocks={d.fetch_blocks}; fetch_source={source}; "
-                f"store_blocks={'-' if job.store_blocks is None else job.store_blocks}; "
-                f"predicted_ttft_ms={d.ttft_s * 1e3:.1f}")
+        info = (
+            f"cached_blocks={d.cached_blocks}; fetch_blocks={d.fetch_blocks}; fetch_source={source}; "
+            f"store_blocks={'-' if job.store_blocks is None else job.store_blocks}; "
+            f"predicted_ttft_ms={d.ttft_s * 1e3:.1f}"
+        )
         logger.debug("request %d -> prefill %s: %s", job.rid, self.prefill[d.prefill].url, info)
-        return Placement(self.prefill[d.prefill], self.decode[dec], detail=(d, blocks),
-                         headers={"X-Mooncake-Decision": info})
+        return Placement(
+            self.prefill[d.prefill],
+            self.decode[dec],
+            detail=(d, blocks),
+            headers={"X-Mooncake-Decision": info},
+        )
 
     async def start(self) -> None:
         if self.kv_event_endpoints and self.kv_listener is None:
             from mooncake_core.proxy.kvevents import KVEventListener
 
             engine = self._engine()
-            self.kv_listener = KVEventListener(self.kv_event_endpoints, self.block_tokens,
-                                               self.conductor.kv_stored, self.conductor.kv_removed,
-                                               asyncio.get_running_loop(), engine.decode_kv_events)
-            logger.info("listening for %s KV events on %s", engine.name, ", ".join(self.kv_event_endpoints))
+            self.kv_listener = KVEventListener(
+                self.kv_event_endpoints,
+                self.block_tokens,
+                self.conductor.kv_stored,
+                self.conductor.kv_removed,
+                asyncio.get_running_loop(),
+                engine.decode_kv_events,
+            )
+            logger.info(
+                "listening for %s KV events on %s", engine.name, ", ".join(self.kv_event_endpoints)
+            )
         if self.store is not None:
             if await asyncio.get_running_loop().run_in_executor(None, self.store.probe):
-                logger.info("store master %s answers; counting its KV pages as fetchable", self.store.master)
+                logger.info(
+                    "store master %s answers; counting its KV pages as fetchable", self.store.master
+                )
             await self._ensure_scheme()
 
     def _engine(self) -> ProxyEngine:
@@ -381,8 +447,11 @@ class GlobalCachePolicy(RoutingPolicy):
         self.conductor.decode_done(job.rid, self._now())
 
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"decisions": self.conductor.decisions, "rejections": self.conductor.rejections,
-                               **self.counters}
+        out: dict[str, Any] = {
+            "decisions": self.conductor.decisions,
+            "rejections": self.conductor.rejections,
+            **self.counters,
+        }
         if self.kv_listener is not None:
             out["kv_events"] = self.kv_listener.events
         if self.store is not None:
@@ -398,17 +467,23 @@ POLICIES: dict[str, str] = {
 }
 
 
-def make_policy(name: str, prefill: Sequence[Instance], decode: Sequence[Instance], **options: Any) -> RoutingPolicy:
+def make_policy(
+    name: str, prefill: Sequence[Instance], decode: Sequence[Instance], **options: Any
+) -> RoutingPolicy:
     """Build the policy called ``name`` with ``options``; bad names or options raise :class:`ConfigError`."""
     target = POLICIES.get(name)
     if target is None:
-        raise ConfigError(f"unknown proxy policy {name!r}; choose one of {', '.join(sorted(POLICIES))}")
+        raise ConfigError(
+            f"unknown proxy policy {name!r}; choose one of {', '.join(sorted(POLICIES))}"
+        )
     mod, _, attr = target.partition(":")
     factory = getattr(importlib.import_module(mod), attr)
     try:
         policy = factory(prefill, decode, **options)
     except TypeError as exc:
-        raise ConfigError(f"policy {name!r} does not take options {sorted(options)}: {exc}") from None
+        raise ConfigError(
+            f"policy {name!r} does not take options {sorted(options)}: {exc}"
+        ) from None
     if not isinstance(policy, RoutingPolicy):
         raise ConfigError(f"policy {name!r} ({target}) did not build a RoutingPolicy")
     return policy

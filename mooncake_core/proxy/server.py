@@ -104,7 +104,9 @@ class UpstreamError(ProxyError):
 
 
 def _error(status: int, message: str, kind: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+    return web.json_response(
+        {"error": {"message": message, "type": kind, "code": status}}, status=status
+    )
 
 
 def _prompt_of(body: dict[str, Any], chat: bool) -> tuple[Sequence[int] | str, int]:
@@ -132,17 +134,29 @@ class ProxyServer:
             :class:`~mooncake_core.errors.ConfigError` when none does).
     """
 
-    def __init__(self, config: ProxyConfig, policy: RoutingPolicy | None = None,
-                 engine: ProxyEngine | None = None) -> None:
+    def __init__(
+        self,
+        config: ProxyConfig,
+        policy: RoutingPolicy | None = None,
+        engine: ProxyEngine | None = None,
+    ) -> None:
         self.config = config
         self.engine = engine or proxy_engine(config.engine)
         self.prefill = [Instance(u.rstrip("/"), "prefill", i) for i, u in enumerate(config.prefill)]
         self.decode = [Instance(u.rstrip("/"), "decode", i) for i, u in enumerate(config.decode)]
-        self.policy = policy or make_policy(config.policy, self.prefill, self.decode, **dict(config.policy_options))
+        self.policy = policy or make_policy(
+            config.policy, self.prefill, self.decode, **dict(config.policy_options)
+        )
         self.policy.engine = self.engine
-        self.tokenizer = (RemoteTokenizer([i.url for i in self.prefill], timeout_s=config.connect_timeout_s,
-                                          engine=self.engine)
-                          if self.policy.wants_token_ids else None)
+        self.tokenizer = (
+            RemoteTokenizer(
+                [i.url for i in self.prefill],
+                timeout_s=config.connect_timeout_s,
+                engine=self.engine,
+            )
+            if self.policy.wants_token_ids
+            else None
+        )
         self._ids = itertools.count(1)
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
@@ -173,8 +187,13 @@ class ProxyServer:
         if sockets:
             self.port = int(sockets[0].getsockname()[1])
         url = f"http://{self.config.host}:{self.port}"
-        logger.info("PD proxy on %s: prefill %s; decode %s; policy %s", url,
-                    ", ".join(i.url for i in self.prefill), ", ".join(i.url for i in self.decode), self.policy.name)
+        logger.info(
+            "PD proxy on %s: prefill %s; decode %s; policy %s",
+            url,
+            ", ".join(i.url for i in self.prefill),
+            ", ".join(i.url for i in self.decode),
+            self.policy.name,
+        )
         return url
 
     async def stop(self) -> None:
@@ -215,8 +234,13 @@ class ProxyServer:
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
-                total=None, connect=self.config.connect_timeout_s, sock_connect=self.config.connect_timeout_s))
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(
+                    total=None,
+                    connect=self.config.connect_timeout_s,
+                    sock_connect=self.config.connect_timeout_s,
+                )
+            )
         return self._session
 
     async def _close_session(self, app: web.Application) -> None:
@@ -228,10 +252,13 @@ class ProxyServer:
         return web.json_response({"status": "ok"})
 
     async def _stats(self, request: web.Request) -> web.Response:
-        out: dict[str, Any] = {"policy": self.policy.name, **self.stats,
-                               "prefill": [i.as_dict() for i in self.prefill],
-                               "decode": [i.as_dict() for i in self.decode],
-                               "policy_stats": self.policy.stats()}
+        out: dict[str, Any] = {
+            "policy": self.policy.name,
+            **self.stats,
+            "prefill": [i.as_dict() for i in self.prefill],
+            "decode": [i.as_dict() for i in self.decode],
+            "policy_stats": self.policy.stats(),
+        }
         if self.tokenizer is not None:
             out["tokenizer"] = self.tokenizer.stats()
         return web.json_response(out)
@@ -239,11 +266,19 @@ class ProxyServer:
     async def _models(self, request: web.Request) -> web.Response:
         inst = self.decode[0]
         try:
-            async with self.session().get(inst.url + "/v1/models",
-                                          timeout=aiohttp.ClientTimeout(total=self.config.connect_timeout_s * 2)) as r:
-                return web.Response(body=await r.read(), status=r.status, content_type="application/json")
+            async with self.session().get(
+                inst.url + "/v1/models",
+                timeout=aiohttp.ClientTimeout(total=self.config.connect_timeout_s * 2),
+            ) as r:
+                return web.Response(
+                    body=await r.read(), status=r.status, content_type="application/json"
+                )
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            return _error(502, f"decode instance {inst.url} did not list its models: {exc!r}", "upstream_error")
+            return _error(
+                502,
+                f"decode instance {inst.url} did not list its models: {exc!r}",
+                "upstream_error",
+            )
 
     # ------------------------------------------------------------------ main path
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -279,7 +314,9 @@ class ProxyServer:
             params = await self._prefill(place.prefill, path, body, job)
             self.policy.prefill_done(job, place)
             dbody = self.engine.decode_body(body, params)
-            resp = await self._decode(request, place, path, dbody, job, stream=bool(body.get("stream")))
+            resp = await self._decode(
+                request, place, path, dbody, job, stream=bool(body.get("stream"))
+            )
             ok = True
             return resp
         except UpstreamError as exc:
@@ -292,30 +329,46 @@ class ProxyServer:
     @staticmethod
     def _route_headers(place: Placement) -> dict[str, str]:
         """Where the request ran (operators' debugging; tests of the routing policies)."""
-        return {**place.headers, "X-Mooncake-Prefill": place.prefill.url, "X-Mooncake-Decode": place.decode.url}
+        return {
+            **place.headers,
+            "X-Mooncake-Prefill": place.prefill.url,
+            "X-Mooncake-Decode": place.decode.url,
+        }
 
-    async def _prefill(self, inst: Instance, path: str, body: dict[str, Any], job: Job) -> dict[str, Any]:
+    async def _prefill(
+        self, inst: Instance, path: str, body: dict[str, Any], job: Job
+    ) -> dict[str, Any]:
         pbody = self.engine.prefill_body(body)
         t0 = time.monotonic()
         inst.in_flight += 1
         inst.tokens_in_flight += job.prompt_tokens
         try:
-            timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s, connect=self.config.connect_timeout_s)
+            timeout = aiohttp.ClientTimeout(
+                total=self.config.prefill_timeout_s, connect=self.config.connect_timeout_s
+            )
             async with self.session().post(inst.url + path, json=pbody, timeout=timeout) as r:
                 raw = await r.read()
                 if r.status != 200:
                     inst.errors += 1
-                    raise UpstreamError(r.status if 400 <= r.status < 500 else 502,
-                                        f"prefill instance {inst.url} answered {r.status}: {_snippet(raw)}")
+                    raise UpstreamError(
+                        r.status if 400 <= r.status < 500 else 502,
+                        f"prefill instance {inst.url} answered {r.status}: {_snippet(raw)}",
+                    )
             try:
                 answer = json.loads(raw)
             except ValueError:
                 inst.errors += 1
-                raise UpstreamError(502, f"prefill instance {inst.url} answered with invalid JSON: {_snippet(raw)}") from None
+                raise UpstreamError(
+                    502, f"prefill instance {inst.url} answered with invalid JSON: {_snippet(raw)}"
+                ) from None
         except asyncio.TimeoutError:
             inst.errors += 1
-            raise UpstreamError(504, f"prefill instance {inst.url} did not answer within "
-                                     f"{self.config.prefill_timeout_s:.0f} s", "timeout") from None
+            raise UpstreamError(
+                504,
+                f"prefill instance {inst.url} did not answer within "
+                f"{self.config.prefill_timeout_s:.0f} s",
+                "timeout",
+            ) from None
         except aiohttp.ClientError as exc:
             inst.errors += 1
             raise UpstreamError(502, f"prefill instance {inst.url} unreachable: {exc}") from None
@@ -330,11 +383,19 @@ class ProxyServer:
         inst.served += 1
         return params
 
-    async def _decode(self, request: web.Request, place: Placement, path: str, body: dict[str, Any],
-                      job: Job, stream: bool) -> web.StreamResponse:
+    async def _decode(
+        self,
+        request: web.Request,
+        place: Placement,
+        path: str,
+        body: dict[str, Any],
+        job: Job,
+        stream: bool,
+    ) -> web.StreamResponse:
         inst = place.decode
-        timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s,
-                                        sock_read=self.config.read_timeout_s)
+        timeout = aiohttp.ClientTimeout(
+            total=None, connect=self.config.connect_timeout_s, sock_read=self.config.read_timeout_s
+        )
         inst.in_flight += 1
         inst.tokens_in_flight += job.prompt_tokens
         out: web.StreamResponse | None = None
@@ -344,13 +405,25 @@ class ProxyServer:
                     raw = await r.read()
                     if r.status != 200:
                         inst.errors += 1
-                        raise UpstreamError(r.status if 400 <= r.status < 500 else 502,
-                                            f"decode instance {inst.url} answered {r.status}: {_snippet(raw)}")
+                        raise UpstreamError(
+                            r.status if 400 <= r.status < 500 else 502,
+                            f"decode instance {inst.url} answered {r.status}: {_snippet(raw)}",
+                        )
                     inst.served += 1
-                    return web.Response(body=raw, status=200, content_type="application/json",
-                                        headers=self._route_headers(place))
-                out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
-                                                              "Cache-Control": "no-cache", **self._route_headers(place)})
+                    return web.Response(
+                        body=raw,
+                        status=200,
+                        content_type="application/json",
+                        headers=self._route_headers(place),
+                    )
+                out = web.StreamResponse(
+                    status=200,
+                    headers={
+                        "Content-Type": "text/event-stream",
+                        "Cache-Control": "no-cache",
+                        **self._route_headers(place),
+                    },
+                )
                 await out.prepare(request)
                 async for chunk in r.content.iter_any():
                     await out.write(chunk)

@@ -43,16 +43,20 @@ _HOSTPORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 def parse_master_address(addr: str, what: str = "--store-master") -> str:
     """Check ``HOST:PORT`` (or ``etcd://HOST:PORT[,HOST:PORT...]``); raise a one-line :class:`ConfigError`."""
     text = (addr or "").strip()
-    parts = text[len("etcd://"):].split(",") if text.startswith("etcd://") else [text]
+    parts = text[len("etcd://") :].split(",") if text.startswith("etcd://") else [text]
     for part in parts:
         m = _HOSTPORT.match(part)
         if m is None or not 0 < int(m.group(2)) < 65536:
-            raise ConfigError(f"{what}: {addr!r} is not a store master address; use HOST:PORT "
-                              "(e.g. 127.0.0.1:50051) or etcd://HOST:PORT")
+            raise ConfigError(
+                f"{what}: {addr!r} is not a store master address; use HOST:PORT "
+                "(e.g. 127.0.0.1:50051) or etcd://HOST:PORT"
+            )
     return text
 
 
-async def model_root(urls: Sequence[str], engine: ProxyEngine | None = None, timeout_s: float = 5.0) -> str | None:
+async def model_root(
+    urls: Sequence[str], engine: ProxyEngine | None = None, timeout_s: float = 5.0
+) -> str | None:
     """The model path the first answering instance serves (from its ``GET /v1/models``).
 
     ``engine`` reads the answer (:meth:`~mooncake_core.proxy.engine.ProxyEngine.model_path`;
@@ -64,15 +68,23 @@ async def model_root(urls: Sequence[str], engine: ProxyEngine | None = None, tim
 
     for url in urls:
         try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s, \
-                    s.get(url.rstrip("/") + "/v1/models") as r:
+            async with (
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s,
+                s.get(url.rstrip("/") + "/v1/models") as r,
+            ):
                 if r.status != 200:
                     continue
                 data = await r.json(content_type=None)
             root = engine.model_path(data)
             if root:
                 return str(root)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError, IndexError) as exc:
+        except (
+            aiohttp.ClientError,
+            asyncio.TimeoutError,
+            ValueError,
+            AttributeError,
+            IndexError,
+        ) as exc:
             logger.debug("no model list from %s: %s", url, exc)
     return None
 
@@ -92,14 +104,27 @@ class StoreLookup:
         engine: names the keys (default: the default engine, asked when the model is set).
     """
 
-    def __init__(self, master: str, block_tokens: int, dtype: str, tp_size: int = 1, model: str | None = None,
-                 timeout_s: float = 0.5, retry_after_s: float = 10.0, engine: ProxyEngine | None = None) -> None:
+    def __init__(
+        self,
+        master: str,
+        block_tokens: int,
+        dtype: str,
+        tp_size: int = 1,
+        model: str | None = None,
+        timeout_s: float = 0.5,
+        retry_after_s: float = 10.0,
+        engine: ProxyEngine | None = None,
+    ) -> None:
         self.master = parse_master_address(master)
         if block_tokens <= 0 or tp_size <= 0:
-            raise ConfigError(f"store lookup needs a positive block size and TP size, got {block_tokens}, {tp_size}")
+            raise ConfigError(
+                f"store lookup needs a positive block size and TP size, got {block_tokens}, {tp_size}"
+            )
         if not dtype:
-            raise ConfigError("--store-master needs --store-dtype: the dtype the engine instances run with "
-                              "(e.g. float32 or bfloat16)")
+            raise ConfigError(
+                "--store-master needs --store-dtype: the dtype the engine instances run with "
+                "(e.g. float32 or bfloat16)"
+            )
         self.block_tokens = block_tokens
         self.dtype = dtype
         self.tp_size = tp_size
@@ -111,8 +136,13 @@ class StoreLookup:
         self._lock = threading.Lock()
         self._down_until = 0.0
         self._down = False
-        self.counters: dict[str, int] = {"lookups": 0, "failures": 0, "skipped": 0, "pages_asked": 0,
-                                         "pages_held": 0}
+        self.counters: dict[str, int] = {
+            "lookups": 0,
+            "failures": 0,
+            "skipped": 0,
+            "pages_asked": 0,
+            "pages_held": 0,
+        }
         if model:
             self.set_model(model)
 
@@ -124,8 +154,12 @@ class StoreLookup:
             self.scheme = self.engine.store_keys(model, self.dtype, self.block_tokens, self.tp_size)
         except ValueError as exc:
             raise ConfigError(f"--store-master: {exc}") from None
-        logger.info("store lookups on master %s: keys %s..., seed %r", self.master,
-                    self.scheme.rank_prefix(0), self.scheme.seed)
+        logger.info(
+            "store lookups on master %s: keys %s..., seed %r",
+            self.master,
+            self.scheme.rank_prefix(0),
+            self.scheme.seed,
+        )
 
     @property
     def available(self) -> bool:
@@ -136,7 +170,9 @@ class StoreLookup:
         if self._rpc is None:
             from mooncake_core.store.rpc import MasterRPC
 
-            self._rpc = MasterRPC(self.master, timeout_s=self.timeout_s, failover_timeout_s=self.timeout_s)
+            self._rpc = MasterRPC(
+                self.master, timeout_s=self.timeout_s, failover_timeout_s=self.timeout_s
+            )
         return self._rpc
 
     def _count(self, **deltas: int) -> None:
@@ -151,8 +187,13 @@ class StoreLookup:
             first = not self._down
             self._down = True
         if first:
-            logger.warning("store master %s did not answer (%s); routing without store holdings, "
-                           "next try in %.0f s", self.master, exc, self.retry_after_s)
+            logger.warning(
+                "store master %s did not answer (%s); routing without store holdings, "
+                "next try in %.0f s",
+                self.master,
+                exc,
+                self.retry_after_s,
+            )
 
     def _answered(self) -> None:
         with self._lock:
@@ -175,7 +216,9 @@ class StoreLookup:
         if not pages:
             return 0
         try:
-            exists = self._client().call("batch_exists", (scheme.exists_keys(pages),), timeout=self.timeout_s)
+            exists = self._client().call(
+                "batch_exists", (scheme.exists_keys(pages),), timeout=self.timeout_s
+            )
             n = int(scheme.held_pages(list(exists)))
         except Exception as exc:  # any failure means "no store holdings", never a failed request
             self._failed(exc)
@@ -190,8 +233,9 @@ class StoreLookup:
             return self.held_pages(tokens)
         loop = asyncio.get_running_loop()
         try:
-            return await asyncio.wait_for(loop.run_in_executor(None, self.held_pages, list(tokens)),
-                                          self.timeout_s * 2 + 0.5)
+            return await asyncio.wait_for(
+                loop.run_in_executor(None, self.held_pages, list(tokens)), self.timeout_s * 2 + 0.5
+            )
         except asyncio.TimeoutError as exc:
             self._failed(exc)
             return 0
@@ -209,7 +253,11 @@ class StoreLookup:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             out: dict[str, Any] = dict(self.counters)
-        out.update(master=self.master, down=self._down, scheme=None if self.scheme is None else self.scheme.seed)
+        out.update(
+            master=self.master,
+            down=self._down,
+            scheme=None if self.scheme is None else self.scheme.seed,
+        )
         return out
 
     def close(self) -> None:

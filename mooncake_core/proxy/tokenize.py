@@ -47,8 +47,13 @@ class RemoteTokenizer:
             the default engine's adapter.
     """
 
-    def __init__(self, urls: Sequence[str], timeout_s: float = 5.0, cache_tokens: int = 8 << 20,
-                 engine: ProxyEngine | None = None) -> None:
+    def __init__(
+        self,
+        urls: Sequence[str],
+        timeout_s: float = 5.0,
+        cache_tokens: int = 8 << 20,
+        engine: ProxyEngine | None = None,
+    ) -> None:
         self.urls = [u.rstrip("/") for u in urls]
         if not self.urls:
             raise ValueError("RemoteTokenizer needs at least one instance URL")
@@ -79,12 +84,16 @@ class RemoteTokenizer:
             _, old = self._cache.popitem(last=False)
             self._held -= len(old)
 
-    async def token_ids(self, session: aiohttp.ClientSession, body: dict[str, Any], chat: bool) -> list[int] | None:
+    async def token_ids(
+        self, session: aiohttp.ClientSession, body: dict[str, Any], chat: bool
+    ) -> list[int] | None:
         """Token ids the engine would compute for ``body``'s prompt, or None (not a text prompt, or no answer)."""
         req = self.engine.tokenize_body(body, chat)
         if req is None:
             return None
-        key = hashlib.blake2b(json.dumps(req, sort_keys=True, default=str).encode(), digest_size=16).digest()
+        key = hashlib.blake2b(
+            json.dumps(req, sort_keys=True, default=str).encode(), digest_size=16
+        ).digest()
         hit = self._get(key)
         if hit is not None:
             self.counters["cache_hits"] += 1
@@ -95,14 +104,17 @@ class RemoteTokenizer:
         for i in range(n):
             url = self.urls[(self._turn + i) % n]
             try:
-                async with session.post(url + self._path, json=req,
-                                        timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
+                async with session.post(
+                    url + self._path, json=req, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+                ) as r:
                     raw = await r.read()
                     status = r.status
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 last = f"{url}: {exc!r}"
                 continue
-            if 400 <= status < 500:  # this request cannot be tokenized (bad messages, unknown model, ...)
+            if (
+                400 <= status < 500
+            ):  # this request cannot be tokenized (bad messages, unknown model, ...)
                 self.counters["rejected"] += 1
                 logger.debug("%s%s answered %d: %s", url, self._path, status, raw[:200])
                 return None
@@ -120,8 +132,11 @@ class RemoteTokenizer:
         self.counters["failures"] += 1
         if not self._down:
             self._down = True
-            logger.warning("no instance tokenized a text prompt (%s); routing text prompts by characters "
-                           "until one answers", last)
+            logger.warning(
+                "no instance tokenized a text prompt (%s); routing text prompts by characters "
+                "until one answers",
+                last,
+            )
         return None
 
     def stats(self) -> dict[str, int]:

@@ -29,7 +29,6 @@ def align(n: int) -> int:
     return (n + ALIGN - 1) & ~(ALIGN - 1)
 
 
-
 class OffsetAllocator:
     """Best-fit allocator over ``[0, capacity)`` with coalescing.
 
@@ -192,7 +191,9 @@ def place(
     return replicas
 
 
-def _stripe(segs: list[Placeable], used: set[str], size: int, max_slices: int = 64) -> list[tuple[Placeable, int, int]] | None:
+def _stripe(
+    segs: list[Placeable], used: set[str], size: int, max_slices: int = 64
+) -> list[tuple[Placeable, int, int]] | None:
     """Spread ``size`` bytes over the largest free extents of unused segments."""
     cands = [s for s in segs if s.name not in used]
     if sum(s.allocator.free for s in cands) < size:

@@ -30,12 +30,14 @@ def as_view(obj: Any, writable: bool) -> tuple[memoryview, Any]:
         except SegmentError as exc:
             raise InvalidArgument(str(exc)) from None
         if kind != "host":
-            raise InvalidArgument("device memory is not supported by the store client; "
-                                  "copy it to the host first")
+            raise InvalidArgument(
+                "device memory is not supported by the store client; copy it to the host first"
+            )
         return host_view(addr, n), obj
     if mv.readonly and writable:
-        raise InvalidArgument(f"{type(obj).__name__} is read-only; "
-                              "get_into needs a writable buffer")
+        raise InvalidArgument(
+            f"{type(obj).__name__} is read-only; get_into needs a writable buffer"
+        )
     if not mv.contiguous:
         raise InvalidArgument("buffer must be contiguous")
     if mv.ndim != 1 or mv.format not in ("B", "b", "c"):

@@ -96,7 +96,9 @@ class StoreClient(ReservationLending, RememberedReads):
         if config is not None and overrides:
             self.config = config.replace(**overrides)
         self.master_address = master or self.config.master_server_address
-        self.segment_size = int(self.config.global_segment_size if segment_size is None else segment_size)
+        self.segment_size = int(
+            self.config.global_segment_size if segment_size is None else segment_size
+        )
         if self.segment_size < 0:
             raise P.InvalidArgument(f"segment_size must not be negative, got {self.segment_size}")
         if transport not in (None, "tcp", "shm"):
@@ -107,8 +109,13 @@ class StoreClient(ReservationLending, RememberedReads):
         self.engine = engine if engine is not None else TransferEngine(self.config)
         path = self.config.store.ssd_path if ssd_path is None else ssd_path
         self.ssd = SsdTier(path) if path else None
-        self.rpc = MasterRPC(self.master_address, cluster_id=cluster_id, timeout_s=self.config.transfer.timeout_s,
-                             failover_timeout_s=failover_timeout_s, spin_us=self.config.store.rpc_spin_us)
+        self.rpc = MasterRPC(
+            self.master_address,
+            cluster_id=cluster_id,
+            timeout_s=self.config.transfer.timeout_s,
+            failover_timeout_s=failover_timeout_s,
+            spin_us=self.config.store.rpc_spin_us,
+        )
         self._prefault = prefault
         self._segments: dict[str, ManagedBuffer] = {}
         self._seg_names: list[str] = []
@@ -128,10 +135,14 @@ class StoreClient(ReservationLending, RememberedReads):
         self._lent_refused = {}
         self.lease_ttl_s = self.config.store.lease_ttl_s
         self.heartbeat_s = self.config.store.heartbeat_interval_s
-        self._where = LocationCache(self.config.store.location_cache)  # see mooncake_core.store.locations
+        self._where = LocationCache(
+            self.config.store.location_cache
+        )  # see mooncake_core.store.locations
         self._where_max = self._where.capacity
         self.location_hits = 0  # gets served by the remembered replica
-        self.location_misses = 0  # gets that read a remembered replica in vain (stale, or its holder failed)
+        self.location_misses = (
+            0  # gets that read a remembered replica in vain (stale, or its holder failed)
+        )
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> StoreClient:
@@ -157,7 +168,9 @@ class StoreClient(ReservationLending, RememberedReads):
                 self._starting = False
             self._started = True
             self.rpc.before_use = None
-            self._poller = threading.Thread(target=self._poll_loop, name="mc-store-poll", daemon=True)
+            self._poller = threading.Thread(
+                target=self._poll_loop, name="mc-store-poll", daemon=True
+            )
             self._poller.start()
         return self
 
@@ -179,10 +192,19 @@ class StoreClient(ReservationLending, RememberedReads):
         if size <= 0:
             raise P.InvalidArgument(f"segment size must be positive, got {size}")
         with self._mount_lock:
-            name = self.engine.name if not self._seg_names else f"{self.engine.name}#{len(self._seg_names)}"
-            buf = self.engine.allocate(size, name=f"store-{len(self._seg_names)}", prefault=self._prefault)
+            name = (
+                self.engine.name
+                if not self._seg_names
+                else f"{self.engine.name}#{len(self._seg_names)}"
+            )
+            buf = self.engine.allocate(
+                size, name=f"store-{len(self._seg_names)}", prefault=self._prefault
+            )
             try:
-                self.rpc.call("mount", (self.client_id, name, self.engine.name, buf.addr, size, self.engine.host_id))
+                self.rpc.call(
+                    "mount",
+                    (self.client_id, name, self.engine.name, buf.addr, size, self.engine.host_id),
+                )
             except BaseException:
                 self.engine.free(buf)
                 raise
@@ -239,7 +261,9 @@ class StoreClient(ReservationLending, RememberedReads):
     def _poll_loop(self) -> None:
         while not self._stop.is_set():
             try:
-                tasks = self.rpc.call("poll", (self.client_id, self.heartbeat_s), timeout=self.heartbeat_s + 10)
+                tasks = self.rpc.call(
+                    "poll", (self.client_id, self.heartbeat_s), timeout=self.heartbeat_s + 10
+                )
             except P.UnknownClient:
                 try:
                     self._remount()
@@ -256,7 +280,9 @@ class StoreClient(ReservationLending, RememberedReads):
                 try:
                     self._run_task(t)
                 except Exception as exc:  # a task must never kill the heartbeat
-                    logger.warning("store task %s for %r failed: %s", t.get("kind"), t.get("key"), exc)
+                    logger.warning(
+                        "store task %s for %r failed: %s", t.get("kind"), t.get("key"), exc
+                    )
 
     def _run_task(self, t: dict[str, Any]) -> None:
         kind, key, token = str(t["kind"]), str(t["key"]), int(t["token"])
@@ -265,7 +291,9 @@ class StoreClient(ReservationLending, RememberedReads):
                 self.ssd.delete(key)
             return
         if self.ssd is None:
-            self._call("task_done", (self.client_id, kind, key, token, False, "no SSD tier on this client"))
+            self._call(
+                "task_done", (self.client_id, kind, key, token, False, "no SSD tier on this client")
+            )
             return
         if kind == "offload":
             buf = self._segments.get(str(t["segment"]))
@@ -280,7 +308,9 @@ class StoreClient(ReservationLending, RememberedReads):
             size = sum(s.length for s in slices)
             staging = bytearray(size)
             if not self.ssd.read_into(key, memoryview(staging)):
-                self._call("task_done", (self.client_id, kind, key, token, False, "SSD copy missing"))
+                self._call(
+                    "task_done", (self.client_id, kind, key, token, False, "SSD copy missing")
+                )
                 return
             try:
                 self._move("write", [(LocalBuffer(staging, None, False), slices)])
@@ -290,16 +320,31 @@ class StoreClient(ReservationLending, RememberedReads):
             self._call("task_done", (self.client_id, kind, key, token, True, ""))
 
     # ------------------------------------------------------------------ put
-    def _cfg(self, replica_num: int | None, preferred_segment: str, hard_pin: bool, soft_pin_ttl_s: float,
-             strategy: str) -> ReplicaCfg:
-        return ReplicaCfg(replica_num=self.config.store.replica_num if replica_num is None else replica_num,
-                          preferred_segment=preferred_segment, hard_pin=hard_pin, soft_pin_ttl_s=soft_pin_ttl_s,
-                          strategy=strategy)
+    def _cfg(
+        self,
+        replica_num: int | None,
+        preferred_segment: str,
+        hard_pin: bool,
+        soft_pin_ttl_s: float,
+        strategy: str,
+    ) -> ReplicaCfg:
+        return ReplicaCfg(
+            replica_num=self.config.store.replica_num if replica_num is None else replica_num,
+            preferred_segment=preferred_segment,
+            hard_pin=hard_pin,
+            soft_pin_ttl_s=soft_pin_ttl_s,
+            strategy=strategy,
+        )
 
     # ------------------------------------------------------------------ one-RPC puts through reservations
     def _put_local(self, key: str, local: LocalBuffer, cfg: ReplicaCfg) -> None:
-        if (self.reservations and cfg.replica_num == 1 and 0 < local.length <= RESERVE_MAX_OBJECT
-                and isinstance(key, str) and 0 < len(key) <= P.MAX_KEY // 4):  # odd input: the master's checks
+        if (
+            self.reservations
+            and cfg.replica_num == 1
+            and 0 < local.length <= RESERVE_MAX_OBJECT
+            and isinstance(key, str)
+            and 0 < len(key) <= P.MAX_KEY // 4
+        ):  # odd input: the master's checks
             if self._put_reserved(key, local, cfg):
                 return
         try:
@@ -331,18 +376,48 @@ class StoreClient(ReservationLending, RememberedReads):
         if reps:
             self._where.remember(key, gen, int(token), local.length, self._rank(reps)[0])
 
-    def put(self, key: str, value: Any, *, replica_num: int | None = None, preferred_segment: str = "",
-            hard_pin: bool = False, soft_pin_ttl_s: float = 0.0, strategy: str = "") -> None:
+    def put(
+        self,
+        key: str,
+        value: Any,
+        *,
+        replica_num: int | None = None,
+        preferred_segment: str = "",
+        hard_pin: bool = False,
+        soft_pin_ttl_s: float = 0.0,
+        strategy: str = "",
+    ) -> None:
         """Store ``value`` (any buffer) under ``key``; ``ObjectExists`` if the key exists."""
-        self.put_from(key, value, None, replica_num=replica_num, preferred_segment=preferred_segment,
-                      hard_pin=hard_pin, soft_pin_ttl_s=soft_pin_ttl_s, strategy=strategy)
+        self.put_from(
+            key,
+            value,
+            None,
+            replica_num=replica_num,
+            preferred_segment=preferred_segment,
+            hard_pin=hard_pin,
+            soft_pin_ttl_s=soft_pin_ttl_s,
+            strategy=strategy,
+        )
 
-    def put_from(self, key: str, buf: Any, size: int | None = None, *, replica_num: int | None = None,
-                 preferred_segment: str = "", hard_pin: bool = False, soft_pin_ttl_s: float = 0.0,
-                 strategy: str = "") -> None:
+    def put_from(
+        self,
+        key: str,
+        buf: Any,
+        size: int | None = None,
+        *,
+        replica_num: int | None = None,
+        preferred_segment: str = "",
+        hard_pin: bool = False,
+        soft_pin_ttl_s: float = 0.0,
+        strategy: str = "",
+    ) -> None:
         """Zero-copy put from a buffer or an address in registered memory (``size`` bytes)."""
         local = LocalBuffer(buf, size, writable=False)
-        self._put_local(key, local, self._cfg(replica_num, preferred_segment, hard_pin, soft_pin_ttl_s, strategy))
+        self._put_local(
+            key,
+            local,
+            self._cfg(replica_num, preferred_segment, hard_pin, soft_pin_ttl_s, strategy),
+        )
 
     def put_parts(self, key: str, *parts: Any, replica_num: int | None = None) -> None:
         """Store the concatenation of ``parts`` (one staging copy)."""
@@ -351,9 +426,18 @@ class StoreClient(ReservationLending, RememberedReads):
             raise P.InvalidArgument("put_parts needs at least one part")
         self.put(key, b"".join(views), replica_num=replica_num)
 
-    def batch_put_from(self, keys: Sequence[str], bufs: Sequence[Any], sizes: Sequence[int] | None = None, *,
-                       replica_num: int | None = None, preferred_segment: str = "", hard_pin: bool = False,
-                       soft_pin_ttl_s: float = 0.0, strategy: str = "") -> list[BaseException | None]:
+    def batch_put_from(
+        self,
+        keys: Sequence[str],
+        bufs: Sequence[Any],
+        sizes: Sequence[int] | None = None,
+        *,
+        replica_num: int | None = None,
+        preferred_segment: str = "",
+        hard_pin: bool = False,
+        soft_pin_ttl_s: float = 0.0,
+        strategy: str = "",
+    ) -> list[BaseException | None]:
         """Put many objects: one ``batch_put_start``, one transfer batch, one ``batch_put_end``.
 
         Returns one entry per key: None on success, else the exception for that key.
@@ -362,25 +446,37 @@ class StoreClient(ReservationLending, RememberedReads):
             raise P.InvalidArgument("keys, buffers and sizes must have the same length")
         if not keys:
             return []
-        locals_ = [LocalBuffer(b, None if sizes is None else sizes[i], writable=False) for i, b in enumerate(bufs)]
+        locals_ = [
+            LocalBuffer(b, None if sizes is None else sizes[i], writable=False)
+            for i, b in enumerate(bufs)
+        ]
         cfg = self._cfg(replica_num, preferred_segment, hard_pin, soft_pin_ttl_s, strategy)
-        if (self.reservations and cfg.replica_num == 1
-                and all(0 < x.length <= RESERVE_MAX_OBJECT for x in locals_)
-                and all(isinstance(k, str) and 0 < len(k) <= P.MAX_KEY // 4 for k in keys)):  # odd input: the master
+        if (
+            self.reservations
+            and cfg.replica_num == 1
+            and all(0 < x.length <= RESERVE_MAX_OBJECT for x in locals_)
+            and all(isinstance(k, str) and 0 < len(k) <= P.MAX_KEY // 4 for k in keys)
+        ):  # odd input: the master
             out: list[BaseException | None] = [None] * len(keys)
             rest = self._batch_put_reserved(keys, locals_, cfg, out)
             if rest:
-                sub = self._batch_put_two_phase([keys[i] for i in rest], [locals_[i] for i in rest], cfg)
+                sub = self._batch_put_two_phase(
+                    [keys[i] for i in rest], [locals_[i] for i in rest], cfg
+                )
                 for i, r in zip(rest, sub, strict=True):
                     out[i] = r
             return out
         return self._batch_put_two_phase(keys, locals_, cfg)
 
-    def _batch_put_two_phase(self, keys: Sequence[str], locals_: list[LocalBuffer],
-                             cfg: ReplicaCfg) -> list[BaseException | None]:
-        res = self._retrying(lambda: self._call("batch_put_start", (self.client_id, list(keys),
-                                                                    [x.length for x in locals_], cfg)),
-                             "batch_put_start")
+    def _batch_put_two_phase(
+        self, keys: Sequence[str], locals_: list[LocalBuffer], cfg: ReplicaCfg
+    ) -> list[BaseException | None]:
+        res = self._retrying(
+            lambda: self._call(
+                "batch_put_start", (self.client_id, list(keys), [x.length for x in locals_], cfg)
+            ),
+            "batch_put_start",
+        )
         out: list[BaseException | None] = [None] * len(keys)
         jobs: list[Job] = []
         for i, (code, tok, reps) in enumerate(res):
@@ -394,15 +490,28 @@ class StoreClient(ReservationLending, RememberedReads):
             ok[i] = False
         started = [i for i in range(len(keys)) if res[i][0] == 0]
         if started:
-            ends = self._call("batch_put_end", (self.client_id, [keys[i] for i in started],
-                                                [int(res[i][1]) for i in started], [ok[i] for i in started]))
+            ends = self._call(
+                "batch_put_end",
+                (
+                    self.client_id,
+                    [keys[i] for i in started],
+                    [int(res[i][1]) for i in started],
+                    [ok[i] for i in started],
+                ),
+            )
             for i, (code, msg) in zip(started, ends, strict=True):
                 if code != 0 and out[i] is None:
                     out[i] = P.error_for(code, msg)
         return out
 
-    def put_batch(self, keys: Sequence[str], values: Sequence[Any], *, replica_num: int | None = None,
-                  **kw: Any) -> list[BaseException | None]:
+    def put_batch(
+        self,
+        keys: Sequence[str],
+        values: Sequence[Any],
+        *,
+        replica_num: int | None = None,
+        **kw: Any,
+    ) -> list[BaseException | None]:
         """Put many buffers; one entry per key: None on success, else the exception."""
         return self.batch_put_from(keys, values, None, replica_num=replica_num, **kw)
 
@@ -436,7 +545,9 @@ class StoreClient(ReservationLending, RememberedReads):
                     logger.debug("reading %r from %s failed: %s", key, rep[0].peer, exc)
                     continue
                 if time.monotonic() - a.sent > a.ttl:
-                    raise LeaseExpired(f"get {key!r}: the read took longer than the {a.ttl:.1f}s lease; retry")
+                    raise LeaseExpired(
+                        f"get {key!r}: the read took longer than the {a.ttl:.1f}s lease; retry"
+                    )
                 self._where.remember(key, a.gen, a.token, a.size, rep)
                 return a.size
             time.sleep(0.05)  # the master may be about to drop the dead holder's replicas
@@ -459,15 +570,18 @@ class StoreClient(ReservationLending, RememberedReads):
 
         def mk(n: int) -> LocalBuffer:
             if n > probe.length:
-                raise P.InvalidArgument(f"get_into {key!r}: object is {n} bytes but the buffer holds {probe.length}")
+                raise P.InvalidArgument(
+                    f"get_into {key!r}: object is {n} bytes but the buffer holds {probe.length}"
+                )
             if n == probe.length:
                 return probe
             return probe.first(n, buf)
 
         return self._read(key, mk)
 
-    def batch_get_into(self, keys: Sequence[str], bufs: Sequence[Any],
-                       sizes: Sequence[int] | None = None) -> list[int | BaseException]:
+    def batch_get_into(
+        self, keys: Sequence[str], bufs: Sequence[Any], sizes: Sequence[int] | None = None
+    ) -> list[int | BaseException]:
         """Read many objects into buffers; one entry per key: bytes read, or the exception."""
         if len(keys) != len(bufs) or (sizes is not None and len(sizes) != len(keys)):
             raise P.InvalidArgument("keys, buffers and sizes must have the same length")
@@ -494,7 +608,9 @@ class StoreClient(ReservationLending, RememberedReads):
             if code != 0:
                 if code == P.Code.RETRY:
                     try:
-                        out[i] = self.get_into(keys[i], bufs[i], None if sizes is None else sizes[i])
+                        out[i] = self.get_into(
+                            keys[i], bufs[i], None if sizes is None else sizes[i]
+                        )
                     except (StoreError, TransportError) as exc:
                         out[i] = exc
                     continue
@@ -504,8 +620,10 @@ class StoreClient(ReservationLending, RememberedReads):
             try:
                 local = LocalBuffer(bufs[i], None if sizes is None else sizes[i], writable=True)
                 if size > local.length:
-                    raise P.InvalidArgument(f"get {keys[i]!r}: object is {size} bytes but the buffer holds "
-                                            f"{local.length}")
+                    raise P.InvalidArgument(
+                        f"get {keys[i]!r}: object is {size} bytes but the buffer holds "
+                        f"{local.length}"
+                    )
                 local = local.first(size, bufs[i])
             except StoreError as exc:
                 out[i] = exc
@@ -528,9 +646,15 @@ class StoreClient(ReservationLending, RememberedReads):
                     out[i] = TransportError(f"get {keys[i]!r}: its only replica could not be read")
         done = time.monotonic()
         if done - t0 > ttl:
-            return [LeaseExpired(f"batch get: the reads took longer than the {ttl:.1f}s lease (the master answered "
-                                 f"after {answered - t0:.2f}s, the reads took {done - answered:.2f}s); retry")
-                    if isinstance(x, int) else x for x in out]
+            return [
+                LeaseExpired(
+                    f"batch get: the reads took longer than the {ttl:.1f}s lease (the master answered "
+                    f"after {answered - t0:.2f}s, the reads took {done - answered:.2f}s); retry"
+                )
+                if isinstance(x, int)
+                else x
+                for x in out
+            ]
         if self._where_max > 0:
             for i, (_local, ranked) in chosen.items():
                 if isinstance(out[i], int) and i not in failed and len(res[i]) > 4:
@@ -544,8 +668,10 @@ class StoreClient(ReservationLending, RememberedReads):
         sizes = self._call("batch_get_replica_list", (list(keys),))
         bufs = [bytearray(int(s[1]) if s[0] == 0 else 1) for s in sizes]
         res = self.batch_get_into(keys, bufs)
-        return [bytes(b[: r]) if isinstance(r, int) and not isinstance(r, bool) else None
-                for b, r in zip(bufs, res, strict=True)]
+        return [
+            bytes(b[:r]) if isinstance(r, int) and not isinstance(r, bool) else None
+            for b, r in zip(bufs, res, strict=True)
+        ]
 
     # ------------------------------------------------------------------ typed values
     def put_array(self, key: str, arr: Any, **kw: Any) -> None:
@@ -577,10 +703,15 @@ class StoreClient(ReservationLending, RememberedReads):
         self._forget([key])
         self._call("remove", (key, force))
 
-    def batch_remove(self, keys: Sequence[str], *, force: bool = False) -> list[BaseException | None]:
+    def batch_remove(
+        self, keys: Sequence[str], *, force: bool = False
+    ) -> list[BaseException | None]:
         self._forget(keys)
         codes = self._call("batch_remove", (list(keys), force))
-        return [None if c == 0 else P.error_for(c, f"remove {k!r} failed") for k, c in zip(keys, codes, strict=True)]
+        return [
+            None if c == 0 else P.error_for(c, f"remove {k!r} failed")
+            for k, c in zip(keys, codes, strict=True)
+        ]
 
     def remove_by_regex(self, pattern: str, *, force: bool = False) -> int:
         """Remove every key matching ``pattern`` (``re.search``); returns how many."""

@@ -67,8 +67,10 @@ class ClientCore:
 
     # ------------------------------------------------------------------ the master
     def _register(self) -> None:
-        info = self.rpc.call("register_client", (self.client_id, self.engine.host_id, self.engine.name,
-                                                 self.ssd is not None))
+        info = self.rpc.call(
+            "register_client",
+            (self.client_id, self.engine.host_id, self.engine.name, self.ssd is not None),
+        )
         self.lease_ttl_s = float(info.get("lease_ttl_s", self.lease_ttl_s))
         self.heartbeat_s = float(info.get("heartbeat_s", self.heartbeat_s))
         self._early = self.config.store.early_commit and bool(info.get("early_commit", False))
@@ -80,8 +82,17 @@ class ClientCore:
             for name in self._seg_names:
                 buf = self._segments[name]
                 try:
-                    self.rpc.call("mount", (self.client_id, name, self.engine.name, buf.addr, buf.length,
-                                            self.engine.host_id))
+                    self.rpc.call(
+                        "mount",
+                        (
+                            self.client_id,
+                            name,
+                            self.engine.name,
+                            buf.addr,
+                            buf.length,
+                            self.engine.host_id,
+                        ),
+                    )
                 except P.InvalidArgument as exc:
                     logger.warning("re-mounting %s failed: %s", name, exc)
 
@@ -103,7 +114,9 @@ class ClientCore:
                 return fn()
             except P.RetryLater:
                 if time.monotonic() > deadline:
-                    raise StoreError(f"{what}: the master kept asking to retry for {timeout:.0f}s") from None
+                    raise StoreError(
+                        f"{what}: the master kept asking to retry for {timeout:.0f}s"
+                    ) from None
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
 
@@ -111,7 +124,9 @@ class ClientCore:
     def _answer(res: Any) -> tuple[int, list[list[SliceW]], float, int]:
         """(size, replicas, lease ttl, version token) from a ``get_replica_list`` answer."""
         size, reps, ttl = res[0], res[1], res[2]
-        token = int(res[3]) if len(res) > 3 else 0  # masters before versions: no token, nothing remembered
+        token = (
+            int(res[3]) if len(res) > 3 else 0
+        )  # masters before versions: no token, nothing remembered
         return int(size), [[SliceW._make(s) for s in rep] for rep in reps], float(ttl), token
 
     def _forget(self, keys: Sequence[str] | None) -> None:
@@ -131,7 +146,9 @@ class ClientCore:
         if reqs:
             self.engine.transfer(reqs)
 
-    def _requests(self, op: str, jobs: Sequence[tuple[LocalBuffer, Sequence[SliceW]]]) -> list[TransferRequest]:
+    def _requests(
+        self, op: str, jobs: Sequence[tuple[LocalBuffer, Sequence[SliceW]]]
+    ) -> list[TransferRequest]:
         reqs: list[TransferRequest] = []
         for local, slices in jobs:
             off = 0
@@ -144,7 +161,11 @@ class ClientCore:
                     else:
                         memmove(s.addr, la, n)
                 else:
-                    reqs.append(TransferRequest(op, s.peer, local.part(off, n), n, s.addr, transport=self.transport))
+                    reqs.append(
+                        TransferRequest(
+                            op, s.peer, local.part(off, n), n, s.addr, transport=self.transport
+                        )
+                    )
                 off += n
         return reqs
 
@@ -153,7 +174,9 @@ class ClientCore:
         bytes did not all land (``out[i]`` gets the first error)."""
         return self._batch_move("write", jobs, out)
 
-    def _batch_move(self, op: str, jobs: Sequence[Job], out: list[BaseException | None] | None) -> set[int]:
+    def _batch_move(
+        self, op: str, jobs: Sequence[Job], out: list[BaseException | None] | None
+    ) -> set[int]:
         """Move each job's object ``(i, local, slices)`` in one transfer batch; returns the ``i`` whose
         bytes did not all move (``out[i]``, if given, gets the first error)."""
         reqs: list[TransferRequest] = []

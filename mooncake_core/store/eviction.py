@@ -109,10 +109,14 @@ class EvictionDriver(StateCore):
             self.counters["evictions"] += 1
             self.counters["evicted_bytes"] += nbytes
         if dropped:
-            logger.info("object cap %d reached: evicted %d least recently used objects", cap, dropped)
+            logger.info(
+                "object cap %d reached: evicted %d least recently used objects", cap, dropped
+            )
         if len(self.objects) >= cap:
-            raise NoSpace(f"put {key!r}: the master already tracks {len(self.objects)} objects (store.max_objects = "
-                          f"{cap}) and none can be evicted (leased, pinned or in flight); raise max_objects")
+            raise NoSpace(
+                f"put {key!r}: the master already tracks {len(self.objects)} objects (store.max_objects = "
+                f"{cap}) and none can be evicted (leased, pinned or in flight); raise max_objects"
+            )
 
     def _evict(self, goal: int, now: float, segment: str | None) -> int:
         """Drop (or queue for SSD offload) LRU replicas worth ``goal`` bytes; returns bytes freed now."""
@@ -128,7 +132,10 @@ class EvictionDriver(StateCore):
             o = self.objects.get(key)
             if o is None or not o.replicas:
                 continue
-            rep = next((r for r in o.replicas if segment is None or any(x[0] == segment for x in r)), o.replicas[0])
+            rep = next(
+                (r for r in o.replicas if segment is None or any(x[0] == segment for x in r)),
+                o.replicas[0],
+            )
             nbytes = sum(x[2] for x in rep)
             if self._offload(o, rep):  # counts toward the goal; memory is freed when it lands
                 queued += nbytes

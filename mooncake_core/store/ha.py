@@ -32,7 +32,14 @@ import msgspec
 from mooncake_core.errors import MetadataError
 from mooncake_core.etcd import EtcdClient
 
-__all__ = ["StoreEtcd", "Snapshots", "LeaderInfo", "prefix_for", "resolve_leader", "MAX_BATCH_BYTES"]
+__all__ = [
+    "StoreEtcd",
+    "Snapshots",
+    "LeaderInfo",
+    "prefix_for",
+    "resolve_leader",
+    "MAX_BATCH_BYTES",
+]
 
 logger = logging.getLogger(__name__)
 MAX_BATCH_BYTES = 1 << 20  # etcd's default request limit is 1.5 MiB
@@ -85,8 +92,11 @@ class StoreEtcd(EtcdClient):
 
         async def txn() -> bool:
             c = self._client
-            ok, _ = await c.transaction(compare=[c.transactions.value(self.leader_key.encode()) == mine],
-                                        success=[c.transactions.put(key.encode(), value)], failure=[])
+            ok, _ = await c.transaction(
+                compare=[c.transactions.value(self.leader_key.encode()) == mine],
+                success=[c.transactions.put(key.encode(), value)],
+                failure=[],
+            )
             return bool(ok)
 
         return bool(self._run(txn()))
@@ -103,13 +113,19 @@ class StoreEtcd(EtcdClient):
 
             async def txn(k: str = key, v: bytes = body) -> bool:
                 c = self._client
-                cmp = [c.transactions.value(self.leader_key.encode()) == mine,
-                       c.transactions.create(k.encode()) == 0]
-                ok, _ = await c.transaction(compare=cmp, success=[c.transactions.put(k.encode(), v)], failure=[])
+                cmp = [
+                    c.transactions.value(self.leader_key.encode()) == mine,
+                    c.transactions.create(k.encode()) == 0,
+                ]
+                ok, _ = await c.transaction(
+                    compare=cmp, success=[c.transactions.put(k.encode(), v)], failure=[]
+                )
                 return bool(ok)
 
             if not self._run(txn()):
-                raise MetadataError(f"oplog append at seq {seq} refused: this master is no longer the leader")
+                raise MetadataError(
+                    f"oplog append at seq {seq} refused: this master is no longer the leader"
+                )
             seq += 1
         return seq
 
@@ -122,7 +138,7 @@ class StoreEtcd(EtcdClient):
             r = await self._client.get_range(lo, hi, sort_order="ascend", sort_target="key")
             out = []
             for kv in list(r)[:limit]:
-                seq = int(kv.key.decode()[len(self.oplog_prefix):])
+                seq = int(kv.key.decode()[len(self.oplog_prefix) :])
                 out.append((seq, msgspec.msgpack.decode(bytes(kv.value))))
             return out
 
@@ -166,10 +182,14 @@ class Snapshots:
         parts = _chunks(entries)
         for i, body in enumerate(parts):
             if not etcd.fenced_put(me, f"{self.prefix}{seq:016d}/{i:06d}", body):
-                raise MetadataError(f"snapshot at seq {seq} refused at part {i}: this master is no longer the leader")
+                raise MetadataError(
+                    f"snapshot at seq {seq} refused at part {i}: this master is no longer the leader"
+                )
         value = msgspec.json.encode({"seq": seq, "parts": len(parts)})
         if not etcd.fenced_put(me, self.prefix + "latest", value):
-            raise MetadataError(f"snapshot at seq {seq} refused: this master is no longer the leader")
+            raise MetadataError(
+                f"snapshot at seq {seq} refused: this master is no longer the leader"
+            )
         prev = self.previous(seq)
 
         async def trim() -> None:
@@ -181,8 +201,13 @@ class Snapshots:
         etcd._run(trim())
 
     def previous(self, seq: int) -> int | None:
-        seqs = sorted({int(k[len(self.prefix):].split("/")[0]) for k in self.etcd.get_prefix(self.prefix)
-                       if k[len(self.prefix):].split("/")[0].isdigit()})
+        seqs = sorted(
+            {
+                int(k[len(self.prefix) :].split("/")[0])
+                for k in self.etcd.get_prefix(self.prefix)
+                if k[len(self.prefix) :].split("/")[0].isdigit()
+            }
+        )
         older = [s for s in seqs if s < seq]
         return older[-1] if older else None
 
@@ -201,7 +226,9 @@ class Snapshots:
         return seq, entries
 
 
-def resolve_leader(url: str, cluster_id: str = "default", timeout: float = 3.0) -> LeaderInfo | None:
+def resolve_leader(
+    url: str, cluster_id: str = "default", timeout: float = 3.0
+) -> LeaderInfo | None:
     """One-shot look-up of the leader (for clients and tools)."""
     c = StoreEtcd(url, cluster_id, timeout=timeout)
     try:

@@ -49,7 +49,9 @@ class Lent:
     next: int
     end: int
     expires: float  # local monotonic time after which we stop starting writes into it
-    generation: int  # the master connection's generation when it was lent (see MasterRPC.generation)
+    generation: (
+        int  # the master connection's generation when it was lent (see MasterRPC.generation)
+    )
     inflight: int = 0
     dead: bool = False  # a write or commit failed: never use again
     retired: bool = False  # replaced by a newer one
@@ -87,7 +89,9 @@ class ReservationLending(ClientCore):
                 out.append(slot)
         return out
 
-    def _slot_locked(self, cfg: ReplicaCfg, size: int, count: int, generation: int) -> tuple[Lent, int] | None:
+    def _slot_locked(
+        self, cfg: ReplicaCfg, size: int, count: int, generation: int
+    ) -> tuple[Lent, int] | None:
         """:meth:`_slot` with ``_lent_lock`` held; ``generation``: the master connections' generation now."""
         need = align(size)
         k = (cfg.preferred_segment, cfg.strategy)
@@ -96,7 +100,12 @@ class ReservationLending(ClientCore):
         # a master that died may come back without knowing the extent: never write there again
         if lent is not None and generation != lent.generation:
             lent.dead = True
-        if lent is not None and not lent.dead and now < lent.expires and lent.next + need <= lent.end:
+        if (
+            lent is not None
+            and not lent.dead
+            and now < lent.expires
+            and lent.next + need <= lent.end
+        ):
             off = lent.next
             lent.next += need
             lent.inflight += 1
@@ -123,8 +132,18 @@ class ReservationLending(ClientCore):
         if self.rpc.generation() != gen:  # answered by a master we reconnected to during the call
             self._lent_release.append(int(rid))
             return None
-        lent = Lent(int(rid), str(e.segment), str(e.peer), int(e.base), str(e.host), int(e.offset) + need,
-                    int(e.offset) + int(e.length), now + float(ttl) / 2, gen, inflight=1)
+        lent = Lent(
+            int(rid),
+            str(e.segment),
+            str(e.peer),
+            int(e.base),
+            str(e.host),
+            int(e.offset) + need,
+            int(e.offset) + int(e.length),
+            now + float(ttl) / 2,
+            gen,
+            inflight=1,
+        )
         self._lent[k] = lent
         return lent, int(e.offset)
 
@@ -166,15 +185,21 @@ class ReservationLending(ClientCore):
             t0 = time.monotonic()
             gen = self.rpc.generation()
             try:
-                res = self._call("put_commit", (self.client_id, key, lent.rid, off, local.length, cfg))
+                res = self._call(
+                    "put_commit", (self.client_id, key, lent.rid, off, local.length, cfg)
+                )
             except P.ReservationGone as exc:
-                if self._committed_at(key, lent.segment, off):  # a retried commit after a leader change
+                if self._committed_at(
+                    key, lent.segment, off
+                ):  # a retried commit after a leader change
                     return True
                 logger.info("put %r: %s; putting in two phases", key, exc)
                 lent.dead = True
                 return False
             except ObjectExists:
-                if self._committed_at(key, lent.segment, off):  # our commit, answered by a leader that then died
+                if self._committed_at(
+                    key, lent.segment, off
+                ):  # our commit, answered by a leader that then died
                     return True
                 raise
             ttl, token = (float(res[0]), int(res[1])) if isinstance(res, list) else (float(res), 0)
@@ -185,8 +210,9 @@ class ReservationLending(ClientCore):
         finally:
             self._done_with([slot])
 
-    def _put_early(self, key: str, local: LocalBuffer, cfg: ReplicaCfg, lent: Lent, off: int,
-                   sl: SliceW) -> bool | None:
+    def _put_early(
+        self, key: str, local: LocalBuffer, cfg: ReplicaCfg, lent: Lent, off: int, sl: SliceW
+    ) -> bool | None:
         """Put through a reservation with the commit sent before the write, so the master answers
         while the bytes travel; then a one-way ``put_confirm`` on the same connection.
 
@@ -197,7 +223,9 @@ class ReservationLending(ClientCore):
         commit could not be sent, commit after the write instead.
         """
         gen = self.rpc.generation()
-        pend = self.rpc.start("put_commit", (self.client_id, key, lent.rid, off, local.length, cfg, True))
+        pend = self.rpc.start(
+            "put_commit", (self.client_id, key, lent.rid, off, local.length, cfg, True)
+        )
         if pend is None:
             return None
         try:
@@ -207,7 +235,9 @@ class ReservationLending(ClientCore):
             self.rpc.abandon(pend)  # closing the connection drops the early commit
             raise
         resp = self.rpc.answer(pend)
-        if resp is None:  # the connection failed: an early commit it carried is dropped by the master
+        if (
+            resp is None
+        ):  # the connection failed: an early commit it carried is dropped by the master
             lent.dead = True
             return False
         try:
@@ -253,8 +283,10 @@ class ReservationLending(ClientCore):
             info = self._call("query_key", (key,))
         except (StoreError, OSError):
             return False
-        return any(len(rep) == 1 and rep[0]["segment"] == segment and rep[0]["offset"] == offset
-                   for rep in info.get("replicas", []))
+        return any(
+            len(rep) == 1 and rep[0]["segment"] == segment and rep[0]["offset"] == offset
+            for rep in info.get("replicas", [])
+        )
 
     def _release_reservations(self, end: float) -> None:
         with self._lent_lock:
@@ -264,12 +296,22 @@ class ReservationLending(ClientCore):
         left = end - time.monotonic()
         if rids and left > 0:
             try:
-                self.rpc.call("reserve", (self.client_id, 0, ReplicaCfg(), rids), timeout=left, failover_s=left)
+                self.rpc.call(
+                    "reserve",
+                    (self.client_id, 0, ReplicaCfg(), rids),
+                    timeout=left,
+                    failover_s=left,
+                )
             except (StoreError, OSError) as exc:
                 logger.debug("releasing reservations at close: %s", exc)
 
-    def _batch_put_reserved(self, keys: Sequence[str], locals_: list[LocalBuffer], cfg: ReplicaCfg,
-                            out: list[BaseException | None]) -> list[int]:
+    def _batch_put_reserved(
+        self,
+        keys: Sequence[str],
+        locals_: list[LocalBuffer],
+        cfg: ReplicaCfg,
+        out: list[BaseException | None],
+    ) -> list[int]:
         """Put ``keys`` into our reservations: one ``batch_put_commit`` (sent before the write when the
         master takes early commits, then a one-way ``batch_put_confirm``), one transfer batch.
 
@@ -284,8 +326,14 @@ class ReservationLending(ClientCore):
             return rest
         try:
             sls = [lent.slice(off, locals_[j].length) for j, (lent, off) in enumerate(slots)]
-            params = (self.client_id, list(keys[:m]), [lent.rid for lent, _ in slots], [off for _, off in slots],
-                      [x.length for x in locals_[:m]], cfg)
+            params = (
+                self.client_id,
+                list(keys[:m]),
+                [lent.rid for lent, _ in slots],
+                [off for _, off in slots],
+                [x.length for x in locals_[:m]],
+                cfg,
+            )
             pend = self.rpc.start("batch_put_commit", (*params, True)) if self._early else None
             try:
                 failed = self._batch_write([(j, locals_[j], [sls[j]]) for j in range(m)], out)
@@ -299,9 +347,14 @@ class ReservationLending(ClientCore):
             for j in range(m):
                 if not wrote[j]:
                     slots[j][0].dead = True  # the holder may be gone: do not write there again
-            res = self._batch_commit_answer(pend) if pend is not None else self._call("batch_put_commit",
-                                                                                    (*params, False))
-            if res is None:  # nothing committed (the master drops the early commits of a failed connection)
+            res = (
+                self._batch_commit_answer(pend)
+                if pend is not None
+                else self._call("batch_put_commit", (*params, False))
+            )
+            if (
+                res is None
+            ):  # nothing committed (the master drops the early commits of a failed connection)
                 for lent, _ in slots:
                     lent.dead = True
                 return [j for j in range(m) if wrote[j]] + rest
@@ -318,14 +371,25 @@ class ReservationLending(ClientCore):
                 if code == P.Code.RESERVATION_GONE:
                     slots[j][0].dead = True
                     again.append(j)
-                elif code == P.Code.EXISTS and pend is None and self._committed_at(keys[j], slots[j][0].segment,
-                                                                                  slots[j][1]):
+                elif (
+                    code == P.Code.EXISTS
+                    and pend is None
+                    and self._committed_at(keys[j], slots[j][0].segment, slots[j][1])
+                ):
                     continue  # our commit, answered by a leader that then died
                 else:
                     out[j] = P.error_for(int(code), str(msg))
-            got = (self._batch_confirm(pend, [keys[j] for j in confirm], [int(res[j][2]) for j in confirm],
-                                       [wrote[j] for j in confirm], ttl)
-                   if pend is not None else [None] * len(confirm))
+            got = (
+                self._batch_confirm(
+                    pend,
+                    [keys[j] for j in confirm],
+                    [int(res[j][2]) for j in confirm],
+                    [wrote[j] for j in confirm],
+                    ttl,
+                )
+                if pend is not None
+                else [None] * len(confirm)
+            )
             for j, err in zip(confirm, got, strict=True):
                 if not wrote[j]:
                     continue  # confirmed as failed; the write's error stands
@@ -368,8 +432,9 @@ class ReservationLending(ClientCore):
             raise
         return res
 
-    def _batch_confirm(self, pend: Pending, keys: list[str], tokens: list[int], ok: list[bool],
-                       ttl: float) -> list[BaseException | None]:
+    def _batch_confirm(
+        self, pend: Pending, keys: list[str], tokens: list[int], ok: list[bool], ttl: float
+    ) -> list[BaseException | None]:
         """Confirm (or drop, for failed writes) the early commits of a batch: one-way on the commit's
         connection, or with an answer when the write took so long that the commits may have
         expired. Per key: None, or the master's refusal (when it answered)."""
@@ -387,5 +452,9 @@ class ReservationLending(ClientCore):
         res = self._call("batch_put_confirm", (*args, True))
         out: list[BaseException | None] = []
         for k, (code, msg) in zip(keys, res, strict=True):
-            out.append(None if code == 0 or self._call("exists", (k,)) else P.error_for(int(code), str(msg)))
+            out.append(
+                None
+                if code == 0 or self._call("exists", (k,))
+                else P.error_for(int(code), str(msg))
+            )
         return out

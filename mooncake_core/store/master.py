@@ -57,7 +57,9 @@ class _Conn(asyncio.Protocol):
         self.server = server
         self.buf = bytearray()
         self.transport: Any = None
-        self.early: dict[str, int] = {}  # early commits made on this connection and not yet confirmed
+        self.early: dict[
+            str, int
+        ] = {}  # early commits made on this connection and not yet confirmed
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.early:
@@ -120,9 +122,22 @@ class _Conn(asyncio.Protocol):
 Handler = Callable[[Any, float], Any]
 
 # requests on these keys wait while a put of one of them is committed early but not yet confirmed
-_PARKED_ON_KEYS = frozenset({"get_replica_list", "exists", "get_size", "remove", "query_key", "put_start",
-                             "put_commit", "batch_get_replica_list", "batch_exists", "batch_remove",
-                             "batch_put_start", "batch_put_commit"})
+_PARKED_ON_KEYS = frozenset(
+    {
+        "get_replica_list",
+        "exists",
+        "get_size",
+        "remove",
+        "query_key",
+        "put_start",
+        "put_commit",
+        "batch_get_replica_list",
+        "batch_exists",
+        "batch_remove",
+        "batch_put_start",
+        "batch_put_commit",
+    }
+)
 _CONFIRMS = frozenset({"put_confirm", "batch_put_confirm"})
 
 
@@ -189,7 +204,9 @@ class MasterServer:
         self._flush_waiters: list[asyncio.Future[None]] = []
         self._flush_wake: asyncio.Event | None = None
         self._pollers: dict[str, asyncio.Future[None]] = {}
-        self._parked: dict[str, list[tuple[_Conn, P.Request]]] = {}  # key -> requests waiting for its put_confirm
+        self._parked: dict[
+            str, list[tuple[_Conn, P.Request]]
+        ] = {}  # key -> requests waiting for its put_confirm
         self._tasks: list[asyncio.Task[Any]] = []
         self._server: asyncio.base_events.Server | None = None
         self._runner: web.AppRunner | None = None
@@ -205,9 +222,13 @@ class MasterServer:
 
         def batch_put_start(a: Any, now: float) -> list[Any]:
             if len(a.keys) != len(a.sizes):
-                raise P.InvalidArgument(f"batch_put_start: {len(a.keys)} keys but {len(a.sizes)} sizes")
+                raise P.InvalidArgument(
+                    f"batch_put_start: {len(a.keys)} keys but {len(a.sizes)} sizes"
+                )
             if len(a.keys) > P.MAX_BATCH:
-                raise P.InvalidArgument(f"batch of {len(a.keys)} keys exceeds the limit of {P.MAX_BATCH}")
+                raise P.InvalidArgument(
+                    f"batch of {len(a.keys)} keys exceeds the limit of {P.MAX_BATCH}"
+                )
             out: list[Any] = []
             for k, n in zip(a.keys, a.sizes, strict=True):
                 try:
@@ -236,30 +257,45 @@ class MasterServer:
             return out
 
         def batch_put_end(a: Any, now: float) -> list[Any]:
-            return each_key("batch_put_end", a, lambda k, t, ok: st.put_end(a.client_id, k, t, now) if ok
-                            else st.put_revoke(a.client_id, k, t, now))
+            return each_key(
+                "batch_put_end",
+                a,
+                lambda k, t, ok: (
+                    st.put_end(a.client_id, k, t, now)
+                    if ok
+                    else st.put_revoke(a.client_id, k, t, now)
+                ),
+            )
 
         def no_early_with_ha(a: Any, what: str) -> None:
             if a.early and self.ha_url is not None:
                 # an early commit is acknowledged before it could be logged: only without HA
-                raise P.EarlyCommitsOff(f"{what}: early commits are off on an HA master (its reservations stay "
-                                        f"usable); commit after the write")
+                raise P.EarlyCommitsOff(
+                    f"{what}: early commits are off on an HA master (its reservations stay "
+                    f"usable); commit after the write"
+                )
 
         def put_commit(a: Any, now: float) -> tuple[float, int]:
             no_early_with_ha(a, f"put {a.key!r}")
-            return st.put_commit(a.client_id, a.key, a.rid, a.offset, a.size, a.cfg, now, early=a.early)
+            return st.put_commit(
+                a.client_id, a.key, a.rid, a.offset, a.size, a.cfg, now, early=a.early
+            )
 
         def batch_put_commit(a: Any, now: float) -> list[Any]:
             n = len(a.keys)
             if not n == len(a.rids) == len(a.offsets) == len(a.sizes):
-                raise P.InvalidArgument("batch_put_commit: keys, rids, offsets and sizes must have the same length")
+                raise P.InvalidArgument(
+                    "batch_put_commit: keys, rids, offsets and sizes must have the same length"
+                )
             if n > P.MAX_BATCH:
                 raise P.InvalidArgument(f"batch of {n} keys exceeds the limit of {P.MAX_BATCH}")
             no_early_with_ha(a, "batch_put_commit")
             out: list[Any] = []
             for k, rid, off, size in zip(a.keys, a.rids, a.offsets, a.sizes, strict=True):
                 try:
-                    ttl, token = st.put_commit(a.client_id, k, rid, off, size, a.cfg, now, early=a.early)
+                    ttl, token = st.put_commit(
+                        a.client_id, k, rid, off, size, a.cfg, now, early=a.early
+                    )
                     out.append((0, ttl, token))
                 except P.UnknownClient:
                     raise
@@ -269,20 +305,30 @@ class MasterServer:
             return out
 
         def batch_put_confirm(a: Any, now: float) -> list[Any]:
-            return each_key("batch_put_confirm", a, lambda k, t, ok: st.put_confirm(a.client_id, k, t, ok, now))
+            return each_key(
+                "batch_put_confirm", a, lambda k, t, ok: st.put_confirm(a.client_id, k, t, ok, now)
+            )
 
         return {
-            "register_client": lambda a, now: {**st.register_client(a.client_id, a.host, a.peer, a.ssd, now),
-                                               "early_commit": self.ha_url is None},
-            "mount": lambda a, now: st.mount(a.client_id, a.segment, a.peer, a.base, a.size, a.host, now),
+            "register_client": lambda a, now: {
+                **st.register_client(a.client_id, a.host, a.peer, a.ssd, now),
+                "early_commit": self.ha_url is None,
+            },
+            "mount": lambda a, now: st.mount(
+                a.client_id, a.segment, a.peer, a.base, a.size, a.host, now
+            ),
             "unmount": lambda a, now: st.unmount(a.client_id, a.segment, now),
-            "task_done": lambda a, now: st.task_done(a.client_id, a.kind, a.key, a.token, a.ok, a.detail, now),
+            "task_done": lambda a, now: st.task_done(
+                a.client_id, a.kind, a.key, a.token, a.ok, a.detail, now
+            ),
             "put_start": lambda a, now: st.put_start(a.client_id, a.key, a.size, a.cfg, now),
             "batch_put_start": batch_put_start,
             "put_end": lambda a, now: st.put_end(a.client_id, a.key, a.token, now),
             "put_revoke": lambda a, now: st.put_revoke(a.client_id, a.key, a.token, now),
             "batch_put_end": batch_put_end,
-            "reserve": lambda a, now: st.reserve(a.client_id, a.size, a.cfg, a.release, now, a.count),
+            "reserve": lambda a, now: st.reserve(
+                a.client_id, a.size, a.cfg, a.release, now, a.count
+            ),
             "batch_put_commit": batch_put_commit,
             "batch_put_confirm": batch_put_confirm,
             "put_commit": put_commit,
@@ -306,12 +352,21 @@ class MasterServer:
         t0 = time.perf_counter()
         method = req.method
         if req.v != P.VERSION:
-            conn.send(P.encode_response(req.id, P.Code.UNSUPPORTED,
-                                        f"RPC version {req.v} is not supported (this master speaks {P.VERSION})"))
+            conn.send(
+                P.encode_response(
+                    req.id,
+                    P.Code.UNSUPPORTED,
+                    f"RPC version {req.v} is not supported (this master speaks {P.VERSION})",
+                )
+            )
             return
         if self.role != "leader" and method != "ping":
             hint = f"; the leader is {self.leader_hint}" if self.leader_hint else ""
-            conn.send(P.encode_response(req.id, P.Code.NOT_LEADER, f"master {self.id} is {self.role}{hint}"))
+            conn.send(
+                P.encode_response(
+                    req.id, P.Code.NOT_LEADER, f"master {self.id} is {self.role}{hint}"
+                )
+            )
             return
         if method == "poll":
             asyncio.ensure_future(self._poll(conn, req, t0))
@@ -322,7 +377,9 @@ class MasterServer:
             args = P.decode_params(method, req.params)
             if self.state.early and method in _PARKED_ON_KEYS:
                 key = _early_key(method, args, self.state.early)
-                if key is not None:  # a put of this key is committed and about to be confirmed: wait for it
+                if (
+                    key is not None
+                ):  # a put of this key is committed and about to be confirmed: wait for it
                     self._parked.setdefault(key, []).append((conn, req))
                     return
             result = self._handlers[method](args, time.monotonic())
@@ -341,11 +398,13 @@ class MasterServer:
             out = P.encode_response(req.id, code, msg)
         self.metrics.observe(method, time.perf_counter() - t0, ok)
         if method in _CONFIRMS and args is not None:
-            for k in (args.keys if method == "batch_put_confirm" else (args.key,)):
+            for k in args.keys if method == "batch_put_confirm" else (args.key,):
                 conn.early.pop(k, None)
             if not args.reply:
                 if not ok:
-                    logger.info("one-way %s", msgspec.msgpack.decode(P.decode_response(out[4:]).result))
+                    logger.info(
+                        "one-way %s", msgspec.msgpack.decode(P.decode_response(out[4:]).result)
+                    )
                 elif method == "batch_put_confirm" and any(r[0] for r in result):
                     logger.info("one-way batch_put_confirm: %s", next(r[1] for r in result if r[0]))
                 out = b""
@@ -365,7 +424,9 @@ class MasterServer:
         for key, token in early.items():
             o = self.state.objects.get(key)
             if o is not None and o.early and o.token == token:
-                logger.info("dropping the early commit of %r: its connection closed before put_confirm", key)
+                logger.info(
+                    "dropping the early commit of %r: its connection closed before put_confirm", key
+                )
                 self.state.put_confirm(o.owner, key, token, False, time.monotonic())
         if self._parked:
             self._unpark_resolved()
@@ -407,7 +468,9 @@ class MasterServer:
             waiters, self._flush_waiters = self._flush_waiters, []
             try:
                 if entries:
-                    self._seq = await loop.run_in_executor(None, self._etcd.append, self._me, self._seq, entries)
+                    self._seq = await loop.run_in_executor(
+                        None, self._etcd.append, self._me, self._seq, entries
+                    )
                     if self._seq - self._snap_seq >= self.snapshot_every and not self._snapshotting:
                         self._snapshotting = True
                         asyncio.ensure_future(self._snapshot())
@@ -426,7 +489,9 @@ class MasterServer:
 
         seq, entries = self._seq, self.state.export()  # consistent: taken in one loop step
         try:
-            await asyncio.get_running_loop().run_in_executor(None, Snapshots(self._etcd).write, self._me, seq, entries)
+            await asyncio.get_running_loop().run_in_executor(
+                None, Snapshots(self._etcd).write, self._me, seq, entries
+            )
             self._snap_seq = seq
             logger.info("oplog compacted: snapshot at seq %d (%d entries)", seq, len(entries))
         except MetadataError as exc:
@@ -540,8 +605,13 @@ class MasterServer:
                     self.state.on_takeover(time.monotonic())
                     self.role = "leader"
                     self.leader_hint = self._me.rpc
-                    logger.info("master %s is now the leader at %s (oplog seq %d, %d objects)", self.id,
-                                self._me.rpc, self._seq, len(self.state.objects))
+                    logger.info(
+                        "master %s is now the leader at %s (oplog seq %d, %d objects)",
+                        self.id,
+                        self._me.rpc,
+                        self._seq,
+                        len(self.state.objects),
+                    )
                     continue
                 cur = await loop.run_in_executor(None, etcd.leader)
                 self.leader_hint = cur.rpc if cur is not None else ""
@@ -554,10 +624,15 @@ class MasterServer:
 
     async def _catch_up(self) -> int:
         """Apply the next oplog batches (reloading the snapshot across a trim); returns how many."""
-        batches = await asyncio.get_running_loop().run_in_executor(None, self._etcd.read_log, self._seq)
+        batches = await asyncio.get_running_loop().run_in_executor(
+            None, self._etcd.read_log, self._seq
+        )
         if batches and batches[0][0] != self._seq:  # we fell behind a trim
-            logger.warning("oplog gap (have seq %d, log starts at %d): reloading the snapshot",
-                           self._seq, batches[0][0])
+            logger.warning(
+                "oplog gap (have seq %d, log starts at %d): reloading the snapshot",
+                self._seq,
+                batches[0][0],
+            )
             await self._load_snapshot()
             return 1
         self._apply(batches)
@@ -578,7 +653,9 @@ class MasterServer:
                 try:
                     self.state.apply(e, now)
                 except Exception:
-                    logger.exception("cannot apply oplog entry %r", e[:2] if isinstance(e, list) else e)
+                    logger.exception(
+                        "cannot apply oplog entry %r", e[:2] if isinstance(e, list) else e
+                    )
             self._seq = seq + 1
 
     # ------------------------------------------------------------------ HTTP
@@ -586,12 +663,15 @@ class MasterServer:
         app = web.Application()
 
         async def metrics(_r: web.Request) -> web.Response:
-            return web.Response(text=render(self.metrics, self.state, self.role), content_type="text/plain")
+            return web.Response(
+                text=render(self.metrics, self.state, self.role), content_type="text/plain"
+            )
 
         async def health(_r: web.Request) -> web.Response:
             ok = self.role in ("leader", "standby")
-            return web.json_response({"status": "ok" if ok else self.role, "role": self.role},
-                                     status=200 if ok else 503)
+            return web.json_response(
+                {"status": "ok" if ok else self.role, "role": self.role}, status=200 if ok else 503
+            )
 
         async def role(_r: web.Request) -> web.Response:
             return web.json_response({"role": self.role, "id": self.id, "leader": self.leader_hint})
@@ -602,12 +682,24 @@ class MasterServer:
                 return web.json_response(self.state.query_key(key))
             except Exception as exc:
                 code, msg = error_tuple(exc)
-                return web.json_response({"error": msg}, status=404 if code == P.Code.NOT_FOUND else 400)
+                return web.json_response(
+                    {"error": msg}, status=404 if code == P.Code.NOT_FOUND else 400
+                )
 
         async def segments(_r: web.Request) -> web.Response:
-            return web.json_response([{"name": s.name, "client": s.client_id, "peer": s.peer, "size": s.size,
-                                       "used": s.allocator.used, "objects": len(s.keys)}
-                                      for s in self.state.segments.values()])
+            return web.json_response(
+                [
+                    {
+                        "name": s.name,
+                        "client": s.client_id,
+                        "peer": s.peer,
+                        "size": s.size,
+                        "used": s.allocator.used,
+                        "objects": len(s.keys),
+                    }
+                    for s in self.state.segments.values()
+                ]
+            )
 
         async def stats(_r: web.Request) -> web.Response:
             return web.json_response(self.state.stats())
@@ -630,7 +722,9 @@ class MasterServer:
         self._loop = loop
         self._stopped = asyncio.Event()
         self._flush_wake = asyncio.Event()
-        self._server = await loop.create_server(lambda: _Conn(self), self.host, self.rpc_port, reuse_address=True)
+        self._server = await loop.create_server(
+            lambda: _Conn(self), self.host, self.rpc_port, reuse_address=True
+        )
         self.rpc_port = self._server.sockets[0].getsockname()[1]
         if self.http_port >= 0:
             self._runner = web.AppRunner(self._http_app(), access_log=None)
@@ -654,8 +748,15 @@ class MasterServer:
             self.state.on_change = self._log.append
             self.role = "leader"
             self.leader_hint = rpc
-        logger.info("store master %s: RPC on %s:%d, HTTP on %s:%d%s", self.id, self.host, self.rpc_port,
-                    self.http_host, self.http_port, f", HA via {self.ha_url}" if self.ha_url else "")
+        logger.info(
+            "store master %s: RPC on %s:%d, HTTP on %s:%d%s",
+            self.id,
+            self.host,
+            self.rpc_port,
+            self.http_host,
+            self.http_port,
+            f", HA via {self.ha_url}" if self.ha_url else "",
+        )
 
     async def stop(self) -> None:
         for t in self._tasks:

@@ -31,8 +31,9 @@ class RememberedReads(ClientCore):
         """Only holders we are connected to: a lookup or a connect must not stall a guess."""
         return all(self._own(s) is not None or self.engine.is_resolved(s.peer) for s in rep)
 
-    def _read_remembered(self, key: str,
-                         local_for: Callable[[int], LocalBuffer]) -> int | ReplicaAnswer | None:
+    def _read_remembered(
+        self, key: str, local_for: Callable[[int], LocalBuffer]
+    ) -> int | ReplicaAnswer | None:
         """A get of a remembered key: read the remembered replica while the master answers.
 
         Returns the size when the bytes read are the object's, the master's answer when they
@@ -50,7 +51,9 @@ class RememberedReads(ClientCore):
             return None
         try:
             local = local_for(size)
-        except StoreError:  # the buffer is too small for the remembered size: let the plain path say so
+        except (
+            StoreError
+        ):  # the buffer is too small for the remembered size: let the plain path say so
             return None
         pending = self.rpc.start("get_replica_list", (key,))
         if pending is None:
@@ -58,10 +61,16 @@ class RememberedReads(ClientCore):
         try:
             self._move("read", [(local, rep)])
             moved = True
-        except (MooncakeError, OSError) as exc:  # the holder may be gone: the answer tells where to read
+        except (
+            MooncakeError,
+            OSError,
+        ) as exc:  # the holder may be gone: the answer tells where to read
             moved = False
-            logger.debug("reading remembered %r failed (%s); forgetting what was remembered on its "
-                         "holders", key, exc)
+            logger.debug(
+                "reading remembered %r failed (%s); forgetting what was remembered on its holders",
+                key,
+                exc,
+            )
             self._where.forget_peers({s.peer for s in rep})
         except BaseException:
             self.rpc.abandon(pending)
@@ -73,9 +82,17 @@ class RememberedReads(ClientCore):
             return None
         # failovers, not generation(): idle connections were checked above; what matters now is
         # whether the answer came over a connection that failed over since
-        if moved and token2 == token and size2 == size and rep in reps and gen == self.rpc.failovers:
+        if (
+            moved
+            and token2 == token
+            and size2 == size
+            and rep in reps
+            and gen == self.rpc.failovers
+        ):
             if time.monotonic() - pending.sent > ttl:
-                raise LeaseExpired(f"get {key!r}: the read took longer than the {ttl:.1f}s lease; retry")
+                raise LeaseExpired(
+                    f"get {key!r}: the read took longer than the {ttl:.1f}s lease; retry"
+                )
             self.location_hits += 1
             self._where.touch(key)
             return size
@@ -83,8 +100,9 @@ class RememberedReads(ClientCore):
         self._where.forget([key])
         return ReplicaAnswer(size2, reps, ttl, pending.sent, token2, gen)
 
-    def _batch_read_remembered(self, keys: Sequence[str], bufs: Sequence[Any], sizes: Sequence[int] | None,
-                               gen: int) -> tuple[list[Any], dict[int, int]] | None:
+    def _batch_read_remembered(
+        self, keys: Sequence[str], bufs: Sequence[Any], sizes: Sequence[int] | None, gen: int
+    ) -> tuple[list[Any], dict[int, int]] | None:
         """A batch get with remembered keys: read their remembered replicas while the master
         answers ``batch_get_replica_list`` (as :meth:`_read_remembered` does for one key).
 
@@ -108,8 +126,9 @@ class RememberedReads(ClientCore):
         if pending is None:
             return None
         try:
-            failed = self._batch_move("read", [(j, local, e.replica) for j, (_i, e, local) in enumerate(picks)],
-                                      None)
+            failed = self._batch_move(
+                "read", [(j, local, e.replica) for j, (_i, e, local) in enumerate(picks)], None
+            )
         except BaseException:
             self.rpc.abandon(pending)
             raise
@@ -119,9 +138,18 @@ class RememberedReads(ClientCore):
         hit: dict[int, int] = {}
         same_masters = gen == self.rpc.failovers
         for j, (i, e, _local) in enumerate(picks):
-            row = res[i]  # (code, size, replicas, ttl, token): see MasterState.batch_get_replica_list
-            if (same_masters and j not in failed and row[0] == 0 and len(row) > 4 and int(row[4]) == e.token
-                    and int(row[1]) == e.size and e.replica in [[SliceW._make(s) for s in r] for r in row[2]]):
+            row = res[
+                i
+            ]  # (code, size, replicas, ttl, token): see MasterState.batch_get_replica_list
+            if (
+                same_masters
+                and j not in failed
+                and row[0] == 0
+                and len(row) > 4
+                and int(row[4]) == e.token
+                and int(row[1]) == e.size
+                and e.replica in [[SliceW._make(s) for s in r] for r in row[2]]
+            ):
                 hit[i] = e.size
             else:
                 self._where.forget([keys[i]])

@@ -77,7 +77,9 @@ class Replication(StateCore):
             ce = ClientEntry._make(entry)
             c = self.clients.get(ce.client_id)
             if c is None:
-                self.clients[ce.client_id] = ClientInfo(ce.client_id, ce.host, ce.peer, bool(ce.ssd), now)
+                self.clients[ce.client_id] = ClientInfo(
+                    ce.client_id, ce.host, ce.peer, bool(ce.ssd), now
+                )
             else:
                 c.host, c.peer, c.ssd = ce.host, ce.peer, bool(ce.ssd)
         elif kind == "unclient":
@@ -90,10 +92,18 @@ class Replication(StateCore):
         elif kind == "seg":
             se = SegEntry._make(entry)
             if se.name not in self.segments:
-                self.segments[se.name] = Segment(se.name, se.client_id, se.peer, se.host, se.base, se.size,
-                                                 OffsetAllocator(se.size))
+                self.segments[se.name] = Segment(
+                    se.name,
+                    se.client_id,
+                    se.peer,
+                    se.host,
+                    se.base,
+                    se.size,
+                    OffsetAllocator(se.size),
+                )
             c = self.clients.get(se.client_id) or self.clients.setdefault(
-                se.client_id, ClientInfo(se.client_id, se.host, se.peer, False, now))
+                se.client_id, ClientInfo(se.client_id, se.host, se.peer, False, now)
+            )
             c.segments.add(se.name)
         elif kind == "unseg":
             s = self.segments.get(entry[1])
@@ -112,12 +122,23 @@ class Replication(StateCore):
             reps: list[list[SliceT]] = []
             for rep in oe.replicas:
                 rr = [(str(n), int(off), int(ln)) for n, off, ln in rep]
-                if all(x[0] in self.segments and self.segments[x[0]].allocator.reserve(x[1], x[2]) for x in rr):
+                if all(
+                    x[0] in self.segments and self.segments[x[0]].allocator.reserve(x[1], x[2])
+                    for x in rr
+                ):
                     reps.append(rr)
                     self._index_replica(key, rr)
-            o = Obj(key, oe.size, reps, complete=True, token=self._next_token(), hard_pin=bool(oe.hard_pin),
-                    soft_pin_until=float(oe.soft_pin_until), disk=str(disk),
-                    lease_until=now + self.cfg.lease_ttl_s)
+            o = Obj(
+                key,
+                oe.size,
+                reps,
+                complete=True,
+                token=self._next_token(),
+                hard_pin=bool(oe.hard_pin),
+                soft_pin_until=float(oe.soft_pin_until),
+                disk=str(disk),
+                lease_until=now + self.cfg.lease_ttl_s,
+            )
             if disk and disk in self.clients:
                 self.clients[disk].disk_keys.add(key)
             if reps or o.disk:
@@ -132,10 +153,13 @@ class Replication(StateCore):
             rid = int(re_.rid)
             sg = self.segments.get(re_.segment)
             if sg is not None:
-                kept = {int(b): int(n) for b, n in re_.blocks if sg.allocator.reserve(int(b), int(n))}
+                kept = {
+                    int(b): int(n) for b, n in re_.blocks if sg.allocator.reserve(int(b), int(n))
+                }
                 if kept:
-                    self.reservations[rid] = Reservation(rid, str(re_.client_id), str(re_.segment), kept,
-                                                         now + float(re_.ttl))
+                    self.reservations[rid] = Reservation(
+                        rid, str(re_.client_id), str(re_.segment), kept, now + float(re_.ttl)
+                    )
             self._rid = max(self._rid, rid)
         elif kind == "carve":
             _, rid, offset, need = entry
@@ -161,12 +185,25 @@ class Replication(StateCore):
 
     def export(self) -> list[tuple[Any, ...]]:
         """Entries that rebuild the replicated state with :meth:`apply` (a snapshot)."""
-        out: list[tuple[Any, ...]] = [ClientEntry("client", c.client_id, c.host, c.peer, c.ssd)
-                                      for c in self.clients.values()]
-        out += [SegEntry("seg", s.client_id, s.name, s.peer, s.base, s.size, s.host) for s in self.segments.values()]
+        out: list[tuple[Any, ...]] = [
+            ClientEntry("client", c.client_id, c.host, c.peer, c.ssd) for c in self.clients.values()
+        ]
+        out += [
+            SegEntry("seg", s.client_id, s.name, s.peer, s.base, s.size, s.host)
+            for s in self.segments.values()
+        ]
         out += [self._obj_entry(o) for o in self.objects.values() if o.complete]
-        out += [ResEntry("res", r.rid, r.client_id, r.segment, [[b, n] for b, n in sorted(r.blocks.items())],
-                         self.cfg.put_timeout_s) for r in self.reservations.values()]
+        out += [
+            ResEntry(
+                "res",
+                r.rid,
+                r.client_id,
+                r.segment,
+                [[b, n] for b, n in sorted(r.blocks.items())],
+                self.cfg.put_timeout_s,
+            )
+            for r in self.reservations.values()
+        ]
         return out
 
     def on_takeover(self, now: float) -> None:

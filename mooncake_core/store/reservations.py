@@ -21,15 +21,25 @@ from mooncake_core.store.state_core import Obj, Reservation, Segment, SliceT, St
 __all__ = ["RESERVE_MAX_OBJECT", "Reservations"]
 
 RESERVE_MAX_OBJECT = 4 << 20  # objects up to this size may be put through a reservation
-_RESERVE_MIN, _RESERVE_MAX = 4 << 20, 32 << 20  # extent size bounds (and at most 1/16 of the segment)
+_RESERVE_MIN, _RESERVE_MAX = (
+    4 << 20,
+    32 << 20,
+)  # extent size bounds (and at most 1/16 of the segment)
 _RESERVE_PER_CLIENT = 8
 
 
 class Reservations(StateCore):
     """Lending extents and committing objects into them (see module doc)."""
 
-    def reserve(self, client_id: str, size: int, cfg: ReplicaCfg, release: list[int],
-                now: float, count: int = 0) -> tuple[int, Extent | list[Any], float]:
+    def reserve(
+        self,
+        client_id: str,
+        size: int,
+        cfg: ReplicaCfg,
+        release: list[int],
+        now: float,
+        count: int = 0,
+    ) -> tuple[int, Extent | list[Any], float]:
         """Release the client's listed reservations, then lend it an extent for objects of about ``size``.
 
         Returns ``(rid, Extent, ttl_s)``, or
@@ -47,11 +57,18 @@ class Reservations(StateCore):
         if size < 0 or size > RESERVE_MAX_OBJECT:
             raise InvalidArgument(f"reserve: size must be 0..{RESERVE_MAX_OBJECT}, got {size}")
         if cfg.replica_num != 1:
-            raise InvalidArgument(f"reserve: reservations hold single-replica objects, got replica_num={cfg.replica_num}")
+            raise InvalidArgument(
+                f"reserve: reservations hold single-replica objects, got replica_num={cfg.replica_num}"
+            )
         strategy = self._strategy(cfg, "reserve")
         if cfg.preferred_segment and cfg.preferred_segment not in self.segments:
-            raise InvalidArgument(f"reserve: preferred segment {cfg.preferred_segment!r} is not mounted")
-        if sum(1 for r in self.reservations.values() if r.client_id == client_id) >= _RESERVE_PER_CLIENT:
+            raise InvalidArgument(
+                f"reserve: preferred segment {cfg.preferred_segment!r} is not mounted"
+            )
+        if (
+            sum(1 for r in self.reservations.values() if r.client_id == client_id)
+            >= _RESERVE_PER_CLIENT
+        ):
             return 0, [], 0.0
         if count < 0:
             raise InvalidArgument(f"reserve: count must not be negative, got {count}")
@@ -61,14 +78,20 @@ class Reservations(StateCore):
         def extent(sg: Segment) -> int:
             return min(want, sg.size // 16)
 
-        fits = [sg for sg in self.segments.values()
-                if extent(sg) >= 2 * align(size) and sg.allocator.used + extent(sg) <= hw * sg.size
-                and sg.allocator.largest_free() >= extent(sg)]
+        fits = [
+            sg
+            for sg in self.segments.values()
+            if extent(sg) >= 2 * align(size)
+            and sg.allocator.used + extent(sg) <= hw * sg.size
+            and sg.allocator.largest_free() >= extent(sg)
+        ]
         # the segments a two-phase put would try first must be the ones lending: a preference
         # (preferred segment, the writer's own segments) is never traded for an extent elsewhere
         if cfg.preferred_segment:
             fits = [sg for sg in fits if sg.name == cfg.preferred_segment]
-        elif strategy == "local-first" and any(sg.client_id == client_id for sg in self.segments.values()):
+        elif strategy == "local-first" and any(
+            sg.client_id == client_id for sg in self.segments.values()
+        ):
             fits = [sg for sg in fits if sg.client_id == client_id]
         if strategy == "free-ratio-first":
             fits.sort(key=lambda sg: sg.allocator.free / sg.size, reverse=True)
@@ -88,8 +111,18 @@ class Reservations(StateCore):
         self._emit("res", r.rid, client_id, sg.name, [[off, n]], self.cfg.put_timeout_s)
         return r.rid, Extent(sg.name, sg.peer, sg.base, off, n, sg.host), self.cfg.put_timeout_s
 
-    def put_commit(self, client_id: str, key: str, rid: int, offset: int, size: int, cfg: ReplicaCfg,
-                   now: float, *, early: bool = False) -> tuple[float, int]:
+    def put_commit(
+        self,
+        client_id: str,
+        key: str,
+        rid: int,
+        offset: int,
+        size: int,
+        cfg: ReplicaCfg,
+        now: float,
+        *,
+        early: bool = False,
+    ) -> tuple[float, int]:
         """Commit ``key`` = the ``size`` bytes the client wrote at ``offset`` inside reservation ``rid``.
 
         Returns the reservation's renewed ttl and the object's version token. The range is
@@ -108,23 +141,40 @@ class Reservations(StateCore):
             raise InvalidArgument(f"put {key!r}: soft_pin_ttl_s must not be negative")
         r = self.reservations.get(rid)
         if r is None or r.client_id != client_id or now >= r.deadline:
-            raise ReservationGone(f"put {key!r}: reservation {rid} is unknown or expired for client {client_id!r}; "
-                                  f"put again")
+            raise ReservationGone(
+                f"put {key!r}: reservation {rid} is unknown or expired for client {client_id!r}; "
+                f"put again"
+            )
         old = self.objects.get(key)
-        if old is not None and old.complete:  # before the range check: a retried commit that already landed
+        if (
+            old is not None and old.complete
+        ):  # before the range check: a retried commit that already landed
             raise ObjectExists(f"put {key!r}: the key already exists (remove it first)")
         need = align(size)
         block = r.block_holding(offset, need)
         if block is None:
-            raise ReservationGone(f"put {key!r}: [{offset}, {offset + need}) is not a free part of reservation {rid}")
+            raise ReservationGone(
+                f"put {key!r}: [{offset}, {offset + need}) is not a free part of reservation {rid}"
+            )
         self._claim_key(key, now)
-        if r.rid not in self.reservations:  # making room reclaimed expired reservations: not this live one
+        if (
+            r.rid not in self.reservations
+        ):  # making room reclaimed expired reservations: not this live one
             raise ReservationGone(f"put {key!r}: reservation {rid} was reclaimed; put again")
         self._carve(r, block, offset, need, release=False)
         rep: list[SliceT] = [(r.segment, offset, size)]
-        o = Obj(key, size, [rep], complete=not early, token=self._next_token(), owner=client_id,
-                hard_pin=cfg.hard_pin, soft_pin_until=(now + cfg.soft_pin_ttl_s) if cfg.soft_pin_ttl_s else 0.0,
-                early=early, deadline=(now + self.cfg.put_timeout_s) if early else 0.0)
+        o = Obj(
+            key,
+            size,
+            [rep],
+            complete=not early,
+            token=self._next_token(),
+            owner=client_id,
+            hard_pin=cfg.hard_pin,
+            soft_pin_until=(now + cfg.soft_pin_ttl_s) if cfg.soft_pin_ttl_s else 0.0,
+            early=early,
+            deadline=(now + self.cfg.put_timeout_s) if early else 0.0,
+        )
         self.objects[key] = o
         self._index_replica(key, rep)
         r.deadline = now + self.cfg.put_timeout_s
@@ -141,8 +191,10 @@ class Reservations(StateCore):
         """Complete (``ok``) or drop an early commit of ``key`` once its writer knows how the write went."""
         o = self.objects.get(key)
         if o is None or not o.early or o.token != token or o.owner != client_id:
-            raise InvalidArgument(f"put_confirm {key!r}: no early commit with this token (it timed out after "
-                                  f"{self.cfg.put_timeout_s:.0f}s or its connection closed); put again")
+            raise InvalidArgument(
+                f"put_confirm {key!r}: no early commit with this token (it timed out after "
+                f"{self.cfg.put_timeout_s:.0f}s or its connection closed); put again"
+            )
         c = self.clients.get(client_id)
         if c is not None:
             c.last_seen = now

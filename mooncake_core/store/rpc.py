@@ -40,7 +40,9 @@ class _Sock:
     def __init__(self, addr: str, timeout: float, spin_s: float = 100e-6) -> None:
         host, _, port = addr.rpartition(":")
         if not host or not port.isdigit():
-            raise ConfigError(f"master_server_address: {addr!r} is not host:port or etcd://host:port")
+            raise ConfigError(
+                f"master_server_address: {addr!r} is not host:port or etcd://host:port"
+            )
         self.addr = addr
         self.sock = socket.create_connection((host, int(port)), timeout=timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -52,7 +54,9 @@ class _Sock:
         self.spin_s = spin_s
 
     def _wait(self, deadline: float | None, events: int = select.POLLIN) -> None:
-        timeout_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000) + 1)
+        timeout_ms = (
+            None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000) + 1)
+        )
         if deadline is not None and deadline <= time.monotonic():
             raise TimeoutError("master did not answer within the timeout")
         if events != select.POLLIN:
@@ -105,7 +109,9 @@ class _Sock:
         if got > 4 + n:
             raise ConnectionError("master sent more than one answer")
         if got == 4 + n:
-            resp = P.decode_response(bytes(buf[4:got]))  # Raw results must not alias the reused buffer
+            resp = P.decode_response(
+                bytes(buf[4:got])
+            )  # Raw results must not alias the reused buffer
         else:
             body = bytearray(n)
             view = memoryview(body)
@@ -134,7 +140,9 @@ class Pending:
 
     __slots__ = ("sock", "rid", "method", "params", "sent", "deadline")
 
-    def __init__(self, sock: _Sock, rid: int, method: str, params: Any, sent: float, deadline: float) -> None:
+    def __init__(
+        self, sock: _Sock, rid: int, method: str, params: Any, sent: float, deadline: float
+    ) -> None:
         self.sock, self.rid, self.method, self.params = sock, rid, method, params
         self.sent = sent  # time.monotonic() just before the request went out
         self.deadline = deadline
@@ -153,8 +161,15 @@ class MasterRPC:
         failover_timeout_s: how long to keep retrying while no leader answers.
     """
 
-    def __init__(self, address: str, *, cluster_id: str = "default", timeout_s: float = 30.0,
-                 failover_timeout_s: float = 15.0, spin_us: float = 100.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        cluster_id: str = "default",
+        timeout_s: float = 30.0,
+        failover_timeout_s: float = 15.0,
+        spin_us: float = 100.0,
+    ) -> None:
         self.address = address
         self.cluster_id = cluster_id
         self.timeout_s = timeout_s
@@ -165,7 +180,9 @@ class MasterRPC:
         self._target = "" if address.startswith("etcd://") else address
         self._etcd: Any = None
         self._closed = False
-        self._open: weakref.WeakSet[_Sock] = weakref.WeakSet()  # every connection, idle or in use (for close)
+        self._open: weakref.WeakSet[_Sock] = (
+            weakref.WeakSet()
+        )  # every connection, idle or in use (for close)
         self.failovers = 0
         # called before each request while set (the store client starts itself on first use)
         self.before_use: Callable[[], None] | None = None
@@ -180,7 +197,9 @@ class MasterRPC:
             self._etcd = StoreEtcd(self.address, self.cluster_id, timeout=3.0)
         info = self._etcd.leader()
         if info is None:
-            raise MasterUnavailable(f"no store master is leader in etcd {self.address} (cluster {self.cluster_id!r})")
+            raise MasterUnavailable(
+                f"no store master is leader in etcd {self.address} (cluster {self.cluster_id!r})"
+            )
         return str(info.rpc)
 
     def _drop_all(self) -> None:
@@ -204,7 +223,9 @@ class MasterRPC:
         try:
             s = _Sock(target, min(self.timeout_s, 5.0), self.spin_s)
         except OSError as exc:
-            raise ConnectionError(f"cannot connect to master {target}: {exc.strerror or exc}") from exc
+            raise ConnectionError(
+                f"cannot connect to master {target}: {exc.strerror or exc}"
+            ) from exc
         with self._lock:
             self._open.add(s)
             closed = self._closed
@@ -239,8 +260,15 @@ class MasterRPC:
         return self.failovers
 
     # ------------------------------------------------------------------ calls
-    def call(self, method: str, params: Any, *, timeout: float | None = None, typ: Any = Any,
-             failover_s: float | None = None) -> Any:
+    def call(
+        self,
+        method: str,
+        params: Any,
+        *,
+        timeout: float | None = None,
+        typ: Any = Any,
+        failover_s: float | None = None,
+    ) -> Any:
         """Send one request and return its decoded result (raises on error answers).
 
         ``failover_s`` bounds how long to keep trying while no master answers (default: the
@@ -263,12 +291,16 @@ class MasterRPC:
                 s = None
             if s is not None:
                 try:
-                    resp = s.roundtrip(method, params, timeout if timeout is not None else self.timeout_s)
+                    resp = s.roundtrip(
+                        method, params, timeout if timeout is not None else self.timeout_s
+                    )
                 except (OSError, ConnectionError, msgspec.DecodeError) as exc:
                     s.close()
                     last = exc
                     if isinstance(exc, socket.timeout) and not self.address.startswith("etcd://"):
-                        raise MasterUnavailable(f"master {s.addr} did not answer {method} within the timeout") from exc
+                        raise MasterUnavailable(
+                            f"master {s.addr} did not answer {method} within the timeout"
+                        ) from exc
                 else:
                     self._release(s)
                     value = self._result(resp, typ)
@@ -277,8 +309,10 @@ class MasterRPC:
                     last = P.NotLeader(str(msgspec.msgpack.decode(resp.result)))
             # connection failure or standby: find the leader again
             if time.monotonic() >= deadline:
-                raise MasterUnavailable(f"no store master answered {method} at {self.address} within "
-                                        f"{wait:.0f}s: {last}") from last
+                raise MasterUnavailable(
+                    f"no store master answered {method} at {self.address} within "
+                    f"{wait:.0f}s: {last}"
+                ) from last
             self.failovers += 1
             logger.debug("master call %s failed (%s); re-resolving", method, last)
             with self._lock:

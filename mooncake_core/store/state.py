@@ -69,8 +69,17 @@ from mooncake_core.store.state_core import (
 )
 from mooncake_core.store.tiering import SsdTiering
 
-__all__ = ["MasterState", "Segment", "ClientInfo", "Obj", "Reservation", "check_key", "RESERVE_MAX_OBJECT",
-           "SliceT", "error_tuple"]
+__all__ = [
+    "MasterState",
+    "Segment",
+    "ClientInfo",
+    "Obj",
+    "Reservation",
+    "check_key",
+    "RESERVE_MAX_OBJECT",
+    "SliceT",
+    "error_tuple",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +94,9 @@ class MasterState(Reservations, EvictionDriver, SsdTiering, Replication):
         self.segments: dict[str, Segment] = {}
         self.objects: dict[str, Obj] = {}
         self.lru: OrderedDict[str, None] = OrderedDict()
-        self.early: dict[str, int] = {}  # key -> token of objects committed early, awaiting put_confirm
+        self.early: dict[
+            str, int
+        ] = {}  # key -> token of objects committed early, awaiting put_confirm
         # tokens double as object versions (see module doc): never reused, even by a restarted master
         self._token = int.from_bytes(os.urandom(5), "big") << 20
         self.offload_pending: dict[str, int] = {}  # segment -> bytes queued for SSD offload
@@ -93,11 +104,21 @@ class MasterState(Reservations, EvictionDriver, SsdTiering, Replication):
         self._rid = 0
         self.on_change: Callable[[tuple[Any, ...]], None] | None = None
         self.on_task: Callable[[str], None] | None = None
-        self.counters: dict[str, int] = {"evictions": 0, "evicted_bytes": 0, "offloads": 0, "promotions": 0,
-                                         "expired_clients": 0, "reclaimed_puts": 0, "reservations_granted": 0,
-                                         "reserved_puts": 0, "reservations_reclaimed": 0}
+        self.counters: dict[str, int] = {
+            "evictions": 0,
+            "evicted_bytes": 0,
+            "offloads": 0,
+            "promotions": 0,
+            "expired_clients": 0,
+            "reclaimed_puts": 0,
+            "reservations_granted": 0,
+            "reserved_puts": 0,
+            "reservations_reclaimed": 0,
+        }
 
-    def register_client(self, client_id: str, host: str, peer: str, ssd: bool, now: float) -> dict[str, Any]:
+    def register_client(
+        self, client_id: str, host: str, peer: str, ssd: bool, now: float
+    ) -> dict[str, Any]:
         if not client_id:
             raise InvalidArgument("client_id must be a non-empty string")
         c = self.clients.get(client_id)
@@ -106,10 +127,16 @@ class MasterState(Reservations, EvictionDriver, SsdTiering, Replication):
         else:
             c.host, c.peer, c.ssd, c.last_seen = host, peer, ssd, now
         self._emit("client", client_id, host, peer, ssd)
-        return {"segments": sorted(c.segments), "ttl_s": self.cfg.client_ttl_s,
-                "heartbeat_s": self.cfg.heartbeat_interval_s, "lease_ttl_s": self.cfg.lease_ttl_s}
+        return {
+            "segments": sorted(c.segments),
+            "ttl_s": self.cfg.client_ttl_s,
+            "heartbeat_s": self.cfg.heartbeat_interval_s,
+            "lease_ttl_s": self.cfg.lease_ttl_s,
+        }
 
-    def mount(self, client_id: str, name: str, peer: str, base: int, size: int, host: str, now: float) -> None:
+    def mount(
+        self, client_id: str, name: str, peer: str, base: int, size: int, host: str, now: float
+    ) -> None:
         c = self._client(client_id, now)
         if not name:
             raise InvalidArgument("segment name must not be empty")
@@ -122,8 +149,12 @@ class MasterState(Reservations, EvictionDriver, SsdTiering, Replication):
             if old.client_id == client_id and old.base == base and old.size == size:
                 old.peer, old.host = peer, host  # re-mount after a leader change: keep contents
                 return
-            raise InvalidArgument(f"segment {name!r} is already mounted by client {old.client_id!r}")
-        self.segments[name] = Segment(name, client_id, peer, host, base, size, OffsetAllocator(size))
+            raise InvalidArgument(
+                f"segment {name!r} is already mounted by client {old.client_id!r}"
+            )
+        self.segments[name] = Segment(
+            name, client_id, peer, host, base, size, OffsetAllocator(size)
+        )
         c.segments.add(name)
         self._emit("seg", client_id, name, peer, base, size, host)
         logger.info("mounted segment %s (%s) of client %s", name, format_size(size), client_id)
@@ -188,7 +219,9 @@ class MasterState(Reservations, EvictionDriver, SsdTiering, Replication):
                     self._emit(*self._obj_entry(o))
         self._emit("unclient", client_id)
 
-    def put_start(self, client_id: str, key: str, size: int, cfg: ReplicaCfg, now: float) -> tuple[int, list[Any]]:
+    def put_start(
+        self, client_id: str, key: str, size: int, cfg: ReplicaCfg, now: float
+    ) -> tuple[int, list[Any]]:
         self._client(client_id, now)
         check_key(key)
         if size <= 0:
@@ -200,25 +233,41 @@ class MasterState(Reservations, EvictionDriver, SsdTiering, Replication):
         strategy = self._strategy(cfg, f"put {key!r}")
         self._claim_key(key, now)
         if not self.segments:
-            raise NoSpace(f"put {key!r}: no segment is mounted; start a store node or give clients a segment")
+            raise NoSpace(
+                f"put {key!r}: no segment is mounted; start a store node or give clients a segment"
+            )
         total = sum(s.size for s in self.segments.values())
         if size > total:
-            raise InvalidArgument(f"put {key!r}: {format_size(size)} is larger than all mounted segments together "
-                                  f"({format_size(total)})")
+            raise InvalidArgument(
+                f"put {key!r}: {format_size(size)} is larger than all mounted segments together "
+                f"({format_size(total)})"
+            )
         reps = self._place(key, size, cfg, strategy, client_id)
         if not reps:
             self._reclaim_zombies(now)
             reps = self._place(key, size, cfg, strategy, client_id)
-        while not reps and self.evict_for(size, now) > 0:  # fragmentation may need more than one round
+        while (
+            not reps and self.evict_for(size, now) > 0
+        ):  # fragmentation may need more than one round
             reps = self._place(key, size, cfg, strategy, client_id)
         if not reps:
             if any(o.offloading for o in self.objects.values()):
                 raise RetryLater(f"put {key!r}: waiting for SSD offloads to free memory")
             largest = max(s.allocator.largest_free() for s in self.segments.values())
-            raise NoSpace(f"put {key!r} needs {format_size(size)}; largest free extent is {format_size(largest)} "
-                          f"and nothing more can be evicted (leased or pinned); raise global_segment_size")
-        o = Obj(key, size, reps, token=self._next_token(), owner=client_id, deadline=now + self.cfg.put_timeout_s,
-                hard_pin=cfg.hard_pin, soft_pin_until=(now + cfg.soft_pin_ttl_s) if cfg.soft_pin_ttl_s else 0.0)
+            raise NoSpace(
+                f"put {key!r} needs {format_size(size)}; largest free extent is {format_size(largest)} "
+                f"and nothing more can be evicted (leased or pinned); raise global_segment_size"
+            )
+        o = Obj(
+            key,
+            size,
+            reps,
+            token=self._next_token(),
+            owner=client_id,
+            deadline=now + self.cfg.put_timeout_s,
+            hard_pin=cfg.hard_pin,
+            soft_pin_until=(now + cfg.soft_pin_ttl_s) if cfg.soft_pin_ttl_s else 0.0,
+        )
         self.objects[key] = o
         for rep in reps:
             self._index_replica(key, rep)
@@ -228,11 +277,15 @@ class MasterState(Reservations, EvictionDriver, SsdTiering, Replication):
         self._client(client_id, now)
         o = self.objects.get(key)
         if o is None or o.token != token or o.complete:
-            raise InvalidArgument(f"put_end {key!r}: no put in progress with this token (it timed out, was revoked, "
-                                  f"or the leader changed); put again")
+            raise InvalidArgument(
+                f"put_end {key!r}: no put in progress with this token (it timed out, was revoked, "
+                f"or the leader changed); put again"
+            )
         if not o.replicas:
             self._drop_object(o, emit=False)
-            raise NoSpace(f"put_end {key!r}: every replica's segment went away during the write; put again")
+            raise NoSpace(
+                f"put_end {key!r}: every replica's segment went away during the write; put again"
+            )
         o.complete = True
         o.deadline = 0.0
         self.lru[key] = None
@@ -250,13 +303,23 @@ class MasterState(Reservations, EvictionDriver, SsdTiering, Replication):
 
     def _reclaim_zombies(self, now: float) -> int:
         for r in [r for r in self.reservations.values() if now >= r.deadline]:
-            logger.info("reclaiming reservation %d of client %s (unused for %.0fs)", r.rid, r.client_id,
-                        self.cfg.put_timeout_s)
+            logger.info(
+                "reclaiming reservation %d of client %s (unused for %.0fs)",
+                r.rid,
+                r.client_id,
+                self.cfg.put_timeout_s,
+            )
             self._release_reservation(r)
             self.counters["reservations_reclaimed"] += 1
-        dead = [o for o in self.objects.values() if not o.complete and o.deadline and now >= o.deadline]
+        dead = [
+            o for o in self.objects.values() if not o.complete and o.deadline and now >= o.deadline
+        ]
         for o in dead:
-            logger.info("reclaiming unfinished put of %r (no put_end within %.0fs)", o.key, self.cfg.put_timeout_s)
+            logger.info(
+                "reclaiming unfinished put of %r (no put_end within %.0fs)",
+                o.key,
+                self.cfg.put_timeout_s,
+            )
             self._drop_object(o, emit=False)
         self.counters["reclaimed_puts"] += len(dead)
         return len(dead)
@@ -309,8 +372,10 @@ class MasterState(Reservations, EvictionDriver, SsdTiering, Replication):
             if o.hard_pin:
                 raise ObjectBusy(f"remove {key!r}: the object is hard-pinned; use force")
             if o.lease_until > now:
-                raise ObjectBusy(f"remove {key!r}: the object is leased for {o.lease_until - now:.1f}s more "
-                                 f"(a reader holds it); retry later or force")
+                raise ObjectBusy(
+                    f"remove {key!r}: the object is leased for {o.lease_until - now:.1f}s more "
+                    f"(a reader holds it); retry later or force"
+                )
         self._drop_object(o)
 
     def batch_remove(self, keys: list[str], force: bool, now: float) -> list[int]:
@@ -354,23 +419,43 @@ class MasterState(Reservations, EvictionDriver, SsdTiering, Replication):
         if o is None:
             raise ObjectNotFound(f"no object {key!r}")
         now = time.monotonic()
-        return {"key": key, "size": o.size, "complete": o.complete,
-                "replicas": [[{"segment": n, "client": self.segments[n].client_id if n in self.segments else "",
-                               "offset": off, "length": ln} for n, off, ln in rep] for rep in o.replicas],
-                "ssd": o.disk, "lease_s": max(0.0, o.lease_until - now), "hard_pin": o.hard_pin,
-                "soft_pin_s": max(0.0, o.soft_pin_until - now)}
+        return {
+            "key": key,
+            "size": o.size,
+            "complete": o.complete,
+            "replicas": [
+                [
+                    {
+                        "segment": n,
+                        "client": self.segments[n].client_id if n in self.segments else "",
+                        "offset": off,
+                        "length": ln,
+                    }
+                    for n, off, ln in rep
+                ]
+                for rep in o.replicas
+            ],
+            "ssd": o.disk,
+            "lease_s": max(0.0, o.lease_until - now),
+            "hard_pin": o.hard_pin,
+            "soft_pin_s": max(0.0, o.soft_pin_until - now),
+        }
 
     def stats(self) -> dict[str, Any]:
         used, total = self.usage()
-        return {"objects": sum(1 for o in self.objects.values() if o.complete), "pending_puts":
-                sum(1 for o in self.objects.values() if not o.complete), "bytes": sum(o.size for o in self.objects.values()
-                                                                                      if o.complete),
-                "used": used, "capacity": total, "clients": len(self.clients), "segments": len(self.segments),
-                "reservations": len(self.reservations),
-                "reserved_bytes": sum(n for r in self.reservations.values() for n in r.blocks.values()),
-                **self.counters}
+        return {
+            "objects": sum(1 for o in self.objects.values() if o.complete),
+            "pending_puts": sum(1 for o in self.objects.values() if not o.complete),
+            "bytes": sum(o.size for o in self.objects.values() if o.complete),
+            "used": used,
+            "capacity": total,
+            "clients": len(self.clients),
+            "segments": len(self.segments),
+            "reservations": len(self.reservations),
+            "reserved_bytes": sum(n for r in self.reservations.values() for n in r.blocks.values()),
+            **self.counters,
+        }
 
 
 def error_tuple(exc: BaseException) -> tuple[int, str]:
     return int(code_of(exc)), str(exc) if str(exc) else type(exc).__name__
-

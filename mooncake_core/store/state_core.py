@@ -32,8 +32,16 @@ from mooncake_core.store.protocol import (
     UnknownClient,
 )
 
-__all__ = ["ClientInfo", "Obj", "Reservation", "Segment", "SliceT", "StateCore", "check_batch",
-           "check_key"]
+__all__ = [
+    "ClientInfo",
+    "Obj",
+    "Reservation",
+    "Segment",
+    "SliceT",
+    "StateCore",
+    "check_batch",
+    "check_key",
+]
 
 
 SliceT = tuple[str, int, int]  # (segment name, offset inside the segment, length)
@@ -64,7 +72,9 @@ class Reservation:
 
     def block_holding(self, offset: int, need: int) -> int | None:
         """The start of the uncommitted block that contains ``[offset, offset+need)``, if any."""
-        return next((b for b, n in self.blocks.items() if b <= offset and offset + need <= b + n), None)
+        return next(
+            (b for b, n in self.blocks.items() if b <= offset and offset + need <= b + n), None
+        )
 
 
 @dataclass
@@ -134,11 +144,13 @@ class StateCore:
     counters: dict[str, int]
 
     if TYPE_CHECKING:  # provided by the other parts (MasterState and its mixins)
+
         def _unmount(self, s: Segment) -> None: ...
         def _reclaim_zombies(self, now: float) -> int: ...
         def _release_reservation(self, r: Reservation, *, emit: bool = True) -> None: ...
-        def _carve(self, r: Reservation, block: int, offset: int, need: int, *,
-                   release: bool) -> None: ...
+        def _carve(
+            self, r: Reservation, block: int, offset: int, need: int, *, release: bool
+        ) -> None: ...
         def _make_room_for_object(self, key: str, now: float) -> None: ...
         def evict_for(self, nbytes: int, now: float) -> int: ...
         def _offload(self, o: Obj, rep: list[SliceT]) -> bool: ...
@@ -157,7 +169,9 @@ class StateCore:
     def _client(self, client_id: str, now: float) -> ClientInfo:
         c = self.clients.get(client_id)
         if c is None:
-            raise UnknownClient(f"unknown client id {client_id!r}: register (mount) first; it may have expired")
+            raise UnknownClient(
+                f"unknown client id {client_id!r}: register (mount) first; it may have expired"
+            )
         c.last_seen = now
         return c
 
@@ -223,7 +237,9 @@ class StateCore:
         """The placement strategy ``cfg`` asks for (or the master's default), validated."""
         strategy = cfg.strategy or self.cfg.placement
         if strategy not in STRATEGIES:
-            raise InvalidArgument(f"{what}: unknown placement {strategy!r} (use one of {', '.join(STRATEGIES)})")
+            raise InvalidArgument(
+                f"{what}: unknown placement {strategy!r} (use one of {', '.join(STRATEGIES)})"
+            )
         return strategy
 
     def _claim_key(self, key: str, now: float) -> None:
@@ -240,9 +256,20 @@ class StateCore:
         if len(self.objects) >= self.cfg.max_objects:
             self._make_room_for_object(key, now)
 
-    def _place(self, key: str, size: int, cfg: ReplicaCfg, strategy: str, client_id: str) -> list[list[SliceT]]:
+    def _place(
+        self, key: str, size: int, cfg: ReplicaCfg, strategy: str, client_id: str
+    ) -> list[list[SliceT]]:
         if cfg.preferred_segment and cfg.preferred_segment not in self.segments:
-            raise InvalidArgument(f"put {key!r}: preferred segment {cfg.preferred_segment!r} is not mounted")
-        got = place(list(self.segments.values()), size, min(cfg.replica_num, len(self.segments)), strategy=strategy,
-                    client_id=client_id, preferred=cfg.preferred_segment, rng=self.rng)
+            raise InvalidArgument(
+                f"put {key!r}: preferred segment {cfg.preferred_segment!r} is not mounted"
+            )
+        got = place(
+            list(self.segments.values()),
+            size,
+            min(cfg.replica_num, len(self.segments)),
+            strategy=strategy,
+            client_id=client_id,
+            preferred=cfg.preferred_segment,
+            rng=self.rng,
+        )
         return [[(s.name, off, n) for s, off, n in rep] for rep in got]

@@ -36,15 +36,26 @@ class SsdTiering(StateCore):
         o.offloading = self._next_token()
         o.offload_seg = s.name
         self.offload_pending[s.name] = self.offload_pending.get(s.name, 0) + rep[0][2]
-        self._push(c, {"kind": "offload", "key": o.key, "token": o.offloading,
-                       "offset": rep[0][1], "length": rep[0][2], "segment": s.name})
+        self._push(
+            c,
+            {
+                "kind": "offload",
+                "key": o.key,
+                "token": o.offloading,
+                "offset": rep[0][1],
+                "length": rep[0][2],
+                "segment": s.name,
+            },
+        )
         return True
 
     def _promote(self, o: Obj, now: float) -> None:
         """Start loading a disk-only object back into memory; raises RetryLater."""
         if not o.disk or o.disk not in self.clients:
             self._drop_object(o)
-            raise ObjectNotFound(f"no object {o.key!r} (its only copy was on a node that went away)")
+            raise ObjectNotFound(
+                f"no object {o.key!r} (its only copy was on a node that went away)"
+            )
         if not o.promoting:
             c = self.clients[o.disk]
             cfg = ReplicaCfg(replica_num=1, strategy="local-first")
@@ -53,20 +64,35 @@ class SsdTiering(StateCore):
                 self.evict_for(o.size, now)
                 reps = self._place(o.key, o.size, cfg, "local-first", c.client_id)
             if not reps:
-                if any(x.offloading or (x.replicas and not x.hard_pin and x.lease_until > now)
-                       for x in self.objects.values()):
-                    raise RetryLater(f"get {o.key!r}: waiting for leases to expire or offloads to finish to free "
-                                     f"memory for its promotion")
-                raise NoSpace(f"get {o.key!r}: no memory to promote it from SSD ({format_size(o.size)})")
+                if any(
+                    x.offloading or (x.replicas and not x.hard_pin and x.lease_until > now)
+                    for x in self.objects.values()
+                ):
+                    raise RetryLater(
+                        f"get {o.key!r}: waiting for leases to expire or offloads to finish to free "
+                        f"memory for its promotion"
+                    )
+                raise NoSpace(
+                    f"get {o.key!r}: no memory to promote it from SSD ({format_size(o.size)})"
+                )
             o.promoting = self._next_token()
             o.promo_replica = reps[0]
             self._index_replica(o.key, reps[0])
-            self._push(c, {"kind": "promote", "key": o.key, "token": o.promoting,
-                           "slices": self._slices_out(reps[0])})
+            self._push(
+                c,
+                {
+                    "kind": "promote",
+                    "key": o.key,
+                    "token": o.promoting,
+                    "slices": self._slices_out(reps[0]),
+                },
+            )
             self.counters["promotions"] += 1
         raise RetryLater(f"get {o.key!r}: promoting from SSD, retry shortly")
 
-    def task_done(self, client_id: str, kind: str, key: str, token: int, ok: bool, detail: str, now: float) -> None:
+    def task_done(
+        self, client_id: str, kind: str, key: str, token: int, ok: bool, detail: str, now: float
+    ) -> None:
         c = self._client(client_id, now)
         o = self.objects.get(key)
         if kind == "offload":
@@ -83,7 +109,11 @@ class SsdTiering(StateCore):
             o.disk = client_id
             c.disk_keys.add(key)
             for rep in list(o.replicas):
-                if all(self.segments.get(x[0]) is not None and self.segments[x[0]].client_id == client_id for x in rep):
+                if all(
+                    self.segments.get(x[0]) is not None
+                    and self.segments[x[0]].client_id == client_id
+                    for x in rep
+                ):
                     o.replicas.remove(rep)
                     self._free_replica(key, rep)
                     self.counters["evicted_bytes"] += sum(x[2] for x in rep)

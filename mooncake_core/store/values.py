@@ -29,7 +29,7 @@ def pack(meta: dict[str, Any], data: Any) -> bytearray:
     buf = bytearray(len(hdr) + n)
     buf[: len(hdr)] = hdr
     if n:
-        buf[len(hdr):] = as_view(data, False)[0]
+        buf[len(hdr) :] = as_view(data, False)[0]
     return buf
 
 

@@ -27,4 +27,12 @@ from mooncake_core.transfer.engine import (
 )
 from mooncake_core.transfer.memory import ManagedBuffer, Region
 
-__all__ = ["TransferEngine", "TransferRequest", "Batch", "RequestStatus", "PeerInfo", "ManagedBuffer", "Region"]
+__all__ = [
+    "TransferEngine",
+    "TransferRequest",
+    "Batch",
+    "RequestStatus",
+    "PeerInfo",
+    "ManagedBuffer",
+    "Region",
+]

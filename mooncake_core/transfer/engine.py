@@ -126,15 +126,24 @@ class Batch:
         i, st = failed[0]
         cause = st.error or TransportError("transfer failed")
         req = self.requests[i]
-        where = f"segment {req.segment!r}+{req.offset}" if req.segment is not None else (
-            f"0x{req.remote_addr:x}" if isinstance(req.remote_addr, int) else "?")
+        where = (
+            f"segment {req.segment!r}+{req.offset}"
+            if req.segment is not None
+            else (f"0x{req.remote_addr:x}" if isinstance(req.remote_addr, int) else "?")
+        )
         what = f"request {i} ({req.op} to peer {req.peer!r} at {where})"
         if any(cause is e for e in self._named):
             what = ""
-        lead = f"{len(failed)} of {len(self.statuses)} requests failed; first: " if len(failed) > 1 else ""
+        lead = (
+            f"{len(failed)} of {len(self.statuses)} requests failed; first: "
+            if len(failed) > 1
+            else ""
+        )
         msg = f"{lead}{what}{': ' if what else ''}{cause}"
         try:
-            exc: BaseException = type(cause)(msg) if isinstance(cause, TransportError) else TransportError(msg)
+            exc: BaseException = (
+                type(cause)(msg) if isinstance(cause, TransportError) else TransportError(msg)
+            )
         except TypeError:
             exc = TransportError(msg)
         exc.__cause__ = cause
@@ -178,7 +187,9 @@ class TransferEngine:
         self.host_id = host_identity()
         self.name = ""
         self.port = 0
-        self.io_pool = ThreadPoolExecutor(max_workers=max(4, 4 * cfg.transfer.connections_per_peer), thread_name_prefix="mc-io")
+        self.io_pool = ThreadPoolExecutor(
+            max_workers=max(4, 4 * cfg.transfer.connections_per_peer), thread_name_prefix="mc-io"
+        )
         self._batch_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="mc-batch")
         self._peers: dict[str, PeerInfo] = {}
         self._peers_lock = threading.Lock()
@@ -226,17 +237,28 @@ class TransferEngine:
         self._publish()
         self.segments.on_change.append(self._publish)
         self._started = True
-        logger.info("transfer engine %s listening on %s port %d (transports: %s)", self.name,
-                    ",".join(listen), self.port, ", ".join(self._transports))
+        logger.info(
+            "transfer engine %s listening on %s port %d (transports: %s)",
+            self.name,
+            ",".join(listen),
+            self.port,
+            ", ".join(self._transports),
+        )
         return self
 
     def _publish(self) -> None:
         if self._metadata is None:
             return
         try:
-            self._metadata.publish(self.name, {"ip_or_host_name": self._advertise[0], "rpc_port": self.port,
-                                               "addresses": [[a, self.port] for a in self._advertise]},
-                                   self.describe())
+            self._metadata.publish(
+                self.name,
+                {
+                    "ip_or_host_name": self._advertise[0],
+                    "rpc_port": self.port,
+                    "addresses": [[a, self.port] for a in self._advertise],
+                },
+                self.describe(),
+            )
         except MetadataError as exc:
             logger.warning("publishing metadata for %s failed: %s", self.name, exc)
 
@@ -290,14 +312,28 @@ class TransferEngine:
     def register(self, buf: Any, *, name: str | None = None, location: str = "cpu:0") -> Region:
         """Register a buffer object (bytearray, numpy array, torch tensor, mmap) for remote access."""
         addr, length, kind = buffer_address(buf)
-        return self.segments.add(Region(addr, length, name or f"buf{next(self._names)}", kind,
-                                        location="cuda" if kind == "cuda" else location, owner=buf))
+        return self.segments.add(
+            Region(
+                addr,
+                length,
+                name or f"buf{next(self._names)}",
+                kind,
+                location="cuda" if kind == "cuda" else location,
+                owner=buf,
+            )
+        )
 
-    def register_memory(self, addr: int, length: int, *, name: str | None = None, location: str = "cpu:0") -> Region:
+    def register_memory(
+        self, addr: int, length: int, *, name: str | None = None, location: str = "cpu:0"
+    ) -> Region:
         """Register raw memory ``[addr, addr+length)``; the caller keeps it alive."""
         if not isinstance(addr, int) or not isinstance(length, int):
-            raise SegmentError(f"register_memory needs integer address and length, got {addr!r}, {length!r}")
-        return self.segments.add(Region(addr, length, name or f"mem{next(self._names)}", "host", location=location))
+            raise SegmentError(
+                f"register_memory needs integer address and length, got {addr!r}, {length!r}"
+            )
+        return self.segments.add(
+            Region(addr, length, name or f"mem{next(self._names)}", "host", location=location)
+        )
 
     def unregister(self, buf_or_addr: Any) -> None:
         """Withdraw registered memory (by address, Region, or the registered object)."""
@@ -309,12 +345,23 @@ class TransferEngine:
             addr = buffer_address(buf_or_addr, writable=False)[0]
         self.segments.remove(addr)
 
-    def allocate(self, length: int, *, name: str | None = None, prefault: bool = False) -> ManagedBuffer:
+    def allocate(
+        self, length: int, *, name: str | None = None, prefault: bool = False
+    ) -> ManagedBuffer:
         """Allocate shared, registered memory that same-host peers map directly."""
         buf = ManagedBuffer(length, prefault=prefault, directory=self.config.transfer.shm_dir)
         try:
-            self.segments.add(Region(buf.addr, length, name or f"shm{next(self._names)}", "host",
-                                     owner=buf, memfd=buf.fd, memfd_offset=0))
+            self.segments.add(
+                Region(
+                    buf.addr,
+                    length,
+                    name or f"shm{next(self._names)}",
+                    "host",
+                    owner=buf,
+                    memfd=buf.fd,
+                    memfd_offset=0,
+                )
+            )
         except SegmentError:
             buf.close()
             raise
@@ -346,14 +393,22 @@ class TransferEngine:
             rpc = self._metadata.resolve(name)
         except MetadataError as exc:
             raise PeerUnreachable(f"unknown peer {name!r}: {exc}") from exc
-        addrs = [(str(a), int(p)) for a, p in rpc.get("addresses", [])] or [(str(rpc["ip_or_host_name"]), int(rpc["rpc_port"]))]
-        dl = deadline if deadline is not None else time.monotonic() + self.config.transfer.connect_timeout_s
+        addrs = [(str(a), int(p)) for a, p in rpc.get("addresses", [])] or [
+            (str(rpc["ip_or_host_name"]), int(rpc["rpc_port"]))
+        ]
+        dl = (
+            deadline
+            if deadline is not None
+            else time.monotonic() + self.config.transfer.connect_timeout_s
+        )
         stub = PeerInfo(name, addrs, {})
         if refresh and self._control is not None:
             self._control.drop_peer(name)
         status, body = self.control(stub, Op.DESC, dl)
         if status != Status.OK:
-            raise PeerUnreachable(f"peer {name!r} refused to describe its segments (status {status})")
+            raise PeerUnreachable(
+                f"peer {name!r} refused to describe its segments (status {status})"
+            )
         import json
 
         desc = json.loads(body)
@@ -375,13 +430,23 @@ class TransferEngine:
         if self._control is not None:
             self._control.drop_peer(name)
 
-    def control(self, peer: PeerInfo, op: int, deadline: float, *, payload: bytes = b"",
-                aux: int = 0, extra: memoryview | None = None) -> tuple[int, bytes]:
+    def control(
+        self,
+        peer: PeerInfo,
+        op: int,
+        deadline: float,
+        *,
+        payload: bytes = b"",
+        aux: int = 0,
+        extra: memoryview | None = None,
+    ) -> tuple[int, bytes]:
         """One control request to ``peer`` (see :mod:`~mooncake_core.transfer.control`)."""
         channel = self._control
         if channel is None:
-            raise PeerUnreachable(f"engine {self.name!r} has no transport that carries control "
-                                  "messages (is the tcp transport blocked?)")
+            raise PeerUnreachable(
+                f"engine {self.name!r} has no transport that carries control "
+                "messages (is the tcp transport blocked?)"
+            )
         return channel.control(peer, op, deadline, payload=payload, aux=aux, extra=extra)
 
     # ------------------------------------------------------------------ transfers
@@ -406,7 +471,9 @@ class TransferEngine:
         if length <= 0:
             raise InvalidRequest(f"request {i}: length must be positive, got {length}")
         if length > size:
-            raise InvalidRequest(f"request {i}: length {length} exceeds the local buffer ({size} bytes)")
+            raise InvalidRequest(
+                f"request {i}: length {length} exceeds the local buffer ({size} bytes)"
+            )
         if kind == "cuda":
             return self._staging(Region(addr, size, "staging", "cuda", owner=local), addr, length)
         from mooncake_core.transfer.memory import host_view
@@ -428,14 +495,22 @@ class TransferEngine:
                 raise InvalidRequest(f"request {i}: op must be 'read' or 'write', got {req.op!r}")
             if req.remote_addr is None and req.segment is None:
                 raise InvalidRequest(f"request {i}: give remote_addr or segment (+offset)")
-            if req.remote_addr is not None and (not isinstance(req.remote_addr, int) or req.remote_addr < 0):
-                raise InvalidRequest(f"request {i}: remote_addr must be a non-negative int, got {req.remote_addr!r}")
+            if req.remote_addr is not None and (
+                not isinstance(req.remote_addr, int) or req.remote_addr < 0
+            ):
+                raise InvalidRequest(
+                    f"request {i}: remote_addr must be a non-negative int, got {req.remote_addr!r}"
+                )
             if req.offset < 0:
                 raise InvalidRequest(f"request {i}: offset must not be negative, got {req.offset}")
             if req.transport is not None and req.transport not in self._transports:
-                raise InvalidRequest(f"request {i}: unknown transport {req.transport!r} (have {', '.join(self._transports)})")
+                raise InvalidRequest(
+                    f"request {i}: unknown transport {req.transport!r} (have {', '.join(self._transports)})"
+                )
             if not isinstance(req.peer, str) or not req.peer:
-                raise InvalidRequest(f"request {i}: peer must be a non-empty string, got {req.peer!r}")
+                raise InvalidRequest(
+                    f"request {i}: peer must be a non-empty string, got {req.peer!r}"
+                )
             addr, view, length, staging = self._local(req, i)
             remote = req.remote_addr if req.remote_addr is not None else -1
             ss = int(self.config.transfer.slice_size)
@@ -444,13 +519,26 @@ class TransferEngine:
                 # merge a small tail into the previous slice
                 if off and length - off < ss // 4 and items and items[-1].req == i:
                     items[-1].length += n
-                    items[-1].local_view = view[items[-1].local_addr - addr : items[-1].local_addr - addr + items[-1].length]
+                    items[-1].local_view = view[
+                        items[-1].local_addr - addr : items[-1].local_addr - addr + items[-1].length
+                    ]
                     break
-                items.append(WorkItem(i, op, addr + off, view[off : off + n], remote + off if remote >= 0 else off, n,
-                                      extra={"staging": staging, "seg": req.segment is not None}))
+                items.append(
+                    WorkItem(
+                        i,
+                        op,
+                        addr + off,
+                        view[off : off + n],
+                        remote + off if remote >= 0 else off,
+                        n,
+                        extra={"staging": staging, "seg": req.segment is not None},
+                    )
+                )
         return items
 
-    def submit(self, requests: Sequence[TransferRequest] | TransferRequest, *, timeout: float | None = None) -> Batch:
+    def submit(
+        self, requests: Sequence[TransferRequest] | TransferRequest, *, timeout: float | None = None
+    ) -> Batch:
         """Start a batch and return at once; bad input raises here, transfer failures in ``wait()``."""
         reqs = [requests] if isinstance(requests, TransferRequest) else list(requests)
         if not reqs:
@@ -460,7 +548,9 @@ class TransferEngine:
         self._batch_pool.submit(self._run_batch, batch, items, timeout)
         return batch
 
-    def transfer(self, requests: Sequence[TransferRequest] | TransferRequest, *, timeout: float | None = None) -> Batch:
+    def transfer(
+        self, requests: Sequence[TransferRequest] | TransferRequest, *, timeout: float | None = None
+    ) -> Batch:
         """Run a batch to completion in the calling thread; raise on any failure."""
         reqs = [requests] if isinstance(requests, TransferRequest) else list(requests)
         if not reqs:
@@ -489,8 +579,14 @@ class TransferEngine:
         op = _OPS.get(req.op)
         local = req.local
         remote = req.remote_addr
-        if (op is None or req.segment is not None or type(remote) is not int or remote < 0 or req.offset
-                or (req.transport is not None and req.transport not in self._transports)):
+        if (
+            op is None
+            or req.segment is not None
+            or type(remote) is not int
+            or remote < 0
+            or req.offset
+            or (req.transport is not None and req.transport not in self._transports)
+        ):
             return 0
         with self._peers_lock:
             peer = self._peers.get(req.peer)
@@ -510,7 +606,12 @@ class TransferEngine:
             addr, view = local, region.view(local, length)
         elif type(local) is memoryview or type(local) is bytearray:
             mv = local if type(local) is memoryview else memoryview(local)
-            if mv.format != "B" or mv.ndim != 1 or not mv.contiguous or (op == READ and mv.readonly):
+            if (
+                mv.format != "B"
+                or mv.ndim != 1
+                or not mv.contiguous
+                or (op == READ and mv.readonly)
+            ):
                 return 0
             length = mv.nbytes if req.length is None else req.length
             if not 0 < length <= min(mv.nbytes, slice_size):
@@ -525,7 +626,9 @@ class TransferEngine:
         if not chain:
             return 0
         it = WorkItem(0, op, addr, view, remote, length)
-        deadline = time.monotonic() + (timeout if timeout is not None else self.config.transfer.timeout_s)
+        deadline = time.monotonic() + (
+            timeout if timeout is not None else self.config.transfer.timeout_s
+        )
         self._execute_chain(req.peer, peer, chain, [it], deadline)
         if it.done:
             return length
@@ -540,11 +643,25 @@ class TransferEngine:
         assert exc is not None
         raise exc
 
-    def write(self, peer: str, local: Any, remote_addr: int | None = None, length: int | None = None, **kw: Any) -> None:
+    def write(
+        self,
+        peer: str,
+        local: Any,
+        remote_addr: int | None = None,
+        length: int | None = None,
+        **kw: Any,
+    ) -> None:
         """Synchronous write of ``local`` to ``remote_addr`` on ``peer``."""
         self.transfer(TransferRequest("write", peer, local, length, remote_addr, **kw))
 
-    def read(self, peer: str, local: Any, remote_addr: int | None = None, length: int | None = None, **kw: Any) -> None:
+    def read(
+        self,
+        peer: str,
+        local: Any,
+        remote_addr: int | None = None,
+        length: int | None = None,
+        **kw: Any,
+    ) -> None:
         """Synchronous read from ``remote_addr`` on ``peer`` into ``local``."""
         self.transfer(TransferRequest("read", peer, local, length, remote_addr, **kw))
 
@@ -561,7 +678,9 @@ class TransferEngine:
         return [t for t in chain if t.can_reach(peer)]
 
     def _run_batch(self, batch: Batch, items: list[WorkItem], timeout: float | None) -> None:
-        deadline = time.monotonic() + (timeout if timeout is not None else self.config.transfer.timeout_s)
+        deadline = time.monotonic() + (
+            timeout if timeout is not None else self.config.transfer.timeout_s
+        )
         try:
             by_peer: dict[tuple[str, str | None], list[WorkItem]] = {}
             for it in items:
@@ -571,7 +690,10 @@ class TransferEngine:
             if len(groups) == 1:
                 self._run_peer(batch, groups[0][0], groups[0][1], deadline)
             else:
-                futs = [self._batch_pool.submit(self._run_peer, batch, k, v, deadline) for k, v in groups[1:]]
+                futs = [
+                    self._batch_pool.submit(self._run_peer, batch, k, v, deadline)
+                    for k, v in groups[1:]
+                ]
                 self._run_peer(batch, groups[0][0], groups[0][1], deadline)
                 for f in futs:
                     f.result()
@@ -595,7 +717,12 @@ class TransferEngine:
                 else:
                     st.state = "timeout" if isinstance(st.error, TransferTimeout) else "failed"
             for it in items:
-                if it.done and it.op == READ and it.extra.get("staging") is not None and isinstance(it.extra["staging"], tuple):
+                if (
+                    it.done
+                    and it.op == READ
+                    and it.extra.get("staging") is not None
+                    and isinstance(it.extra["staging"], tuple)
+                ):
                     region, dev, host_base, _ = it.extra["staging"]
                     region.copy_in(dev + (it.local_addr - host_base), it.local_view)
         except BaseException as exc:  # never leave a future pending
@@ -604,7 +731,9 @@ class TransferEngine:
                     st.state, st.error = "failed", st.error or exc
         batch._finish()
 
-    def _run_peer(self, batch: Batch, key: tuple[str, str | None], items: list[WorkItem], deadline: float) -> None:
+    def _run_peer(
+        self, batch: Batch, key: tuple[str, str | None], items: list[WorkItem], deadline: float
+    ) -> None:
         name, hint = key
         try:
             peer = self.peer(name, deadline=deadline)
@@ -635,9 +764,14 @@ class TransferEngine:
                 continue
             for it in bad:
                 req = batch.requests[it.req]
-                where = f"segment {req.segment!r}" if req.segment is not None else f"0x{it.remote_addr:x}+{it.length}"
-                it.error = InvalidRequest(f"request {it.req}: {where} is not inside memory registered "
-                                          f"by peer {name!r}")
+                where = (
+                    f"segment {req.segment!r}"
+                    if req.segment is not None
+                    else f"0x{it.remote_addr:x}+{it.length}"
+                )
+                it.error = InvalidRequest(
+                    f"request {it.req}: {where} is not inside memory registered by peer {name!r}"
+                )
                 it.extra["names_request"] = True
         if self.config.transfer.secret and not peer.desc:
             raise PeerUnreachable(f"peer {name!r} gave no descriptor")
@@ -654,8 +788,14 @@ class TransferEngine:
             return
         self._execute_chain(name, peer, chain, items, deadline)
 
-    def _execute_chain(self, name: str, peer: PeerInfo, chain: list[Transport], items: list[WorkItem],
-                       deadline: float) -> None:
+    def _execute_chain(
+        self,
+        name: str,
+        peer: PeerInfo,
+        chain: list[Transport],
+        items: list[WorkItem],
+        deadline: float,
+    ) -> None:
         """Run ``items`` on the first transport of ``chain``, failing over to the next ones."""
         last: BaseException | None = None
         for t in chain:
@@ -664,7 +804,9 @@ class TransferEngine:
                 break
             if last is not None:
                 self.stats["failovers"] += 1
-                logger.info("failing over %d slice(s) to %s via %s: %s", len(todo), name, t.name, last)
+                logger.info(
+                    "failing over %d slice(s) to %s via %s: %s", len(todo), name, t.name, last
+                )
             try:
                 t.execute(peer, todo, deadline)
                 last = None
@@ -695,10 +837,13 @@ class TransferEngine:
             try:
                 dl = time.monotonic() + self.config.transfer.timeout_s
                 p = self.peer(peer, deadline=dl)
-                status, body = self.control(p, Op.TENSOR, dl, payload=meta, aux=len(meta),
-                                            extra=data)
+                status, body = self.control(
+                    p, Op.TENSOR, dl, payload=meta, aux=len(meta), extra=data
+                )
                 if status != Status.OK:
-                    raise InvalidRequest(f"peer {peer!r} refused tensor {key!r}: {body.decode(errors='replace') or status}")
+                    raise InvalidRequest(
+                        f"peer {peer!r} refused tensor {key!r}: {body.decode(errors='replace') or status}"
+                    )
                 fut.set_result(None)
             except BaseException as exc:
                 fut.set_exception(exc)
@@ -751,4 +896,3 @@ def wait_all(batches: Iterable[Batch], timeout: float | None = None) -> None:
     """Wait for several batches; raise the first failure."""
     for b in batches:
         b.wait(timeout)
-

@@ -54,10 +54,14 @@ def _torch_info(obj: Any) -> tuple[int, int, str] | None:
     if not isinstance(obj, torch.Tensor):
         return None
     if not obj.is_contiguous():
-        raise SegmentError("torch tensor must be contiguous to be registered or transferred (call .contiguous())")
+        raise SegmentError(
+            "torch tensor must be contiguous to be registered or transferred (call .contiguous())"
+        )
     kind = "cuda" if obj.device.type == "cuda" else "host"
     if obj.device.type not in ("cpu", "cuda"):
-        raise SegmentError(f"torch tensors on device {obj.device} are not supported (cpu or cuda only)")
+        raise SegmentError(
+            f"torch tensors on device {obj.device} are not supported (cpu or cuda only)"
+        )
     return int(obj.data_ptr()), int(obj.numel() * obj.element_size()), kind
 
 
@@ -89,13 +93,17 @@ def buffer_address(obj: Any, *, writable: bool = True) -> tuple[int, int, str]:
         raise SegmentError("memory must not be empty")
     if mv.readonly:
         if writable:
-            raise SegmentError(f"{type(obj).__name__} is read-only; registered memory must be writable (use bytearray)")
+            raise SegmentError(
+                f"{type(obj).__name__} is read-only; registered memory must be writable (use bytearray)"
+            )
         # read-only source: copy-free address via a ctypes pointer to the buffer
         import numpy as np
 
         a = np.frombuffer(mv, dtype=np.uint8)
         return int(a.ctypes.data), int(a.nbytes), "host"
-    c = (ctypes.c_char * mv.nbytes).from_buffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
+    c = (ctypes.c_char * mv.nbytes).from_buffer(
+        mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+    )
     return ctypes.addressof(c), mv.nbytes, "host"
 
 
@@ -127,7 +135,12 @@ class Region:
         return self._view[off : off + length]
 
     def describe(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"name": self.name, "addr": self.addr, "length": self.length, "location": self.location}
+        d: dict[str, Any] = {
+            "name": self.name,
+            "addr": self.addr,
+            "length": self.length,
+            "location": self.location,
+        }
         if self.memfd >= 0:
             d["memfd"] = self.memfd
             d["memfd_offset"] = self.memfd_offset
@@ -151,7 +164,9 @@ class Region:
         import torch
 
         src = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
-        dst = self.owner.view(torch.uint8).flatten()[addr - self.addr : addr - self.addr + len(data)]
+        dst = self.owner.view(torch.uint8).flatten()[
+            addr - self.addr : addr - self.addr + len(data)
+        ]
         dst.copy_(src)
 
 
@@ -170,14 +185,18 @@ class SegmentTable:
 
     def add(self, region: Region) -> Region:
         if region.length <= 0:
-            raise SegmentError(f"cannot register {region.length} bytes at 0x{region.addr:x}: length must be positive")
+            raise SegmentError(
+                f"cannot register {region.length} bytes at 0x{region.addr:x}: length must be positive"
+            )
         if region.addr <= 0:
             raise SegmentError(f"cannot register address 0x{region.addr:x}")
         with self._lock:
             i = bisect.bisect_right(self._starts, region.addr)
             prev = self._regions[i - 1] if i > 0 else None
             nxt = self._regions[i] if i < len(self._regions) else None
-            if (prev is not None and prev.end > region.addr) or (nxt is not None and region.end > nxt.addr):
+            if (prev is not None and prev.end > region.addr) or (
+                nxt is not None and region.end > nxt.addr
+            ):
                 other = prev if prev is not None and prev.end > region.addr else nxt
                 assert other is not None
                 raise SegmentOverlap(
@@ -257,8 +276,9 @@ class ManagedBuffer:
             try:
                 self.fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
             except OSError as exc:
-                raise SegmentError(f"cannot create shared memory in transfer.shm_dir {directory!r}: "
-                                   f"{exc.strerror}") from exc
+                raise SegmentError(
+                    f"cannot create shared memory in transfer.shm_dir {directory!r}: {exc.strerror}"
+                ) from exc
         else:
             self.fd = os.memfd_create(f"mooncake-{os.getpid()}", os.MFD_CLOEXEC)
         try:
@@ -267,7 +287,9 @@ class ManagedBuffer:
             self._mmap = mmap.mmap(self.fd, length, flags=flags)
         except OSError as exc:
             os.close(self.fd)
-            raise SegmentError(f"cannot allocate {length} bytes of shared memory: {exc.strerror}") from exc
+            raise SegmentError(
+                f"cannot allocate {length} bytes of shared memory: {exc.strerror}"
+            ) from exc
         self._anchor = ctypes.c_char.from_buffer(self._mmap)
         self.addr = ctypes.addressof(self._anchor)
         self.view = memoryview(self._mmap)

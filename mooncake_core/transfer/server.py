@@ -55,7 +55,9 @@ class TransferServer:
         self._closed = False
         self.port = port
         for host in hosts:
-            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            s = socket.socket(
+                socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM
+            )
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((host, self.port))
@@ -63,12 +65,16 @@ class TransferServer:
                 s.close()
                 for o in self._socks:
                     o.close()
-                raise OSError(exc.errno, f"cannot listen on {host}:{self.port}: {exc.strerror}") from exc
+                raise OSError(
+                    exc.errno, f"cannot listen on {host}:{self.port}: {exc.strerror}"
+                ) from exc
             s.listen(128)
             self.port = s.getsockname()[1]
             self._socks.append(s)
         self._threads = [
-            threading.Thread(target=self._accept_loop, args=(s,), name=f"mc-accept-{self.port}", daemon=True)
+            threading.Thread(
+                target=self._accept_loop, args=(s,), name=f"mc-accept-{self.port}", daemon=True
+            )
             for s in self._socks
         ]
         for t in self._threads:
@@ -102,7 +108,9 @@ class TransferServer:
             tune_socket(conn)
             with self._lock:
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn, addr), name="mc-conn", daemon=True).start()
+            threading.Thread(
+                target=self._serve, args=(conn, addr), name="mc-conn", daemon=True
+            ).start()
 
     # ------------------------------------------------------------------ per connection
     def _serve(self, conn: socket.socket, addr: Any) -> None:
@@ -123,7 +131,9 @@ class TransferServer:
                 pass
 
     @staticmethod
-    def _reply(conn: socket.socket, status: int, req_id: int, payload: memoryview | bytes | None = None) -> None:
+    def _reply(
+        conn: socket.socket, status: int, req_id: int, payload: memoryview | bytes | None = None
+    ) -> None:
         n = len(payload) if payload is not None else 0
         head = RESP.pack(MAGIC, status, req_id, 0, n)
         if payload is None:

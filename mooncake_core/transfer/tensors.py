@@ -41,7 +41,9 @@ def encode_tensor(tensor: Any, key: str) -> tuple[bytes, memoryview]:
         shape = list(arr.shape)
         data = arr.reshape(-1).view(np.uint8).data if arr.size else memoryview(b"")
     else:
-        raise InvalidRequest(f"cannot send {type(tensor).__name__} as a tensor (torch.Tensor or numpy.ndarray)")
+        raise InvalidRequest(
+            f"cannot send {type(tensor).__name__} as a tensor (torch.Tensor or numpy.ndarray)"
+        )
     head = json.dumps({"key": key, "kind": kind, "dtype": dtype, "shape": shape}).encode()
     return head, data
 
@@ -73,7 +75,11 @@ class TensorInbox:
             dtype = getattr(torch, str(meta["dtype"]))
             if not isinstance(dtype, torch.dtype):
                 raise ValueError(f"unknown torch dtype {meta['dtype']!r}")
-            t = torch.from_numpy(buf.array).view(dtype) if buf.array.size else torch.empty(0, dtype=dtype)
+            t = (
+                torch.from_numpy(buf.array).view(dtype)
+                if buf.array.size
+                else torch.empty(0, dtype=dtype)
+            )
             value: Any = t.reshape(shape)
         else:
             value = buf.array.view(np.dtype(str(meta["dtype"]))).reshape(shape)
@@ -87,6 +93,8 @@ class TensorInbox:
             while key not in self._items:
                 left = end - time.monotonic()
                 if left <= 0:
-                    raise TransferTimeout(f"no tensor with key {key!r} arrived within {timeout:.1f}s")
+                    raise TransferTimeout(
+                        f"no tensor with key {key!r} arrived within {timeout:.1f}s"
+                    )
                 self._cond.wait(left)
             return self._items.pop(key)

@@ -87,14 +87,16 @@ def discover_nics(sysfs: str = "/sys/class/net") -> list[Nic]:
         numa = _read(os.path.join(base, "device", "numa_node"), "-1")
         speed = _read(os.path.join(base, "speed"), "-1")
         oper = _read(os.path.join(base, "operstate"), "unknown")
-        out.append(Nic(
-            name=name,
-            ipv4=interface_ipv4(name),
-            numa_node=int(numa) if numa.lstrip("-").isdigit() else -1,
-            speed_mbps=int(speed) if speed.lstrip("-").isdigit() else -1,
-            up=oper in ("up", "unknown") or name == "lo",
-            virtual=not os.path.exists(os.path.join(base, "device")),
-        ))
+        out.append(
+            Nic(
+                name=name,
+                ipv4=interface_ipv4(name),
+                numa_node=int(numa) if numa.lstrip("-").isdigit() else -1,
+                speed_mbps=int(speed) if speed.lstrip("-").isdigit() else -1,
+                up=oper in ("up", "unknown") or name == "lo",
+                virtual=not os.path.exists(os.path.join(base, "device")),
+            )
+        )
     return out
 
 
@@ -123,7 +125,9 @@ def resolve_interfaces(spec: str) -> list[str]:
             pass
         ip = interface_ipv4(item)
         if ip is None:
-            raise ConfigError(f"transfer.interfaces: interface {item!r} does not exist or has no IPv4 address")
+            raise ConfigError(
+                f"transfer.interfaces: interface {item!r} does not exist or has no IPv4 address"
+            )
         out.append(ip)
     return out
 
@@ -132,7 +136,11 @@ def topology_json() -> str:
     """The discovered topology as JSON (``get_local_topology`` of the compat engine)."""
     nics = discover_nics()
     nodes = sorted({n.numa_node for n in nics if n.numa_node >= 0}) or [0]
-    matrix = {f"cpu:{node}": [[n.name for n in choose_interfaces(nics, node) if n.numa_node == node],
-                               [n.name for n in choose_interfaces(nics, node) if n.numa_node != node]]
-              for node in nodes}
+    matrix = {
+        f"cpu:{node}": [
+            [n.name for n in choose_interfaces(nics, node) if n.numa_node == node],
+            [n.name for n in choose_interfaces(nics, node) if n.numa_node != node],
+        ]
+        for node in nodes
+    }
     return json.dumps({"nics": [asdict(n) for n in nics], "priority_matrix": matrix})

@@ -102,8 +102,16 @@ class ControlChannel(Protocol):
     """Carries control requests (opcodes of :class:`~mooncake_core.transfer.protocol.Op`)
     to a peer's listener and returns its answer."""
 
-    def control(self, peer: PeerInfo, op: int, deadline: float, *, payload: bytes = b"",
-                aux: int = 0, extra: memoryview | None = None) -> tuple[int, bytes]:
+    def control(
+        self,
+        peer: PeerInfo,
+        op: int,
+        deadline: float,
+        *,
+        payload: bytes = b"",
+        aux: int = 0,
+        extra: memoryview | None = None,
+    ) -> tuple[int, bytes]:
         """Send one control request; return ``(status, reply body)``.
 
         Raises:
@@ -149,8 +157,16 @@ class TransportHost(Protocol):
         """This engine's registered memory."""
         ...
 
-    def control(self, peer: PeerInfo, op: int, deadline: float, *, payload: bytes = b"",
-                aux: int = 0, extra: memoryview | None = None) -> tuple[int, bytes]:
+    def control(
+        self,
+        peer: PeerInfo,
+        op: int,
+        deadline: float,
+        *,
+        payload: bytes = b"",
+        aux: int = 0,
+        extra: memoryview | None = None,
+    ) -> tuple[int, bytes]:
         """One control request to ``peer`` over the engine's control channel."""
         ...
 

@@ -46,15 +46,25 @@ def main() -> None:
                 host_view(int(msg["addr"]), int(msg["length"]))[:] = data.tobytes()
                 out = {"ok": True}
             elif cmd == "digest":
-                out = {"sha": hashlib.sha256(host_view(int(msg["addr"]), int(msg["length"]))).hexdigest()}
+                out = {
+                    "sha": hashlib.sha256(
+                        host_view(int(msg["addr"]), int(msg["length"]))
+                    ).hexdigest()
+                }
             elif cmd == "write" or cmd == "read":
-                getattr(eng, cmd)(msg["peer"], int(msg["local"]), int(msg["remote"]), int(msg["length"]))
+                getattr(eng, cmd)(
+                    msg["peer"], int(msg["local"]), int(msg["remote"]), int(msg["length"])
+                )
                 out = {"ok": True}
             elif cmd == "tensor_get":
                 t = eng.get_tensor(msg["key"], timeout=float(msg.get("timeout", 10)))
                 arr = t.numpy() if hasattr(t, "numpy") and not isinstance(t, np.ndarray) else t
-                out = {"type": type(t).__module__.split(".")[0], "dtype": str(t.dtype), "shape": list(t.shape),
-                       "sum": float(arr.astype(np.float64).sum())}
+                out = {
+                    "type": type(t).__module__.split(".")[0],
+                    "dtype": str(t.dtype),
+                    "shape": list(t.shape),
+                    "sum": float(arr.astype(np.float64).sum()),
+                }
             elif cmd == "ping":
                 out = {"alive": eng.ping(msg["peer"])}
             else:

@@ -43,7 +43,9 @@ def payload(key: str, size: int, salt: str = "") -> bytes:
     return bytes(out[:size])
 
 
-def _wait_json(path: Path, proc: subprocess.Popen[Any], what: str, timeout: float = 30.0) -> dict[str, Any]:
+def _wait_json(
+    path: Path, proc: subprocess.Popen[Any], what: str, timeout: float = 30.0
+) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if path.exists():
@@ -61,8 +63,21 @@ class Master:
     def __init__(self, tmp: Path, *args: str, name: str = "master") -> None:
         self.ready = tmp / f"{name}-{time.monotonic_ns()}.json"
         self.log = open(tmp / f"{name}.log", "ab")  # noqa: SIM115
-        cmd = [PY, "-m", "mooncake_core", "--log-level", "INFO", "master", "--rpc-port", "0", "--http-port", "0",
-               "--ready-file", str(self.ready), *args]
+        cmd = [
+            PY,
+            "-m",
+            "mooncake_core",
+            "--log-level",
+            "INFO",
+            "master",
+            "--rpc-port",
+            "0",
+            "--http-port",
+            "0",
+            "--ready-file",
+            str(self.ready),
+            *args,
+        ]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         info = _wait_json(self.ready, self.proc, name)
         self.rpc_port = int(info["rpc_port"])
@@ -98,16 +113,41 @@ class Master:
 class Agent:
     """A client process executing commands (see module doc)."""
 
-    def __init__(self, master: str, *, segment_size: int = 32 << 20, ssd_path: str = "", env: dict[str, str] | None = None,
-                 log: Path | None = None, cluster_id: str = "default") -> None:
-        cmd = [PY, str(Path(__file__).resolve()), "agent", "--master", master, "--segment-size", str(segment_size),
-               "--cluster-id", cluster_id]
+    def __init__(
+        self,
+        master: str,
+        *,
+        segment_size: int = 32 << 20,
+        ssd_path: str = "",
+        env: dict[str, str] | None = None,
+        log: Path | None = None,
+        cluster_id: str = "default",
+    ) -> None:
+        cmd = [
+            PY,
+            str(Path(__file__).resolve()),
+            "agent",
+            "--master",
+            master,
+            "--segment-size",
+            str(segment_size),
+            "--cluster-id",
+            cluster_id,
+        ]
         if ssd_path:
             cmd += ["--ssd-path", ssd_path]
         self._log = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115
         e = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                     env=e, text=True, bufsize=1)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=e,
+            text=True,
+            bufsize=1,
+        )
         self._lock = threading.Lock()
         hello = self._read()
         if "error" in hello:
@@ -178,20 +218,37 @@ def _agent(argv: list[str]) -> int:
     logging.getLogger("mooncake_core.store").setLevel(logging.INFO)
     out = sys.stdout
     try:
-        client = StoreClient(master=a.master, segment_size=a.segment_size, ssd_path=a.ssd_path,
-                             cluster_id=a.cluster_id, failover_timeout_s=20.0).start()
+        client = StoreClient(
+            master=a.master,
+            segment_size=a.segment_size,
+            ssd_path=a.ssd_path,
+            cluster_id=a.cluster_id,
+            failover_timeout_s=20.0,
+        ).start()
     except Exception as exc:
-        out.write(json.dumps({"error": f"{type(exc).__name__}: {exc}", "type": type(exc).__name__}) + "\n")
+        out.write(
+            json.dumps({"error": f"{type(exc).__name__}: {exc}", "type": type(exc).__name__}) + "\n"
+        )
         return 1
-    out.write(json.dumps({"segment": client.segment_names[0] if client.segment_names else "",
-                          "peer": client.hostname}) + "\n")
+    out.write(
+        json.dumps(
+            {
+                "segment": client.segment_names[0] if client.segment_names else "",
+                "peer": client.hostname,
+            }
+        )
+        + "\n"
+    )
     out.flush()
     reg = np.zeros(8 << 20, dtype=np.uint8)
     client.register_buffer(reg)
 
     def cfg(c: dict[str, Any]) -> dict[str, Any]:
-        return {k: c[k] for k in ("replica_num", "preferred_segment", "hard_pin", "soft_pin_ttl_s", "strategy")
-                if k in c}
+        return {
+            k: c[k]
+            for k in ("replica_num", "preferred_segment", "hard_pin", "soft_pin_ttl_s", "strategy")
+            if k in c
+        }
 
     def run(c: dict[str, Any]) -> Any:
         op = c["op"]
@@ -205,7 +262,10 @@ def _agent(argv: list[str]) -> int:
             return None
         if op == "get":
             data = client.get(c["key"])
-            return {"size": len(data), "match": data == payload(c["key"], len(data), c.get("salt", ""))}
+            return {
+                "size": len(data),
+                "match": data == payload(c["key"], len(data), c.get("salt", "")),
+            }
         if op == "get_into_registered":
             n = client.get_into(c["key"], int(reg.ctypes.data), reg.nbytes)
             return {"size": n, "match": bytes(reg[:n]) == payload(c["key"], n)}
@@ -218,13 +278,20 @@ def _agent(argv: list[str]) -> int:
             return [None if r is None else type(r).__name__ for r in res]
         if op == "get_batch":
             got = client.get_batch(c["keys"])
-            return [None if g is None else g == payload(k, len(g)) for k, g in zip(c["keys"], got, strict=True)]
+            return [
+                None if g is None else g == payload(k, len(g))
+                for k, g in zip(c["keys"], got, strict=True)
+            ]
         if op == "batch_get_into":
             bufs = [bytearray(c["cap"]) for _ in c["keys"]]
             res = client.batch_get_into(c["keys"], bufs)
             salts = c.get("salts", {})
-            return [bytes(b[:r]) == payload(k, r, salts.get(k, "")) if isinstance(r, int) else type(r).__name__
-                    for k, b, r in zip(c["keys"], bufs, res, strict=True)]
+            return [
+                bytes(b[:r]) == payload(k, r, salts.get(k, ""))
+                if isinstance(r, int)
+                else type(r).__name__
+                for k, b, r in zip(c["keys"], bufs, res, strict=True)
+            ]
         if op == "put_array":
             client.put_array(c["key"], np.arange(c["n"], dtype=c["dtype"]).reshape(c["shape"]))
             return None
@@ -234,7 +301,10 @@ def _agent(argv: list[str]) -> int:
         if op == "put_tensor":
             import torch
 
-            client.put_tensor(c["key"], torch.arange(c["n"], dtype=torch.float32).reshape(c["shape"]).to(torch.bfloat16))
+            client.put_tensor(
+                c["key"],
+                torch.arange(c["n"], dtype=torch.float32).reshape(c["shape"]).to(torch.bfloat16),
+            )
             return None
         if op == "get_tensor":
             t = client.get_tensor(c["key"])
@@ -245,7 +315,9 @@ def _agent(argv: list[str]) -> int:
             return getattr(client, c["method"])(*c.get("args", []), **c.get("kwargs", {}))
         if op == "attr":
             return getattr(client, c["name"])
-        if op == "remembered":  # key -> the holders (peer names) of the replica the client remembers
+        if (
+            op == "remembered"
+        ):  # key -> the holders (peer names) of the replica the client remembers
             return {k: [s.peer for s in v.replica] for k, v in client._where.snapshot().items()}
         raise ValueError(f"unknown op {op!r}")
 
@@ -270,8 +342,16 @@ def _stress(client: Any, c: dict[str, Any]) -> dict[str, int]:
 
     keys: list[str] = c["keys"]
     deadline = time.monotonic() + float(c["seconds"])
-    counts = {"puts": 0, "gets": 0, "torn": 0, "exists": 0, "missing": 0, "removes": 0, "errors": 0,
-              "lease_expired": 0}
+    counts = {
+        "puts": 0,
+        "gets": 0,
+        "torn": 0,
+        "exists": 0,
+        "missing": 0,
+        "removes": 0,
+        "errors": 0,
+        "lease_expired": 0,
+    }
     lock = threading.Lock()
     first_error: list[str] = []
 
@@ -297,7 +377,9 @@ def _stress(client: Any, c: dict[str, Any]) -> dict[str, int]:
                     with lock:
                         counts["errors"] += 1
                         first_error.append(repr(exc))
-            except Exception as exc:  # anything else is a bug: count it instead of losing the thread
+            except (
+                Exception
+            ) as exc:  # anything else is a bug: count it instead of losing the thread
                 with lock:
                     counts["errors"] += 1
                     first_error.append(repr(exc))
@@ -329,8 +411,12 @@ def _stress(client: Any, c: dict[str, Any]) -> dict[str, int]:
                 if not ok:
                     counts["torn"] += 1
 
-    threads = [threading.Thread(target=writer, args=(f"{c['name']}-w{i}",)) for i in range(c["writers"])]
-    threads += [threading.Thread(target=reader, args=(f"{c['name']}-r{i}",)) for i in range(c["readers"])]
+    threads = [
+        threading.Thread(target=writer, args=(f"{c['name']}-w{i}",)) for i in range(c["writers"])
+    ]
+    threads += [
+        threading.Thread(target=reader, args=(f"{c['name']}-r{i}",)) for i in range(c["readers"])
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -344,4 +430,6 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "agent":
         sys.path.insert(0, str(ROOT))
         raise SystemExit(_agent(sys.argv[2:]))
-    raise SystemExit("usage: store_support.py agent --master ADDR [--segment-size N] [--ssd-path DIR]")
+    raise SystemExit(
+        "usage: store_support.py agent --master ADDR [--segment-size N] [--ssd-path DIR]"
+    )

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Runs unchanged on the published package and on ours (USE_MOONCAKE_CORE=1 installs ours
 # as ``mooncake`` first). Only API names, argument names and return codes are used.
 SCRIPT = textwrap.dedent(
-    r'''
+    r"""
     import ctypes, hashlib, json, os, random, sys, time
     if os.environ.get("USE_MOONCAKE_CORE"):
         import mooncake_core.compat
@@ -128,21 +128,36 @@ SCRIPT = textwrap.dedent(
     r["notify_obj"] = [TransferNotify("a", "b").name, TransferNotify("a", "b").msg]
     r["free"] = [te.free_managed_buffer(local2, HOLD), te.free_managed_buffer(local, HOLD)]
     print(json.dumps(r), flush=True)
-    '''
+    """
 )
 
 
-def _run_pair(python: str, script: Path, protocol: str, env: dict[str, str]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+def _run_pair(
+    python: str, script: Path, protocol: str, env: dict[str, str]
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """(target info, initiator results, target final report)."""
-    target = subprocess.Popen([python, str(script), "target", protocol], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    target = subprocess.Popen(
+        [python, str(script), "target", protocol],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         assert target.stdout is not None and target.stdin is not None
         line = target.stdout.readline()
-        assert line, f"target printed nothing; stderr: {target.stderr.read()[-3000:] if target.stderr else ''}"
+        assert line, (
+            f"target printed nothing; stderr: {target.stderr.read()[-3000:] if target.stderr else ''}"
+        )
         info = json.loads(line)
-        init = subprocess.run([python, str(script), "initiator", protocol, line.strip()], capture_output=True,
-                              text=True, env=env, timeout=90)
+        init = subprocess.run(
+            [python, str(script), "initiator", protocol, line.strip()],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=90,
+        )
         assert init.returncode == 0, f"initiator failed: {init.stderr[-3000:]}"
         res = json.loads(init.stdout.strip().splitlines()[-1])
         target.stdin.write("done\n")
@@ -174,7 +189,17 @@ def _check_pair(info: dict[str, Any], res: dict[str, Any], final: dict[str, Any]
     assert info["rc_init"] == 0 and info["rc_reg"] == 0
     assert res["rc_init"] == 0 and res["port_is_int"] and res["alloc_ok"]
     assert res["hello"] == "hello from the target"
-    for key in ("read_hello", "write", "read", "bwrite", "bread", "async_status", "notify", "zero_len", "wbytes"):
+    for key in (
+        "read_hello",
+        "write",
+        "read",
+        "bwrite",
+        "bread",
+        "async_status",
+        "notify",
+        "zero_len",
+        "wbytes",
+    ):
         assert res[key] == 0, (key, res[key])
     assert res["read_exact"] and res["bexact"] and res["async_ids_ok"]
     assert res["check_status"] == 1
@@ -213,17 +238,25 @@ def test_two_processes_like_mooncake_examples(script: Path, protocol: str) -> No
 def test_same_script_against_published_wheel(script: Path) -> None:
     real = os.environ.get("MOONCAKE_PEER_PYTHON") or peer().default_peer_python()
     if real is None:
-        pytest.skip("no scratch venv with the published wheel; run scripts/setup_mooncake_peer.sh "
-                    "(or set MOONCAKE_PEER_PYTHON)")
-    probe = subprocess.run([real, "-c", "import mooncake.engine"], capture_output=True, text=True, timeout=60)
+        pytest.skip(
+            "no scratch venv with the published wheel; run scripts/setup_mooncake_peer.sh "
+            "(or set MOONCAKE_PEER_PYTHON)"
+        )
+    probe = subprocess.run(
+        [real, "-c", "import mooncake.engine"], capture_output=True, text=True, timeout=60
+    )
     if probe.returncode != 0:
-        pytest.skip(f"the published mooncake does not import in {real}: {probe.stderr.strip()[-300:]}")
+        pytest.skip(
+            f"the published mooncake does not import in {real}: {probe.stderr.strip()[-300:]}"
+        )
     theirs = _run_pair(real, script, "tcp", _env(ours=False))
     ours = _run_pair(sys.executable, script, "tcp", _env(ours=True))
     _check_pair(*theirs)
     _check_pair(*ours)
     # every return code and check the script records must agree
-    assert {k: v for k, v in ours[1].items() if k != "sha"} == {k: v for k, v in theirs[1].items() if k != "sha"}
+    assert {k: v for k, v in ours[1].items() if k != "sha"} == {
+        k: v for k, v in theirs[1].items() if k != "sha"
+    }
     assert ours[2]["notifies"] == theirs[2]["notifies"]
 
 
@@ -250,7 +283,9 @@ def test_install_provides_mooncake_engine_in_fresh_interpreter() -> None:
         """
     )
     env = _env(ours=True)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=50)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=50
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")
 
@@ -274,7 +309,9 @@ def test_install_leaves_a_real_package_alone(tmp_path: Path) -> None:
     )
     env = _env(ours=True)
     env["PYTHONPATH"] = str(tmp_path) + os.pathsep + env["PYTHONPATH"]
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=50)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=50
+    )
     assert out.returncode == 0, out.stderr[-3000:]
 
 

@@ -30,7 +30,7 @@ from mooncake_core.bench.published import peer
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent(
-    r'''
+    r"""
     import ctypes, json, os, random, sys
     if os.environ.get("USE_MOONCAKE_CORE"):
         import mooncake_core.compat
@@ -102,7 +102,7 @@ SCRIPT = textwrap.dedent(
     r["unreg"] = [s.unregister_buffer(p), s.unregister_buffer(p)]
     r["close"] = [s.close(), s.close()]
     print(json.dumps(r), flush=True)
-    '''
+    """
 )
 
 
@@ -144,9 +144,23 @@ def _wait_port(port: int, timeout: float) -> None:
 def our_master() -> Iterator[tuple[str, str]]:
     with tempfile.TemporaryDirectory() as tmp:
         ready = Path(tmp) / "ready.json"
-        proc = subprocess.Popen([sys.executable, "-m", "mooncake_core", "master", "--rpc-port", "0",
-                                 "--http-port", "0", "--ready-file", str(ready)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(True))
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "mooncake_core",
+                "master",
+                "--rpc-port",
+                "0",
+                "--http-port",
+                "0",
+                "--ready-file",
+                str(ready),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=_env(True),
+        )
         try:
             info = _wait_file(ready, proc, 30)
             yield f"127.0.0.1:{info['rpc_port']}", f"http://127.0.0.1:{info['http_port']}/metadata"
@@ -165,11 +179,22 @@ def their_master(python: str) -> Iterator[tuple[str, str]]:
 
     rpc, http, metrics = free_port(), free_port(), free_port()
     exe = str(Path(python).parent / "mooncake_master")
-    proc = subprocess.Popen([exe, f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
-                             "--enable_http_metadata_server=true", f"--http_metadata_server_port={http}",
-                             "--http_metadata_server_host=127.0.0.1", f"--metrics_port={metrics}",
-                             "--metrics_host=127.0.0.1", "--enable_metric_reporting=false"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(False))
+    proc = subprocess.Popen(
+        [
+            exe,
+            f"--rpc_port={rpc}",
+            "--rpc_address=127.0.0.1",
+            "--enable_http_metadata_server=true",
+            f"--http_metadata_server_port={http}",
+            "--http_metadata_server_host=127.0.0.1",
+            f"--metrics_port={metrics}",
+            "--metrics_host=127.0.0.1",
+            "--enable_metric_reporting=false",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=_env(False),
+    )
     try:
         _wait_port(rpc, 30)
         _wait_port(http, 30)
@@ -185,15 +210,28 @@ def their_master(python: str) -> Iterator[tuple[str, str]]:
 
 def _run(python: str, script: Path, master: str, metadata: str, ours: bool) -> dict[str, Any]:
     env = _env(ours)
-    holder = subprocess.Popen([python, str(script), "holder", master, metadata], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    holder = subprocess.Popen(
+        [python, str(script), "holder", master, metadata],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         assert holder.stdout is not None and holder.stdin is not None
         line = holder.stdout.readline()
-        assert line, f"holder printed nothing: {holder.stderr.read()[-3000:] if holder.stderr else ''}"
+        assert line, (
+            f"holder printed nothing: {holder.stderr.read()[-3000:] if holder.stderr else ''}"
+        )
         assert json.loads(line)["rc"] == 0
-        rd = subprocess.run([python, str(script), "reader", master, metadata], capture_output=True, text=True,
-                            env=env, timeout=120)
+        rd = subprocess.run(
+            [python, str(script), "reader", master, metadata],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
         assert rd.returncode == 0, rd.stderr[-3000:]
         res: dict[str, Any] = json.loads(rd.stdout.strip().splitlines()[-1])
         holder.stdin.write("done\n")
@@ -214,15 +252,43 @@ def script(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 EXPECTED: dict[str, Any] = {
-    "setup": 0, "hostname_ok": True, "health": 0, "put": 0, "put_dup": 0, "get": "hello", "get_missing": "",
-    "put_big": 0, "get_big_exact": True, "size": [(1 << 20) + 17, -704], "exist": [1, 0, [1, 0, 1]],
-    "put_batch": 0, "get_batch": ["A", "BB", ""], "put_parts": 0, "get_parts": "xyz!", "put_cfg": 0,
-    "cfg_defaults": [1, False, ""], "reg": [0, -600], "put_from": 0, "get_into": (1 << 20) + 17,
-    "get_into_exact": True, "get_into_small": -600, "get_into_missing": -704,
-    "batch_put_from": [0] * 8, "batch_get_into": [65539] * 8 + [-704], "batch_exact": True,
-    "get_buffer": [5, "hello"], "get_buffer_missing": True,
-    "remove": [-706, -704, 0], "remove_never_read": 0, "regex_leased": 0, "regex_forced": 8,
-    "remove_all": 5, "after_all": [0, 0, 0, 0], "bad_key": True, "unreg": [0, -600], "close": [0, 0],
+    "setup": 0,
+    "hostname_ok": True,
+    "health": 0,
+    "put": 0,
+    "put_dup": 0,
+    "get": "hello",
+    "get_missing": "",
+    "put_big": 0,
+    "get_big_exact": True,
+    "size": [(1 << 20) + 17, -704],
+    "exist": [1, 0, [1, 0, 1]],
+    "put_batch": 0,
+    "get_batch": ["A", "BB", ""],
+    "put_parts": 0,
+    "get_parts": "xyz!",
+    "put_cfg": 0,
+    "cfg_defaults": [1, False, ""],
+    "reg": [0, -600],
+    "put_from": 0,
+    "get_into": (1 << 20) + 17,
+    "get_into_exact": True,
+    "get_into_small": -600,
+    "get_into_missing": -704,
+    "batch_put_from": [0] * 8,
+    "batch_get_into": [65539] * 8 + [-704],
+    "batch_exact": True,
+    "get_buffer": [5, "hello"],
+    "get_buffer_missing": True,
+    "remove": [-706, -704, 0],
+    "remove_never_read": 0,
+    "regex_leased": 0,
+    "regex_forced": 8,
+    "remove_all": 5,
+    "after_all": [0, 0, 0, 0],
+    "bad_key": True,
+    "unreg": [0, -600],
+    "close": [0, 0],
 }
 
 
@@ -243,8 +309,10 @@ def test_compat_store_against_our_master(script: Path) -> None:
 def test_same_store_script_against_published_wheel(script: Path) -> None:
     real = os.environ.get("MOONCAKE_PEER_PYTHON") or peer().default_peer_python()
     if real is None:
-        pytest.skip("no scratch venv with the published wheel; run scripts/setup_mooncake_peer.sh "
-                    "(or set MOONCAKE_PEER_PYTHON)")
+        pytest.skip(
+            "no scratch venv with the published wheel; run scripts/setup_mooncake_peer.sh "
+            "(or set MOONCAKE_PEER_PYTHON)"
+        )
     if not (Path(real).parent / "mooncake_master").exists():
         pytest.skip(f"{real}'s venv has no mooncake_master")
     with their_master(real) as (master, metadata):
@@ -264,12 +332,20 @@ def test_setup_with_shared_engine_and_p2p_metadata() -> None:
     holder, reader = MooncakeDistributedStore(), MooncakeDistributedStore()
     try:
         assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
-        assert holder.setup("127.0.0.1", "P2PHANDSHAKE", 32 << 20, 0, "tcp", "", master.address) == 0
+        assert (
+            holder.setup("127.0.0.1", "P2PHANDSHAKE", 32 << 20, 0, "tcp", "", master.address) == 0
+        )
         # the published pattern: hand the engine to the store
-        assert reader.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", master.address,
-                            engine=te.get_engine()) == 0
+        assert (
+            reader.setup(
+                "127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", master.address, engine=te.get_engine()
+            )
+            == 0
+        )
         assert reader.get_hostname() == f"127.0.0.1:{te.get_rpc_port()}"
-        assert reader.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", master.address) < 0  # twice
+        assert (
+            reader.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", master.address) < 0
+        )  # twice
         cfg = ReplicateConfig()
         cfg.with_hard_pin = True
         assert reader.put("pinned", b"v" * 1000, cfg) == 0

@@ -46,5 +46,7 @@ def test_experts_round_trip_through_the_store(cluster: tuple[Master, Agent]) -> 
         src = StoreWeightSource(reader, key_prefix="tiny-moe/layer0/experts")
         for e, w in experts.items():
             assert torch.equal(src.load(e), w)
-        with pytest.raises(EPError, match="expert 99 is not in the store under 'tiny-moe/layer0/experts/99'"):
+        with pytest.raises(
+            EPError, match="expert 99 is not in the store under 'tiny-moe/layer0/experts/99'"
+        ):
             src.load(99)

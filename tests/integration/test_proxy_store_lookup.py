@@ -60,8 +60,14 @@ def writer(master: Master) -> Iterator[StoreClient]:
         yield c
 
 
-def save_pages(client: StoreClient, scheme: Any, toks: list[int], n_pages: int, ranks: list[int] | None = None,
-               layers: int = 2) -> None:
+def save_pages(
+    client: StoreClient,
+    scheme: Any,
+    toks: list[int],
+    n_pages: int,
+    ranks: list[int] | None = None,
+    layers: int = 2,
+) -> None:
     """What the connector's worker saves: one object per (page, layer) per TP rank."""
     pages = scheme.pages(toks)[:n_pages]
     for r in ranks if ranks is not None else range(scheme.tp_size):
@@ -115,15 +121,20 @@ def test_connector_and_proxy_name_the_same_keys() -> None:
     from mooncake_vllm.store_connector import scheme_of
 
     torch = pytest.importorskip("torch")
-    vc = SimpleNamespace(model_config=SimpleNamespace(model=MODEL, dtype=torch.bfloat16),
-                         cache_config=SimpleNamespace(block_size=BT),
-                         parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    vc = SimpleNamespace(
+        model_config=SimpleNamespace(model=MODEL, dtype=torch.bfloat16),
+        cache_config=SimpleNamespace(block_size=BT),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+    )
     assert scheme_of(vc) == StoreKeyScheme(MODEL, "bf16", BT)
-    assert scheme_of(vc).seed == f"{MODEL}|torch.bfloat16|{BT}"  # the seed the connector always used
+    assert (
+        scheme_of(vc).seed == f"{MODEL}|torch.bfloat16|{BT}"
+    )  # the seed the connector always used
 
 
-def test_master_outage_means_no_store_holdings(tmp_path: Path, writer: StoreClient,
-                                               caplog: pytest.LogCaptureFixture) -> None:
+def test_master_outage_means_no_store_holdings(
+    tmp_path: Path, writer: StoreClient, caplog: pytest.LogCaptureFixture
+) -> None:
     m = Master(tmp_path, name="outage")
     scheme = StoreKeyScheme(MODEL, "float32", BT)
     t = tokens(4 * BT + 1, salt=4)
@@ -150,26 +161,56 @@ def test_master_outage_means_no_store_holdings(tmp_path: Path, writer: StoreClie
 
 
 def test_bad_addresses_are_one_line_errors() -> None:
-    for bad in ("", "localhost", "127.0.0.1:", "127.0.0.1:99999", "http://127.0.0.1:50051", "a b:1", "etcd://"):
+    for bad in (
+        "",
+        "localhost",
+        "127.0.0.1:",
+        "127.0.0.1:99999",
+        "http://127.0.0.1:50051",
+        "a b:1",
+        "etcd://",
+    ):
         with pytest.raises(ConfigError, match="--store-master") as exc:
             parse_master_address(bad)
         assert "\n" not in str(exc.value)
     assert parse_master_address(" 127.0.0.1:50051 ") == "127.0.0.1:50051"
-    assert parse_master_address("etcd://10.0.0.1:2379,10.0.0.2:2379") == "etcd://10.0.0.1:2379,10.0.0.2:2379"
+    assert (
+        parse_master_address("etcd://10.0.0.1:2379,10.0.0.2:2379")
+        == "etcd://10.0.0.1:2379,10.0.0.2:2379"
+    )
     with pytest.raises(ConfigError, match="--store-dtype"):
         StoreLookup("127.0.0.1:50051", BT, "")
 
 
 def test_cli_rejects_bad_store_options() -> None:
-    base = [sys.executable, "-m", "mooncake_core", "proxy", "--prefill", "http://127.0.0.1:1", "--decode",
-            "http://127.0.0.1:2", "--port", "0", "--policy", "global-cache"]
-    for extra, needle in ((["--store-master", "nowhere", "--store-dtype", "float32"], "is not a store master address"),
-                          (["--store-master", "127.0.0.1:50051"], "needs --store-dtype"),
-                          (["--store-dtype", "float32"], "need --store-master")):
+    base = [
+        sys.executable,
+        "-m",
+        "mooncake_core",
+        "proxy",
+        "--prefill",
+        "http://127.0.0.1:1",
+        "--decode",
+        "http://127.0.0.1:2",
+        "--port",
+        "0",
+        "--policy",
+        "global-cache",
+    ]
+    for extra, needle in (
+        (
+            ["--store-master", "nowhere", "--store-dtype", "float32"],
+            "is not a store master address",
+        ),
+        (["--store-master", "127.0.0.1:50051"], "needs --store-dtype"),
+        (["--store-dtype", "float32"], "need --store-master"),
+    ):
         out = subprocess.run(base + extra, capture_output=True, text=True, timeout=60)
         assert out.returncode == 2, out.stderr
         lines = out.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("mooncake-core: error:") and needle in lines[0], out.stderr
+        assert (
+            len(lines) == 1 and lines[0].startswith("mooncake-core: error:") and needle in lines[0]
+        ), out.stderr
 
 
 # --- the whole proxy, stub upstreams, a real master ----------------------------------------------
@@ -188,7 +229,9 @@ def _upstream(seen: list[dict[str, Any]]) -> web.Application:
     async def complete(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         seen.append(body)
-        return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": {"do_remote_prefill": True}})
+        return web.json_response(
+            {"choices": [{"text": "x"}], "kv_transfer_params": {"do_remote_prefill": True}}
+        )
 
     async def models(request: web.Request) -> web.StreamResponse:
         return web.json_response({"data": [{"id": "tiny", "root": MODEL}]})
@@ -220,7 +263,10 @@ async def _stats(proxy_url: str) -> Any:
 
 
 async def _post(url: str, body: Any) -> tuple[int, dict[str, str], Any]:
-    async with aiohttp.ClientSession() as s, s.post(url, json=body, timeout=aiohttp.ClientTimeout(total=20)) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(url, json=body, timeout=aiohttp.ClientTimeout(total=20)) as r,
+    ):
         return r.status, dict(r.headers), json.loads(await r.read())
 
 
@@ -229,7 +275,8 @@ def _decision(headers: dict[str, str]) -> dict[str, str]:
 
 
 def test_proxy_counts_store_pages_and_accepts_what_only_the_store_makes_fast(
-        tmp_path: Path, writer: StoreClient, master: Master, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, writer: StoreClient, master: Master, caplog: pytest.LogCaptureFixture
+) -> None:
     """A prompt of n tokens: recomputing misses the TTFT SLO; fetching its saved prefix meets it."""
     n = 40 * BT + 8
     cost = CostModel(dataclasses.replace(DEFAULT_PROFILE, block_tokens=BT))
@@ -246,10 +293,23 @@ def test_proxy_counts_store_pages_and_accepts_what_only_the_store_makes_fast(
     async def main() -> None:
         seen: list[dict[str, Any]] = []
         runners, urls = await _upstreams(seen, 3)
-        opts = {"block_tokens": BT, "reject": True, "slo_ttft_s": slo, "slo_tbt_s": 10.0,
-                "store_master": master.address, "store_dtype": "float32"}  # model: from /v1/models
-        proxy = ProxyServer(ProxyConfig(prefill=tuple(urls[:2]), decode=(urls[2],), port=0, policy="global-cache",
-                                        policy_options=tuple(opts.items())))
+        opts = {
+            "block_tokens": BT,
+            "reject": True,
+            "slo_ttft_s": slo,
+            "slo_tbt_s": 10.0,
+            "store_master": master.address,
+            "store_dtype": "float32",
+        }  # model: from /v1/models
+        proxy = ProxyServer(
+            ProxyConfig(
+                prefill=tuple(urls[:2]),
+                decode=(urls[2],),
+                port=0,
+                policy="global-cache",
+                policy_options=tuple(opts.items()),
+            )
+        )
         purl = await proxy.start()
         try:
             body = {"model": "tiny", "max_tokens": 4}
@@ -258,11 +318,19 @@ def test_proxy_counts_store_pages_and_accepts_what_only_the_store_makes_fast(
             st, hdr, _ = await _post(purl + "/v1/completions", {**body, "prompt": saved})
             assert st == 200
             d = _decision(hdr)
-            assert d["store_blocks"] == "40" and d["fetch_source"] == "store" and d["fetch_blocks"] == "40"
+            assert (
+                d["store_blocks"] == "40"
+                and d["fetch_source"] == "store"
+                and d["fetch_blocks"] == "40"
+            )
             assert float(d["predicted_ttft_ms"]) == pytest.approx(fetch * 1e3, abs=0.2)
             stats = await _stats(purl)
             ps = stats["policy_stats"]
-            assert ps["store"]["pages_held"] == 40 and ps["fetch_from_store"] == 1 and ps["rejections"] == 1
+            assert (
+                ps["store"]["pages_held"] == 40
+                and ps["fetch_from_store"] == 1
+                and ps["rejections"] == 1
+            )
             assert ps["store"]["scheme"] == scheme.seed  # the model path came from GET /v1/models
         finally:
             await proxy.stop()
@@ -270,8 +338,15 @@ def test_proxy_counts_store_pages_and_accepts_what_only_the_store_makes_fast(
         opts = {**opts, "store_master": own.address, "reject": False, "store_model": MODEL}
         own.kill()
         caplog.set_level(logging.WARNING, logger="mooncake_core.proxy.storelookup")
-        proxy = ProxyServer(ProxyConfig(prefill=tuple(urls[:2]), decode=(urls[2],), port=0, policy="global-cache",
-                                        policy_options=tuple(opts.items())))
+        proxy = ProxyServer(
+            ProxyConfig(
+                prefill=tuple(urls[:2]),
+                decode=(urls[2],),
+                port=0,
+                policy="global-cache",
+                policy_options=tuple(opts.items()),
+            )
+        )
         purl = await proxy.start()
         try:
             for _ in range(3):
@@ -294,8 +369,15 @@ def test_text_prompts_are_tokenized_for_routing() -> None:
     async def main() -> None:
         seen: list[dict[str, Any]] = []
         runners, urls = await _upstreams(seen, 3)
-        proxy = ProxyServer(ProxyConfig(prefill=tuple(urls[:2]), decode=(urls[2],), port=0, policy="global-cache",
-                                        policy_options=(("block_tokens", 4),)))
+        proxy = ProxyServer(
+            ProxyConfig(
+                prefill=tuple(urls[:2]),
+                decode=(urls[2],),
+                port=0,
+                policy="global-cache",
+                policy_options=(("block_tokens", 4),),
+            )
+        )
         purl = await proxy.start()
         pol: Any = proxy.policy
         try:
@@ -303,20 +385,31 @@ def test_text_prompts_are_tokenized_for_routing() -> None:
             ids = [ord(c) % 400 + 3 for c in text]  # what the stub's /tokenize answers
             # instance 1 reports (as its KV events would) that it holds these token blocks
             pol.conductor.kv_stored(1, prefix_blocks(ids, 4))
-            st, hdr, _ = await _post(purl + "/v1/completions", {"model": "tiny", "prompt": text + "and more",
-                                                                "max_tokens": 2})
-            assert st == 200 and hdr["X-Mooncake-Prefill"] == urls[1]  # characters would never match: instance 0
+            st, hdr, _ = await _post(
+                purl + "/v1/completions",
+                {"model": "tiny", "prompt": text + "and more", "max_tokens": 2},
+            )
+            assert (
+                st == 200 and hdr["X-Mooncake-Prefill"] == urls[1]
+            )  # characters would never match: instance 0
             assert _decision(hdr)["cached_blocks"] == str(len(ids) // 4)
-            st, _, _ = await _post(purl + "/v1/completions", {"model": "tiny", "prompt": text + "and more",
-                                                               "max_tokens": 2})
+            st, _, _ = await _post(
+                purl + "/v1/completions",
+                {"model": "tiny", "prompt": text + "and more", "max_tokens": 2},
+            )
             stats = await _stats(purl)
             assert stats["tokenizer"]["calls"] == 1 and stats["tokenizer"]["cache_hits"] == 1
             # the stub cannot tokenize chat: the request is still served, hashed by characters
-            st, _, _ = await _post(purl + "/v1/chat/completions", {"model": "tiny", "max_tokens": 2,
-                                                                     "messages": [{"role": "user", "content": text}]})
+            st, _, _ = await _post(
+                purl + "/v1/chat/completions",
+                {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": text}]},
+            )
             assert st == 200
             stats = await _stats(purl)
-            assert stats["tokenizer"]["rejected"] == 1 and stats["policy_stats"]["char_hashed_prompts"] == 1
+            assert (
+                stats["tokenizer"]["rejected"] == 1
+                and stats["policy_stats"]["char_hashed_prompts"] == 1
+            )
         finally:
             await proxy.stop()
             for r in runners:

@@ -22,7 +22,15 @@ def _metric(text: str, name: str) -> float:
 
 @pytest.mark.timeout(90)
 def test_eviction_respects_leases_and_pins(tmp_path: Path) -> None:
-    m = Master(tmp_path, "--eviction-high-watermark", "0.8", "--eviction-ratio", "0.1", "--default-kv-lease-ttl", "3")
+    m = Master(
+        tmp_path,
+        "--eviction-high-watermark",
+        "0.8",
+        "--eviction-ratio",
+        "0.1",
+        "--default-kv-lease-ttl",
+        "3",
+    )
     agents: list[Agent] = []
     try:
         holder = Agent(m.address, segment_size=16 * MiB, log=tmp_path / "holder.log")
@@ -36,7 +44,9 @@ def test_eviction_respects_leases_and_pins(tmp_path: Path) -> None:
             if i % 4 == 0:
                 assert holder.call("get", key="leased")["match"]  # keep its read lease fresh
             writer.call("put", key=f"flood/{i}", size=MiB)
-        exists = writer.call("call", method="batch_exists", args=[["pin/hard", "pin/soft", "leased"]])
+        exists = writer.call(
+            "call", method="batch_exists", args=[["pin/hard", "pin/soft", "leased"]]
+        )
         assert exists == [True, True, True]
         flood = writer.call("call", method="batch_exists", args=[[f"flood/{i}" for i in range(40)]])
         assert not all(flood[:10]), "old unpinned objects should have been evicted"
@@ -64,11 +74,21 @@ def test_eviction_respects_leases_and_pins(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_ssd_tier_offloads_on_eviction_and_promotes_on_hit(tmp_path: Path) -> None:
-    m = Master(tmp_path, "--eviction-high-watermark", "0.75", "--eviction-ratio", "0.25", "--default-kv-lease-ttl", "0.3")
+    m = Master(
+        tmp_path,
+        "--eviction-high-watermark",
+        "0.75",
+        "--eviction-ratio",
+        "0.25",
+        "--default-kv-lease-ttl",
+        "0.3",
+    )
     ssd = tmp_path / "ssd"
     agents: list[Agent] = []
     try:
-        holder = Agent(m.address, segment_size=8 * MiB, ssd_path=str(ssd), log=tmp_path / "holder.log")
+        holder = Agent(
+            m.address, segment_size=8 * MiB, ssd_path=str(ssd), log=tmp_path / "holder.log"
+        )
         agents.append(holder)
         writer = Agent(m.address, segment_size=0, log=tmp_path / "writer.log")
         agents.append(writer)
@@ -78,7 +98,9 @@ def test_ssd_tier_offloads_on_eviction_and_promotes_on_hit(tmp_path: Path) -> No
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and len(list(ssd.glob("*.obj"))) < 8:
             time.sleep(0.1)
-        assert len(list(ssd.glob("*.obj"))) >= 8, "evicted objects should have been offloaded to the SSD directory"
+        assert len(list(ssd.glob("*.obj"))) >= 8, (
+            "evicted objects should have been offloaded to the SSD directory"
+        )
         text = m.http("/metrics")[1]
         assert _metric(text, "mooncake_master_ssd_offloads_total") >= 8
         q = json.loads(m.http("/query_key?key=ssd/0")[1])
@@ -110,7 +132,15 @@ def _rss_kib(pid: int) -> int:
 def test_object_cap_bounds_master_metadata_under_a_tiny_object_flood(tmp_path: Path) -> None:
     """64-byte objects would fit by the million in a segment; max_objects bounds the master instead."""
     cap = 400
-    m = Master(tmp_path, "--max-objects", str(cap), "--eviction-ratio", "0.1", "--default-kv-lease-ttl", "0.5")
+    m = Master(
+        tmp_path,
+        "--max-objects",
+        str(cap),
+        "--eviction-ratio",
+        "0.1",
+        "--default-kv-lease-ttl",
+        "0.5",
+    )
     agents: list[Agent] = []
     try:
         holder = Agent(m.address, segment_size=32 * MiB, log=tmp_path / "holder.log")
@@ -130,12 +160,17 @@ def test_object_cap_bounds_master_metadata_under_a_tiny_object_flood(tmp_path: P
         newest = [f"tiny/39/{i}" for i in range(100)]
         assert writer.call("get_batch", keys=newest) == [True] * 100
         # metadata memory does not keep growing once the cap is reached (loose: allocator noise)
-        assert rss[1] - rss[0] < 16 * 1024, f"master RSS grew {rss[1] - rss[0]} KiB between 1k and 4k puts"
+        assert rss[1] - rss[0] < 16 * 1024, (
+            f"master RSS grew {rss[1] - rss[0]} KiB between 1k and 4k puts"
+        )
         # at the cap with every object leased or pinned: a clear error, the master stays up
         writer.call("call", method="remove_all", kwargs={"force": True})
         pinned = [f"pin/{i}" for i in range(cap)]
         for i in range(0, cap, 100):
-            assert writer.call("put_batch", keys=pinned[i:i + 100], size=64, hard_pin=True) == [None] * 100
+            assert (
+                writer.call("put_batch", keys=pinned[i : i + 100], size=64, hard_pin=True)
+                == [None] * 100
+            )
         with pytest.raises(AgentError) as ei:
             writer.call("put", key="one-too-many", size=64)
         assert "max_objects" in ei.value.msg and ei.value.type == "NoSpace", ei.value

@@ -20,17 +20,25 @@ def test_killed_holder_loses_nothing_with_two_replicas(tmp_path: Path) -> None:
     m = Master(tmp_path, "--client-ttl", "1.5")
     agents: list[Agent] = []
     try:
-        agents = [Agent(m.address, segment_size=(24 << 20) if i != 1 else 0, log=tmp_path / f"a{i}.log")
-                  for i in range(4)]
+        agents = [
+            Agent(m.address, segment_size=(24 << 20) if i != 1 else 0, log=tmp_path / f"a{i}.log")
+            for i in range(4)
+        ]
         writer, reader, h1, h2 = agents
         sizes = [1000, 70_000, 1 << 20, 3 << 20]
         keys = [f"k/{i}" for i in range(24)]
         for i, k in enumerate(keys):
             writer.call("put", key=k, size=sizes[i % 4], replica_num=2)
         # which keys have a replica on h1?
-        on_h1 = [k for k in keys if any(s["segment"] == h1.segment
-                                        for rep in reader.call("call", method="query", args=[k])["replicas"]
-                                        for s in rep)]
+        on_h1 = [
+            k
+            for k in keys
+            if any(
+                s["segment"] == h1.segment
+                for rep in reader.call("call", method="query", args=[k])["replicas"]
+                for s in rep
+            )
+        ]
         assert on_h1, "placement never used the holder we are about to kill"
         for i, k in enumerate(keys):  # the reader remembers one replica of each key
             assert reader.call("get", key=k) == {"size": sizes[i % 4], "match": True}, k
@@ -79,13 +87,21 @@ def test_concurrent_writers_and_readers_never_see_torn_objects(tmp_path: Path) -
     m = Master(tmp_path, "--default-kv-lease-ttl", "0.3")
     agents: list[Agent] = []
     try:
-        agents = [Agent(m.address, segment_size=32 << 20, log=tmp_path / f"a{i}.log") for i in range(2)]
+        agents = [
+            Agent(m.address, segment_size=32 << 20, log=tmp_path / f"a{i}.log") for i in range(2)
+        ]
         keys = [f"hot/{i}" for i in range(24)]
         with ThreadPoolExecutor(2) as ex:
-            futs = [ex.submit(a.call, "stress", keys=keys, seconds=4.0, writers=4, readers=4, name=f"p{i}")
-                    for i, a in enumerate(agents)]
+            futs = [
+                ex.submit(
+                    a.call, "stress", keys=keys, seconds=4.0, writers=4, readers=4, name=f"p{i}"
+                )
+                for i, a in enumerate(agents)
+            ]
             results = [f.result(timeout=60) for f in futs]
-        total = {k: sum(r[k] for r in results) for k in ("puts", "gets", "torn", "removes", "errors")}
+        total = {
+            k: sum(r[k] for r in results) for k in ("puts", "gets", "torn", "removes", "errors")
+        }
         assert total["torn"] == 0, json.dumps(results)
         assert total["errors"] == 0, json.dumps(results)
         # enough contention to mean something (removes are rare: readers keep most keys leased)
@@ -110,20 +126,32 @@ def test_a_restarted_master_gets_no_writes_into_extents_it_never_lent(tmp_path: 
         holder = Agent(m.address, segment_size=24 << 20, log=tmp_path / "holder.log")
         a = Agent(m.address, segment_size=0, log=tmp_path / "a.log")
         agents = [holder, a]
-        a.call("put", key="a/0", size=5000, preferred_segment=holder.segment)  # a holds an extent on the holder
+        a.call(
+            "put", key="a/0", size=5000, preferred_segment=holder.segment
+        )  # a holds an extent on the holder
         before = a.call("call", method="query", args=["a/0"])["replicas"][0][0]["offset"]
         m.kill()
         m2 = Master(tmp_path, "--rpc-port", str(port), name="master2")
         deadline = time.monotonic() + 20
         while holder.segment not in [s["name"] for s in json.loads(m2.http("/segments")[1])]:
-            assert time.monotonic() < deadline, "the holder did not mount its segment on the new master"
+            assert time.monotonic() < deadline, (
+                "the holder did not mount its segment on the new master"
+            )
             time.sleep(0.2)
         b = Agent(m2.address, segment_size=0, log=tmp_path / "b.log")
         agents.append(b)
-        for i in range(20):  # the empty master places these from the start of the segment: over a's old extent
+        for i in range(
+            20
+        ):  # the empty master places these from the start of the segment: over a's old extent
             b.call("put", key=f"b/{i}", size=60_000, preferred_segment=holder.segment)
-        offsets = sorted(b.call("call", method="query", args=[f"b/{i}"])["replicas"][0][0]["offset"] for i in range(20))
-        assert offsets[0] <= before + 5056 <= offsets[-1] + 60_000, (before, offsets)  # they overlap a's extent
+        offsets = sorted(
+            b.call("call", method="query", args=[f"b/{i}"])["replicas"][0][0]["offset"]
+            for i in range(20)
+        )
+        assert offsets[0] <= before + 5056 <= offsets[-1] + 60_000, (
+            before,
+            offsets,
+        )  # they overlap a's extent
         # a remembers where a/0 was; the new master knows another a/0: a must not trust the old place
         b.call("put", key="a/0", size=5000, salt="v2", preferred_segment=holder.segment)
         hits = a.call("attr", name="location_hits")
@@ -132,7 +160,9 @@ def test_a_restarted_master_gets_no_writes_into_extents_it_never_lent(tmp_path: 
         for i in range(1, 6):
             a.call("put", key=f"a/{i}", size=5000 + i, preferred_segment=holder.segment)
         for i in range(20):
-            assert holder.call("get", key=f"b/{i}") == {"size": 60_000, "match": True}, f"b/{i} was overwritten"
+            assert holder.call("get", key=f"b/{i}") == {"size": 60_000, "match": True}, (
+                f"b/{i} was overwritten"
+            )
         for i in range(1, 6):
             assert holder.call("get", key=f"a/{i}") == {"size": 5000 + i, "match": True}
         assert m2.alive()

@@ -67,27 +67,43 @@ def _frames(data: bytes) -> list[bytes]:
     return out
 
 
-_values = st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20)
-                       | st.binary(max_size=20), lambda c: st.lists(c, max_size=5) | st.dictionaries(st.text(max_size=5), c, max_size=4),
-                       max_leaves=12)
+_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=20)
+    | st.binary(max_size=20),
+    lambda c: st.lists(c, max_size=5) | st.dictionaries(st.text(max_size=5), c, max_size=4),
+    max_leaves=12,
+)
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=st.binary(max_size=200))
-def test_random_frames_close_only_that_connection(master: tuple[Master, Agent, Path], body: bytes) -> None:
+def test_random_frames_close_only_that_connection(
+    master: tuple[Master, Agent, Path], body: bytes
+) -> None:
     m, _a, _ = master
     _exchange(m.rpc_port, struct.pack("<I", len(body)) + body)
     assert m.alive()
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(method=st.sampled_from(sorted(METHOD_ARGS)) | st.text(max_size=12), params=_values, version=st.sampled_from([1, 1, 1, 2]))
-def test_well_framed_requests_with_bad_params_get_error_answers(master: tuple[Master, Agent, Path], method: str,
-                                                                params: object, version: int) -> None:
+@given(
+    method=st.sampled_from(sorted(METHOD_ARGS)) | st.text(max_size=12),
+    params=_values,
+    version=st.sampled_from([1, 1, 1, 2]),
+)
+def test_well_framed_requests_with_bad_params_get_error_answers(
+    master: tuple[Master, Agent, Path], method: str, params: object, version: int
+) -> None:
     m, _a, _ = master
     body = msgspec.msgpack.encode((version, 7, method, params))
     got = _frames(_exchange(m.rpc_port, struct.pack("<I", len(body)) + body))
-    if not got and method in ("put_confirm", "batch_put_confirm") and version == 1:  # may go unanswered
+    if (
+        not got and method in ("put_confirm", "batch_put_confirm") and version == 1
+    ):  # may go unanswered
         args = decode_params(method, msgspec.msgpack.encode(params))
         assert isinstance(args, (PutConfirmArgs, BatchPutConfirmArgs)) and args.reply is False
         assert m.alive()
@@ -99,16 +115,24 @@ def test_well_framed_requests_with_bad_params_get_error_answers(master: tuple[Ma
         assert resp.code != Code.INTERNAL, msgspec.msgpack.decode(resp.result)
 
 
-def test_a_one_way_confirm_gets_no_answer_and_a_bad_one_changes_nothing(master: tuple[Master, Agent, Path]) -> None:
+def test_a_one_way_confirm_gets_no_answer_and_a_bad_one_changes_nothing(
+    master: tuple[Master, Agent, Path],
+) -> None:
     m, a, _ = master
     a.call("put", key="one-way", size=1000)
     body = msgspec.msgpack.encode((1, 9, "put_confirm", ["nobody", "one-way", 12345, True, False]))
-    assert _exchange(m.rpc_port, struct.pack("<I", len(body)) + body) == b""  # no answer, the master logs it
-    body = msgspec.msgpack.encode((1, 10, "put_confirm", ["nobody", "one-way", 12345, False]))  # reply defaults on
+    assert (
+        _exchange(m.rpc_port, struct.pack("<I", len(body)) + body) == b""
+    )  # no answer, the master logs it
+    body = msgspec.msgpack.encode(
+        (1, 10, "put_confirm", ["nobody", "one-way", 12345, False])
+    )  # reply defaults on
     got = _frames(_exchange(m.rpc_port, struct.pack("<I", len(body)) + body))
     resp = decode_response(got[0])
     assert resp.id == 10 and resp.code == Code.INVALID and b"no early commit" in bytes(resp.result)
-    assert a.call("get", key="one-way")["match"]  # a false confirm neither completes nor drops anything
+    assert a.call("get", key="one-way")[
+        "match"
+    ]  # a false confirm neither completes nor drops anything
 
 
 def test_oversized_and_truncated_frames(master: tuple[Master, Agent, Path]) -> None:

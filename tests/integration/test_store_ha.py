@@ -32,9 +32,20 @@ def _wait_role(m: Master, role: str, timeout: float) -> float:
 
 
 @pytest.mark.timeout(150)
-def test_leader_killed_standby_takes_over_without_losing_acknowledged_objects(etcd_url: str, tmp_path: Path) -> None:
+def test_leader_killed_standby_takes_over_without_losing_acknowledged_objects(
+    etcd_url: str, tmp_path: Path
+) -> None:
     cluster = f"ha-{uuid.uuid4().hex[:8]}"
-    ha = ["--ha", etcd_url, "--cluster-id", cluster, "--ha-lease-ttl", "2", "--ha-snapshot-every", "40"]
+    ha = [
+        "--ha",
+        etcd_url,
+        "--cluster-id",
+        cluster,
+        "--ha-lease-ttl",
+        "2",
+        "--ha-snapshot-every",
+        "40",
+    ]
     m1 = Master(tmp_path, *ha, name="m1")
     masters = [m1]
     agents: list[Agent] = []
@@ -44,8 +55,10 @@ def test_leader_killed_standby_takes_over_without_losing_acknowledged_objects(et
         m2 = Master(tmp_path, *ha, name="m2")
         masters.append(m2)
         _wait_role(m2, "standby", 15)
-        agents = [Agent(etcd_url, segment_size=24 << 20, cluster_id=cluster, log=tmp_path / f"a{i}.log")
-                  for i in range(3)]
+        agents = [
+            Agent(etcd_url, segment_size=24 << 20, cluster_id=cluster, log=tmp_path / f"a{i}.log")
+            for i in range(3)
+        ]
         writer, reader, _h = agents
         # an HA master logs each commit before answering it, so it takes no early commits
         assert writer.call("attr", name="_early") is False
@@ -55,7 +68,9 @@ def test_leader_killed_standby_takes_over_without_losing_acknowledged_objects(et
             writer.call("put", key=f"before/{i}", size=size, replica_num=2)
             acked.append((f"before/{i}", size))
         writer.call("put", key="pinned", size=5000, hard_pin=True)
-        assert reader.call("call", method="remove", args=["before/0"], kwargs={"force": True}) is None
+        assert (
+            reader.call("call", method="remove", args=["before/0"], kwargs={"force": True}) is None
+        )
         acked.pop(0)
 
         failures: list[str] = []
@@ -86,7 +101,9 @@ def test_leader_killed_standby_takes_over_without_losing_acknowledged_objects(et
         # no acknowledged object lost; byte-exact from a different client process
         for key, size in acked:
             assert reader.call("get", key=key) == {"size": size, "match": True}, key
-        assert reader.call("call", method="exists", args=["before/0"]) is False  # removals replicated too
+        assert (
+            reader.call("call", method="exists", args=["before/0"]) is False
+        )  # removals replicated too
         q = json.loads(m2.http("/query_key?key=pinned")[1])
         assert q["hard_pin"] is True
         # the new leader keeps serving new work, and its metrics show the objects

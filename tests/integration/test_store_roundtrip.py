@@ -19,12 +19,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Master, Agent, Agent, Agent]]:
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Master, Agent, Agent, Agent]]:
     tmp = tmp_path_factory.mktemp("store-rt")
     m = Master(tmp)
     agents: list[Agent] = []
     try:
-        agents = [Agent(m.address, segment_size=24 << 20, log=tmp / f"agent{i}.log") for i in range(3)]
+        agents = [
+            Agent(m.address, segment_size=24 << 20, log=tmp / f"agent{i}.log") for i in range(3)
+        ]
         yield m, agents[0], agents[1], agents[2]
     finally:
         for a in agents:
@@ -33,7 +37,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Master, 
 
 
 @pytest.mark.parametrize("size", [1, 4097, 1 << 20, (5 << 20) + 3])
-def test_put_get_byte_exact_across_processes(cluster: tuple[Master, Agent, Agent, Agent], size: int) -> None:
+def test_put_get_byte_exact_across_processes(
+    cluster: tuple[Master, Agent, Agent, Agent], size: int
+) -> None:
     _m, a, b, _c = cluster
     key = f"rt/{size}"
     a.call("put", key=key, size=size, preferred_segment=b.segment)
@@ -47,10 +53,15 @@ def _method_count(m: Master, method: str) -> int:
     status, body = m.http("/metrics")
     assert status == 200
     prefix = f'mooncake_master_request_seconds_count{{method="{method}"}} '
-    return next((int(float(line[len(prefix):])) for line in body.splitlines() if line.startswith(prefix)), 0)
+    return next(
+        (int(float(line[len(prefix) :])) for line in body.splitlines() if line.startswith(prefix)),
+        0,
+    )
 
 
-def test_small_puts_take_one_master_call_through_a_reservation(cluster: tuple[Master, Agent, Agent, Agent]) -> None:
+def test_small_puts_take_one_master_call_through_a_reservation(
+    cluster: tuple[Master, Agent, Agent, Agent],
+) -> None:
     """Single-replica puts up to 4 MiB allocate from an extent the master lent the writer:
     write, then one ``put_commit``; no ``put_start``/``put_end``."""
     m, a, b, c = cluster
@@ -60,11 +71,17 @@ def test_small_puts_take_one_master_call_through_a_reservation(cluster: tuple[Ma
         a.call("put", key=f"res/{i}", size=100_000 + i, preferred_segment=c.segment)
     for i in range(10):
         assert b.call("get", key=f"res/{i}") == {"size": 100_000 + i, "match": True}
-        assert [r[0]["segment"] for r in b.call("call", method="query", args=[f"res/{i}"])["replicas"]] == [c.segment]
+        assert [
+            r[0]["segment"] for r in b.call("call", method="query", args=[f"res/{i}"])["replicas"]
+        ] == [c.segment]
     after = json.loads(m.http("/stats")[1])
     assert after["reserved_puts"] - before["reserved_puts"] == 10
-    assert after["reservations_granted"] - before["reservations_granted"] == 1  # 1.5 MiB extent: all ten fit
-    assert _method_count(m, "put_commit") - commits == 10 and _method_count(m, "put_start") == starts
+    assert (
+        after["reservations_granted"] - before["reservations_granted"] == 1
+    )  # 1.5 MiB extent: all ten fit
+    assert (
+        _method_count(m, "put_commit") - commits == 10 and _method_count(m, "put_start") == starts
+    )
     # a bad put through the same path still gets the master's clear error, and changes nothing
     with pytest.raises(AgentError, match="ObjectExists"):
         a.call("put", key="res/3", size=10, preferred_segment=c.segment)
@@ -72,7 +89,8 @@ def test_small_puts_take_one_master_call_through_a_reservation(cluster: tuple[Ma
 
 
 def test_remembered_locations_serve_gets_and_never_return_replaced_bytes(
-        cluster: tuple[Master, Agent, Agent, Agent], tmp_path: Path) -> None:
+    cluster: tuple[Master, Agent, Agent, Agent], tmp_path: Path
+) -> None:
     """A client remembers where it put or read a key and reads there while the master answers.
     Whatever another client does to the key meanwhile (replace it elsewhere, replace it at the
     very same offset, remove it), the get returns the current object's bytes or its error."""
@@ -104,12 +122,20 @@ def test_remembered_locations_serve_gets_and_never_return_replaced_bytes(
         assert reader.call("get", key="loc/same") == {"size": 100_000, "match": True}
         assert reader.call("attr", name="location_hits") == hits + 1
         holder.call("call", method="remove", args=["loc/same"], kwargs={"force": True})
-        holder.call("put", key="loc/same", size=100_000, salt="v2", preferred_segment=holder.segment)
-        assert holder.call("call", method="query", args=["loc/same"])["replicas"] == where  # same offset
+        holder.call(
+            "put", key="loc/same", size=100_000, salt="v2", preferred_segment=holder.segment
+        )
+        assert (
+            holder.call("call", method="query", args=["loc/same"])["replicas"] == where
+        )  # same offset
         assert reader.call("get", key="loc/same", salt="v2") == {"size": 100_000, "match": True}
-        assert reader.call("attr", name="location_hits") == hits + 1  # the version told the bytes apart
+        assert (
+            reader.call("attr", name="location_hits") == hits + 1
+        )  # the version told the bytes apart
         assert reader.call("get", key="loc/same", salt="v2") == {"size": 100_000, "match": True}
-        assert reader.call("attr", name="location_hits") == hits + 2  # and the new version is remembered
+        assert (
+            reader.call("attr", name="location_hits") == hits + 2
+        )  # and the new version is remembered
     finally:
         reader.stop()
         holder.stop()
@@ -136,9 +162,17 @@ def test_batches(cluster: tuple[Master, Agent, Agent, Agent]) -> None:
 def test_typed_values(cluster: tuple[Master, Agent, Agent, Agent]) -> None:
     _m, a, b, _c = cluster
     a.call("put_array", key="np/1", n=24, dtype="<f4", shape=[2, 3, 4])
-    assert b.call("get_array", key="np/1") == {"dtype": "<f4", "shape": [2, 3, 4], "sum": float(sum(range(24)))}
+    assert b.call("get_array", key="np/1") == {
+        "dtype": "<f4",
+        "shape": [2, 3, 4],
+        "sum": float(sum(range(24))),
+    }
     a.call("put_tensor", key="pt/1", n=12, shape=[3, 4])
-    assert b.call("get_tensor", key="pt/1") == {"dtype": "torch.bfloat16", "shape": [3, 4], "sum": 66.0}
+    assert b.call("get_tensor", key="pt/1") == {
+        "dtype": "torch.bfloat16",
+        "shape": [3, 4],
+        "sum": 66.0,
+    }
 
 
 def test_replicas_land_on_distinct_segments(cluster: tuple[Master, Agent, Agent, Agent]) -> None:
@@ -166,15 +200,24 @@ def test_remove_regex_and_leases(cluster: tuple[Master, Agent, Agent, Agent]) ->
     _m, a, b, _c = cluster
     for i in range(6):
         a.call("put", key=f"rx/keep{i}" if i % 2 else f"rx/drop{i}", size=1000)
-    assert sorted(b.call("call", method="keys_by_regex", args=["^rx/drop"])) == ["rx/drop0", "rx/drop2", "rx/drop4"]
+    assert sorted(b.call("call", method="keys_by_regex", args=["^rx/drop"])) == [
+        "rx/drop0",
+        "rx/drop2",
+        "rx/drop4",
+    ]
     # reading grants a lease: a plain remove is refused, a forced one works
     b.call("get", key="rx/drop0")
     with pytest.raises(AgentError) as ei:
         a.call("call", method="remove", args=["rx/drop0"])
     assert ei.value.type == "ObjectBusy" and "leased" in ei.value.msg
-    assert a.call("call", method="remove_by_regex", args=["^rx/drop"]) == 2  # the leased one is skipped
+    assert (
+        a.call("call", method="remove_by_regex", args=["^rx/drop"]) == 2
+    )  # the leased one is skipped
     assert a.call("call", method="remove_by_regex", args=["^rx/drop"], kwargs={"force": True}) == 1
-    assert b.call("call", method="batch_exists", args=[[f"rx/drop{i}" for i in (0, 2, 4)]]) == [False] * 3
+    assert (
+        b.call("call", method="batch_exists", args=[[f"rx/drop{i}" for i in (0, 2, 4)]])
+        == [False] * 3
+    )
     assert b.call("call", method="exists", args=["rx/keep1"]) is True
 
 
@@ -185,8 +228,13 @@ def test_http_metrics_health_and_query(cluster: tuple[Master, Agent, Agent, Agen
     assert status == 200 and json.loads(body)["role"] == "leader"
     status, text = m.http("/metrics")
     assert status == 200
-    for name in ("mooncake_master_objects", "mooncake_master_segment_used_bytes", "mooncake_master_evictions_total",
-                 "mooncake_master_leased_objects", 'mooncake_master_request_seconds_bucket{method="put_start"'):
+    for name in (
+        "mooncake_master_objects",
+        "mooncake_master_segment_used_bytes",
+        "mooncake_master_evictions_total",
+        "mooncake_master_leased_objects",
+        'mooncake_master_request_seconds_bucket{method="put_start"',
+    ):
         assert name in text
     status, body = m.http("/query_key?key=http/1")
     q = json.loads(body)
@@ -195,27 +243,46 @@ def test_http_metrics_health_and_query(cluster: tuple[Master, Agent, Agent, Agen
     # the embedded HTTP metadata server
     import urllib.request
 
-    req = urllib.request.Request(f"http://127.0.0.1:{m.http_port}/metadata?key=k", data=b"v", method="PUT")
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{m.http_port}/metadata?key=k", data=b"v", method="PUT"
+    )
     urllib.request.urlopen(req, timeout=5).close()
     assert m.http("/metadata?key=k") == (200, "v")
 
 
-def test_master_log_has_no_tracebacks(cluster: tuple[Master, Agent, Agent, Agent], tmp_path: Path) -> None:
+def test_master_log_has_no_tracebacks(
+    cluster: tuple[Master, Agent, Agent, Agent], tmp_path: Path
+) -> None:
     m, *_ = cluster
     log = Path(m.log.name).read_text()
     assert "Traceback" not in log
 
 
-def test_store_node_command_contributes_memory(cluster: tuple[Master, Agent, Agent, Agent], tmp_path: Path) -> None:
+def test_store_node_command_contributes_memory(
+    cluster: tuple[Master, Agent, Agent, Agent], tmp_path: Path
+) -> None:
     import subprocess
     import sys
     import time
 
     m, a, b, _c = cluster
     ready = tmp_path / "node.json"
-    node = subprocess.Popen([sys.executable, "-m", "mooncake_core", "store", "--master", m.address,
-                             "--segment-size", "8MB", "--ready-file", str(ready)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    node = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mooncake_core",
+            "store",
+            "--master",
+            m.address,
+            "--segment-size",
+            "8MB",
+            "--ready-file",
+            str(ready),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 30
         while not ready.exists() and time.monotonic() < deadline and node.poll() is None:
@@ -225,7 +292,9 @@ def test_store_node_command_contributes_memory(cluster: tuple[Master, Agent, Age
         q = b.call("call", method="query", args=["node/1"])
         assert q["replicas"][0][0]["segment"] == seg
         assert b.call("get", key="node/1") == {"size": 3 << 20, "match": True}
-        assert any(s["name"] == seg and s["size"] == 8 << 20 for s in json.loads(m.http("/segments")[1]))
+        assert any(
+            s["name"] == seg and s["size"] == 8 << 20 for s in json.loads(m.http("/segments")[1])
+        )
     finally:
         node.terminate()
         assert node.wait(timeout=15) == 0
@@ -233,7 +302,8 @@ def test_store_node_command_contributes_memory(cluster: tuple[Master, Agent, Age
 
 
 def test_batch_gets_read_remembered_locations_and_never_return_replaced_bytes(
-        cluster: tuple[Master, Agent, Agent, Agent], tmp_path: Path) -> None:
+    cluster: tuple[Master, Agent, Agent, Agent], tmp_path: Path
+) -> None:
     """Batch puts and batch gets remember where each key lives; the next batch get of them
     reads there while the master answers, and keeps only what the answer confirms."""
     m, a, b, c = cluster
@@ -250,7 +320,9 @@ def test_batch_gets_read_remembered_locations_and_never_return_replaced_bytes(
     got = a.call("batch_get_into", keys=keys, cap=130_000, salts={"bloc/0": "v2"})
     assert got == [True, "ObjectNotFound", True, True, True]
     assert a.call("attr", name="location_hits") - hits == 3
-    assert a.call("attr", name="location_misses") - misses == 2  # read in vain, then the answer decided
+    assert (
+        a.call("attr", name="location_misses") - misses == 2
+    )  # read in vain, then the answer decided
     # a reader that remembers nothing learns the locations with its first batch get
     hits_b = b.call("attr", name="location_hits")
     assert b.call("batch_get_into", keys=keys[2:], cap=130_000) == [True] * 3
@@ -265,13 +337,19 @@ def test_batch_gets_read_remembered_locations_and_never_return_replaced_bytes(
             reader.call("put", key=k, size=100_000, preferred_segment=holder.segment)
         where = reader.call("call", method="query", args=["bsame/0"])["replicas"]
         hits = reader.call("attr", name="location_hits")
-        assert reader.call("batch_get_into", keys=["bsame/0", "bsame/1"], cap=100_000) == [True, True]
+        assert reader.call("batch_get_into", keys=["bsame/0", "bsame/1"], cap=100_000) == [
+            True,
+            True,
+        ]
         assert reader.call("attr", name="location_hits") == hits + 2
         holder.call("call", method="remove", args=["bsame/0"], kwargs={"force": True})
         holder.call("put", key="bsame/0", size=100_000, salt="v2", preferred_segment=holder.segment)
-        assert holder.call("call", method="query", args=["bsame/0"])["replicas"] == where  # same offset
-        assert reader.call("batch_get_into", keys=["bsame/0", "bsame/1"], cap=100_000,
-                           salts={"bsame/0": "v2"}) == [True, True]
+        assert (
+            holder.call("call", method="query", args=["bsame/0"])["replicas"] == where
+        )  # same offset
+        assert reader.call(
+            "batch_get_into", keys=["bsame/0", "bsame/1"], cap=100_000, salts={"bsame/0": "v2"}
+        ) == [True, True]
         assert reader.call("attr", name="location_hits") == hits + 3  # bsame/1 only
     finally:
         reader.stop()
@@ -293,7 +371,8 @@ def _in_thread(fn: Any, *args: Any, **kw: Any) -> tuple[threading.Thread, dict[s
 
 
 def test_early_commit_makes_readers_wait_for_the_write_and_a_failed_write_leaves_nothing(
-        cluster: tuple[Master, Agent, Agent, Agent]) -> None:
+    cluster: tuple[Master, Agent, Agent, Agent],
+) -> None:
     """A one-RPC put sends its commit before the write. Until the writer confirms, requests of
     that key from other clients wait at the master (they never see an object whose bytes have
     not landed); a write that fails closes the connection and the master drops the commit."""
@@ -323,7 +402,9 @@ def test_early_commit_makes_readers_wait_for_the_write_and_a_failed_write_leaves
             put_t, put_out = _in_thread(w.put, key, payload(key, size), preferred_segment=c.segment)
             assert entered.wait(30)
             deadline = time.monotonic() + 30
-            while _method_count(m, "put_commit") == commits:  # the master has the commit; no byte is written
+            while (
+                _method_count(m, "put_commit") == commits
+            ):  # the master has the commit; no byte is written
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             get_t, get_out = _in_thread(b.call, "get", key=key)
@@ -338,7 +419,10 @@ def test_early_commit_makes_readers_wait_for_the_write_and_a_failed_write_leaves
             assert not put_t.is_alive() and not get_t.is_alive() and not exists_t.is_alive()
             if failing:
                 assert isinstance(put_out.get("error"), OSError)
-                assert isinstance(get_out.get("error"), AgentError) and get_out["error"].type == "ObjectNotFound"
+                assert (
+                    isinstance(get_out.get("error"), AgentError)
+                    and get_out["error"].type == "ObjectNotFound"
+                )
                 assert exists_out["result"] is False
                 assert _method_count(m, "put_confirm") == confirms  # the closed connection said it
             else:
@@ -352,7 +436,9 @@ def test_early_commit_makes_readers_wait_for_the_write_and_a_failed_write_leaves
         assert b.call("get", key="early/after") == {"size": size, "match": True}
 
 
-def test_batch_puts_go_through_reservations_with_early_commits(cluster: tuple[Master, Agent, Agent, Agent]) -> None:
+def test_batch_puts_go_through_reservations_with_early_commits(
+    cluster: tuple[Master, Agent, Agent, Agent],
+) -> None:
     """A batch of small single-replica objects: one ``batch_put_commit`` sent before the write and
     one one-way ``batch_put_confirm``, no ``batch_put_start``/``batch_put_end``. Readers of its keys
     wait for the confirm; keys whose write failed are dropped, the rest of the batch stands."""
@@ -363,11 +449,20 @@ def test_batch_puts_go_through_reservations_with_early_commits(cluster: tuple[Ma
     assert a.call("put_batch", keys=keys, size=150_000, preferred_segment=c.segment) == [None] * 10
     assert b.call("get_batch", keys=keys) == [True] * 10
     assert b.call("batch_get_into", keys=keys, cap=200_000) == [True] * 10
-    assert _method_count(m, "batch_put_commit") == commits + 1 and _method_count(m, "batch_put_confirm") == confirms + 1
-    assert _method_count(m, "batch_put_start") == starts and _method_count(m, "batch_put_end") == ends
+    assert (
+        _method_count(m, "batch_put_commit") == commits + 1
+        and _method_count(m, "batch_put_confirm") == confirms + 1
+    )
+    assert (
+        _method_count(m, "batch_put_start") == starts and _method_count(m, "batch_put_end") == ends
+    )
     # per-key errors: an existing key and a key twice in one batch; the others land
-    res = a.call("put_batch", keys=["bres/3", "bres/new", "bres/dup", "bres/dup"], size=1000,
-                 preferred_segment=c.segment)
+    res = a.call(
+        "put_batch",
+        keys=["bres/3", "bres/new", "bres/dup", "bres/dup"],
+        size=1000,
+        preferred_segment=c.segment,
+    )
     assert res == ["ObjectExists", None, None, "ObjectBusy"]
     assert b.call("get", key="bres/3") == {"size": 150_000, "match": True}  # unchanged
     assert b.call("get", key="bres/new") == {"size": 1000, "match": True}
@@ -388,7 +483,9 @@ def test_batch_puts_go_through_reservations_with_early_commits(cluster: tuple[Ma
 
         w._batch_write = held  # type: ignore[method-assign]
         bk = [f"bheld/{i}" for i in range(3)]
-        put_t, put_out = _in_thread(w.put_batch, bk, [payload(k, 70_000) for k in bk], preferred_segment=c.segment)
+        put_t, put_out = _in_thread(
+            w.put_batch, bk, [payload(k, 70_000) for k in bk], preferred_segment=c.segment
+        )
         assert entered.wait(30)
         deadline = time.monotonic() + 30
         while _method_count(m, "batch_put_commit") == commits + 2:
@@ -401,7 +498,11 @@ def test_batch_puts_go_through_reservations_with_early_commits(cluster: tuple[Ma
         put_t.join(30)
         get_t.join(30)
         assert not put_t.is_alive() and not get_t.is_alive()
-        assert [type(r).__name__ if r is not None else None for r in put_out["result"]] == [None, "OSError", None]
+        assert [type(r).__name__ if r is not None else None for r in put_out["result"]] == [
+            None,
+            "OSError",
+            None,
+        ]
         assert get_out["result"] == [True, None, True]
         assert b.call("call", method="exists", args=["bheld/1"]) is False
         # an exception in the write closes the commit's connection: nothing of the batch stays
@@ -412,15 +513,23 @@ def test_batch_puts_go_through_reservations_with_early_commits(cluster: tuple[Ma
 
         w._batch_write = broken  # type: ignore[method-assign]
         with pytest.raises(OSError, match="injected"):
-            w.put_batch(["bgone/0", "bgone/1"], [b"x" * 5000, b"y" * 5000], preferred_segment=c.segment)
-        assert b.call("call", method="batch_exists", args=[["bgone/0", "bgone/1"]]) == [False, False]
+            w.put_batch(
+                ["bgone/0", "bgone/1"], [b"x" * 5000, b"y" * 5000], preferred_segment=c.segment
+            )
+        assert b.call("call", method="batch_exists", args=[["bgone/0", "bgone/1"]]) == [
+            False,
+            False,
+        ]
         w._batch_write = real  # type: ignore[method-assign]
-        assert w.put_batch(["bgone/0"], [payload("bgone/0", 5000)], preferred_segment=c.segment) == [None]
+        assert w.put_batch(
+            ["bgone/0"], [payload("bgone/0", 5000)], preferred_segment=c.segment
+        ) == [None]
         assert b.call("get", key="bgone/0") == {"size": 5000, "match": True}
 
 
 def test_a_client_that_was_not_started_starts_on_its_first_operation(
-        cluster: tuple[Master, Agent, Agent, Agent]) -> None:
+    cluster: tuple[Master, Agent, Agent, Agent],
+) -> None:
     """``StoreClient(...)`` without ``start()`` or ``with``: the first operation starts it (once,
     even when several threads make their first operation at the same time); after ``close()``
     every operation gets a clear error."""

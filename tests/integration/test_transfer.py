@@ -26,21 +26,31 @@ def sha(b: Any) -> str:
 
 @pytest.fixture()
 def engine() -> Any:
-    eng = TransferEngine(transfer={"slice_size": 64 << 10, "connections_per_peer": 3, "timeout_s": 10}).start()
+    eng = TransferEngine(
+        transfer={"slice_size": 64 << 10, "connections_per_peer": 3, "timeout_s": 10}
+    ).start()
     yield eng
     eng.close()
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 @pytest.mark.parametrize("remote_kind", ["alloc", "register_numpy"])
-def test_round_trip_byte_exact(engine: TransferEngine, spawn_peer: Any, transport: str, remote_kind: str) -> None:
+def test_round_trip_byte_exact(
+    engine: TransferEngine, spawn_peer: Any, transport: str, remote_kind: str
+) -> None:
     peer = spawn_peer()
     size = 3 << 20
     raddr = peer.call(remote_kind, size=size)["addr"]
     rng = np.random.default_rng(1)
     local = engine.allocate(size)
     # sizes that are not multiples of the 64 KiB slice, unaligned offsets on both ends
-    for length, loff, roff in [(1, 0, 0), (65535, 3, 7), (65537, 1, 12345), (1_000_003, 17, 999), (2_500_001, 5, 11)]:
+    for length, loff, roff in [
+        (1, 0, 0),
+        (65535, 3, 7),
+        (65537, 1, 12345),
+        (1_000_003, 17, 999),
+        (2_500_001, 5, 11),
+    ]:
         data = rng.integers(0, 256, length, dtype=np.uint8)
         local.view[loff : loff + length] = data.tobytes()
         engine.write(peer.name, local.addr + loff, raddr + roff, length, transport=transport)
@@ -59,23 +69,42 @@ def test_many_batches_in_flight(engine: TransferEngine, spawn_peer: Any, transpo
     peer.call("fill", addr=raddr, length=n * each, seed=7)
     expected = np.random.default_rng(7).integers(0, 256, n * each, dtype=np.uint8)
     dests = [np.zeros(each, dtype=np.uint8) for _ in range(n)]
-    batches = [engine.submit([TransferRequest("read", peer.name, dests[i], None, raddr + i * each, transport=transport)])
-               for i in range(n)]
+    batches = [
+        engine.submit(
+            [
+                TransferRequest(
+                    "read", peer.name, dests[i], None, raddr + i * each, transport=transport
+                )
+            ]
+        )
+        for i in range(n)
+    ]
     for b in batches:
         b.wait(30)
         assert [s.state for s in b.statuses] == ["completed"]
     assert sha(np.concatenate(dests)) == sha(expected)
     # one batch with many requests, mixed reads and writes to distinct ranges
     src = np.random.default_rng(8).integers(0, 256, n * each, dtype=np.uint8)
-    reqs = [TransferRequest("write", peer.name, src[i * each : (i + 1) * each], None, raddr + i * each, transport=transport)
-            for i in range(n)]
+    reqs = [
+        TransferRequest(
+            "write",
+            peer.name,
+            src[i * each : (i + 1) * each],
+            None,
+            raddr + i * each,
+            transport=transport,
+        )
+        for i in range(n)
+    ]
     b = engine.submit(reqs)
     b.wait(30)
     assert all(s.state == "completed" and s.transferred == each for s in b.statuses)
     assert peer.call("digest", addr=raddr, length=n * each)["sha"] == sha(src)
 
 
-def test_shm_is_chosen_on_same_host_and_tcp_when_forced(engine: TransferEngine, spawn_peer: Any) -> None:
+def test_shm_is_chosen_on_same_host_and_tcp_when_forced(
+    engine: TransferEngine, spawn_peer: Any
+) -> None:
     peer = spawn_peer()
     raddr = peer.call("alloc", size=1 << 20)["addr"]
     info = engine.peer(peer.name)
@@ -83,12 +112,16 @@ def test_shm_is_chosen_on_same_host_and_tcp_when_forced(engine: TransferEngine, 
     tcp = engine.transports["tcp"]
     assert isinstance(tcp, TCPTransport)
     engine.write(peer.name, bytearray(b"x" * 1000), raddr)
-    assert tcp._pools.get(peer.name) is None or all(c is None for c in tcp._pools[peer.name].conns[1:])
+    assert tcp._pools.get(peer.name) is None or all(
+        c is None for c in tcp._pools[peer.name].conns[1:]
+    )
     engine.write(peer.name, bytearray(b"y" * 1000), raddr, transport="tcp")
     assert peer.call("digest", addr=raddr, length=1000)["sha"] == sha(b"y" * 1000)
 
 
-def test_peer_killed_mid_transfer_gives_clear_error_and_engine_serves_others(engine: TransferEngine, spawn_peer: Any) -> None:
+def test_peer_killed_mid_transfer_gives_clear_error_and_engine_serves_others(
+    engine: TransferEngine, spawn_peer: Any
+) -> None:
     victim, other = spawn_peer(), spawn_peer()
     size = 64 << 20
     vaddr = victim.call("alloc", size=size)["addr"]
@@ -131,7 +164,9 @@ def test_killed_peer_over_shm_is_reported(engine: TransferEngine, spawn_peer: An
         engine.write(victim.name, bytearray(1000), vaddr)
 
 
-def test_a_dead_peers_mapping_is_unmapped_only_when_no_copy_runs(engine: TransferEngine, spawn_peer: Any) -> None:
+def test_a_dead_peers_mapping_is_unmapped_only_when_no_copy_runs(
+    engine: TransferEngine, spawn_peer: Any
+) -> None:
     """Copies from a peer's mapping run in several threads. When one of them finds the peer
     dead, the mapping must stay until the others are done: unmapping under a running
     ``memmove`` would crash the process."""
@@ -169,7 +204,7 @@ def test_a_dead_peers_mapping_is_unmapped_only_when_no_copy_runs(engine: Transfe
     other = spawn_peer()
     oaddr = other.call("alloc", size=1 << 20)["addr"]
     engine.read(other.name, bytearray(1000), oaddr, transport="shm")
-    (mm, _base), = [v for k, v in shm._maps.items() if k[0] == other.pid]  # type: ignore[attr-defined]
+    ((mm, _base),) = [v for k, v in shm._maps.items() if k[0] == other.pid]  # type: ignore[attr-defined]
     with shm._lock:  # type: ignore[attr-defined]
         shm._inflight += 1  # type: ignore[attr-defined]
     shm.forget(other.pid)  # type: ignore[attr-defined]
@@ -180,7 +215,9 @@ def test_a_dead_peers_mapping_is_unmapped_only_when_no_copy_runs(engine: Transfe
     assert mm.closed and not shm._retired  # type: ignore[attr-defined]
 
 
-def test_broken_connection_is_retried_and_completes(engine: TransferEngine, spawn_peer: Any) -> None:
+def test_broken_connection_is_retried_and_completes(
+    engine: TransferEngine, spawn_peer: Any
+) -> None:
     peer = spawn_peer()
     size = 4 << 20
     raddr = peer.call("alloc", size=size)["addr"]
@@ -210,7 +247,9 @@ def test_broken_connection_is_retried_and_completes(engine: TransferEngine, spaw
     assert sha(back) == sha(data)
 
 
-def test_a_connection_closed_by_another_thread_is_retried_not_raised(engine: TransferEngine, spawn_peer: Any) -> None:
+def test_a_connection_closed_by_another_thread_is_retried_not_raised(
+    engine: TransferEngine, spawn_peer: Any
+) -> None:
     """A thread can take a pooled connection just before another thread drops it (a transfer
     that found the peer dead closes all its connections): the socket is then closed under it.
     That is a failed connection to retry, never a raw OSError (a CI run got EBADF from it)."""
@@ -229,7 +268,8 @@ def test_a_connection_closed_by_another_thread_is_retried_not_raised(engine: Tra
 
 
 def test_single_slice_requests_take_the_direct_path_and_keep_retries_errors_and_stats(
-        engine: TransferEngine, spawn_peer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine: TransferEngine, spawn_peer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One request that fits one slice, to a known peer, skips the batch planner (the store's hot
     path); it must still retry a broken connection, count bytes and fail exactly like the planner."""
     peer = spawn_peer()
@@ -248,10 +288,20 @@ def test_single_slice_requests_take_the_direct_path_and_keep_retries_errors_and_
     monkeypatch.setattr(engine, "_plan", counting_plan)
     before = dict(engine.stats)
     data = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8)
-    tcp.fault_hook = lambda conn: tcp.fault_hook is not None and tcp.retried_slices == 0  # break the first send
+    tcp.fault_hook = lambda conn: (
+        tcp.fault_hook is not None and tcp.retried_slices == 0
+    )  # break the first send
     try:
-        batch = engine.transfer(TransferRequest("write", peer.name, memoryview(data.data).cast("B"), None, raddr + 3,
-                                                transport="tcp"))
+        batch = engine.transfer(
+            TransferRequest(
+                "write",
+                peer.name,
+                memoryview(data.data).cast("B"),
+                None,
+                raddr + 3,
+                transport="tcp",
+            )
+        )
     finally:
         tcp.fault_hook = None
     assert tcp.retried_slices == 1 and batch.done() and batch.statuses[0].transferred == size
@@ -276,8 +326,9 @@ def test_single_slice_requests_take_the_direct_path_and_keep_retries_errors_and_
 
 
 @pytest.mark.parametrize("slice_size", [4 << 20, 256 << 10])
-def test_large_shm_copies_are_split_over_threads_and_stay_byte_exact(spawn_peer: Any, monkeypatch: pytest.MonkeyPatch,
-                                                                    slice_size: int) -> None:
+def test_large_shm_copies_are_split_over_threads_and_stay_byte_exact(
+    spawn_peer: Any, monkeypatch: pytest.MonkeyPatch, slice_size: int
+) -> None:
     """A same-host copy of >= 2 MiB is cut into equal shares (64 KiB multiples) run by
     ``transfer.shm_copy_threads`` threads; every byte lands exactly once, both ways."""
     from mooncake_core.transfer.transports import shm as shm_mod
@@ -294,13 +345,17 @@ def test_large_shm_copies_are_split_over_threads_and_stay_byte_exact(spawn_peer:
     size = (5 << 20) + 13
     raddr = peer.call("alloc", size=size + 4096)["addr"] + 7  # odd addresses on both sides
     data = np.random.default_rng(5).integers(0, 256, size + 3, dtype=np.uint8)[3:]
-    with TransferEngine(transfer={"slice_size": slice_size, "shm_copy_threads": 3, "timeout_s": 10}) as eng:
+    with TransferEngine(
+        transfer={"slice_size": slice_size, "shm_copy_threads": 3, "timeout_s": 10}
+    ) as eng:
         eng.write(peer.name, data, raddr, transport="shm")
         assert peer.call("digest", addr=raddr, length=size)["sha"] == sha(data)
         assert len(calls) == 3  # three threads' shares
         pieces = sorted((src, n) for part in calls for _dst, src, n in part)
         assert sum(n for _, n in pieces) == size
-        assert all(a + n == b for (a, n), (b, _) in zip(pieces, pieces[1:], strict=False))  # contiguous, no overlap
+        assert all(
+            a + n == b for (a, n), (b, _) in zip(pieces, pieces[1:], strict=False)
+        )  # contiguous, no overlap
         shares = sorted(sum(n for *_, n in part) for part in calls)  # threads finish in any order
         assert shares[1] == shares[2] and shares[2] % (64 << 10) == 0 and 0 < shares[0] <= shares[2]
         calls.clear()
@@ -308,11 +363,15 @@ def test_large_shm_copies_are_split_over_threads_and_stay_byte_exact(spawn_peer:
         eng.read(peer.name, back, raddr, transport="shm")
         assert sha(back) == sha(data) and len(calls) == 3
         calls.clear()
-        eng.read(peer.name, back[: 1 << 20], raddr, transport="shm")  # 1 MiB: one thread, not worth splitting
+        eng.read(
+            peer.name, back[: 1 << 20], raddr, transport="shm"
+        )  # 1 MiB: one thread, not worth splitting
         assert len(calls) == 1 and bytes(back[: 1 << 20]) == bytes(data[: 1 << 20])
 
 
-def test_shared_segments_can_live_in_a_tmpfs_directory(engine: TransferEngine, spawn_peer: Any) -> None:
+def test_shared_segments_can_live_in_a_tmpfs_directory(
+    engine: TransferEngine, spawn_peer: Any
+) -> None:
     """``transfer.shm_dir``: a peer's engine-allocated memory is an unnamed file there (a tmpfs
     mounted with huge=always gives it 2 MiB pages), and we still map it and copy directly."""
     import shutil
@@ -326,8 +385,12 @@ def test_shared_segments_can_live_in_a_tmpfs_directory(engine: TransferEngine, s
     try:
         peer = spawn_peer(env={"MOONCAKE_TRANSFER_SHM_DIR": d})
         raddr = peer.call("alloc", size=3 << 20)["addr"]
-        links = [os.readlink(f"/proc/{peer.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{peer.pid}/fd")]
-        assert any(x.startswith(d + "/") for x in links), links  # the segment's file, unnamed, in that directory
+        links = [
+            os.readlink(f"/proc/{peer.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{peer.pid}/fd")
+        ]
+        assert any(x.startswith(d + "/") for x in links), (
+            links
+        )  # the segment's file, unnamed, in that directory
         assert os.listdir(d) == []
         data = np.random.default_rng(2).integers(0, 256, 3 << 20, dtype=np.uint8)
         engine.write(peer.name, data, raddr, transport="shm")
@@ -348,9 +411,13 @@ def test_bad_requests_get_clear_errors(engine: TransferEngine, spawn_peer: Any) 
     peer = spawn_peer()
     raddr = peer.call("alloc", size=1 << 20)["addr"]
     buf = bytearray(4096)
-    with pytest.raises(InvalidRequest, match="^request 0: 0x1000\\+4096 is not inside memory registered by peer"):
+    with pytest.raises(
+        InvalidRequest, match="^request 0: 0x1000\\+4096 is not inside memory registered by peer"
+    ):
         engine.write(peer.name, buf, 0x1000)
-    with pytest.raises(InvalidRequest, match=r"^2 of 2 requests failed; first: request 0: 0x1000\+4096 is not"):
+    with pytest.raises(
+        InvalidRequest, match=r"^2 of 2 requests failed; first: request 0: 0x1000\+4096 is not"
+    ):
         engine.transfer([TransferRequest("write", peer.name, buf, None, 0x1000)] * 2)
     with pytest.raises(InvalidRequest, match="not inside memory registered"):
         engine.write(peer.name, buf, raddr + (1 << 20) - 100)  # runs past the end
@@ -392,7 +459,9 @@ def test_server_refuses_out_of_bounds_even_if_client_does_not_check(spawn_peer: 
     conn.sock.sendall(REQ.pack(MAGIC, Op.READ, 0, 0, 1, 0, raddr - 4096, 8192))
     status, msg = answer()
     assert status == Status.OUT_OF_BOUNDS and b"not inside any registered memory" in msg
-    conn.sock.sendall(REQ.pack(MAGIC, Op.WRITE, 0, 0, 2, 0, raddr + (1 << 16) - 10, 100) + b"z" * 100)
+    conn.sock.sendall(
+        REQ.pack(MAGIC, Op.WRITE, 0, 0, 2, 0, raddr + (1 << 16) - 10, 100) + b"z" * 100
+    )
     status, msg = answer()
     assert status == Status.OUT_OF_BOUNDS and b"runs past the end" in msg
     conn.close()
@@ -423,7 +492,12 @@ def test_tensors_between_processes(engine: TransferEngine, spawn_peer: Any) -> N
     t = torch.arange(1000, dtype=torch.float32).reshape(10, 100)
     engine.put_tensor_async(t, peer.name, "layer0").result(10)
     got = peer.call("tensor_get", key="layer0")
-    assert got == {"type": "torch", "dtype": "torch.float32", "shape": [10, 100], "sum": float(t.sum())}
+    assert got == {
+        "type": "torch",
+        "dtype": "torch.float32",
+        "shape": [10, 100],
+        "sum": float(t.sum()),
+    }
     a = np.arange(12, dtype=np.int16).reshape(3, 4)
     engine.put_tensor(a, peer.name, "np")
     got = peer.call("tensor_get", key="np")
@@ -446,7 +520,9 @@ def test_device_memory_staging_path(engine: TransferEngine, spawn_peer: Any) -> 
         engine.write(peer.name, src.data_ptr(), raddr, length=400_000, transport=transport)
         assert peer.call("digest", addr=raddr, length=400_000)["sha"] == sha(src.numpy())
         dst = torch.zeros(100_000, dtype=torch.float32)
-        engine.segments.add(Region(dst.data_ptr(), 400_000, f"dev-dst-{transport}", "cuda", owner=dst))
+        engine.segments.add(
+            Region(dst.data_ptr(), 400_000, f"dev-dst-{transport}", "cuda", owner=dst)
+        )
         engine.read(peer.name, dst.data_ptr(), raddr, length=400_000, transport=transport)
         assert torch.equal(src, dst)
 

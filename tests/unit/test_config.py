@@ -24,12 +24,24 @@ def test_sizes() -> None:
 
 def test_mooncake_json_file_env_and_overrides(tmp_path: Path) -> None:
     f = tmp_path / "mooncake.json"
-    f.write_text(json.dumps({
-        "local_hostname": "10.0.0.2", "metadata_server": "etcd://127.0.0.1:2379", "protocol": "rdma",
-        "device_name": "mlx5_0", "master_server_address": "127.0.0.1:50051",
-        "global_segment_size": "4GB", "local_buffer_size": 134217728,
-    }))
-    env = {"MOONCAKE_CONFIG_PATH": str(f), "MOONCAKE_PROTOCOL": "tcp", "MOONCAKE_TRANSFER_SLICE_SIZE": "1MiB"}
+    f.write_text(
+        json.dumps(
+            {
+                "local_hostname": "10.0.0.2",
+                "metadata_server": "etcd://127.0.0.1:2379",
+                "protocol": "rdma",
+                "device_name": "mlx5_0",
+                "master_server_address": "127.0.0.1:50051",
+                "global_segment_size": "4GB",
+                "local_buffer_size": 134217728,
+            }
+        )
+    )
+    env = {
+        "MOONCAKE_CONFIG_PATH": str(f),
+        "MOONCAKE_PROTOCOL": "tcp",
+        "MOONCAKE_TRANSFER_SLICE_SIZE": "1MiB",
+    }
     cfg = load_config(environ=env, device_name="")
     assert cfg.local_hostname == "10.0.0.2"
     assert cfg.global_segment_size == 4 << 30 and cfg.local_buffer_size == 128 << 20
@@ -40,17 +52,20 @@ def test_mooncake_json_file_env_and_overrides(tmp_path: Path) -> None:
     assert cfg.replace(transfer={"secret": "x"}).transfer.slice_size == 1 << 20
 
 
-@pytest.mark.parametrize("content,key", [
-    ({"global_segment_size": "huge"}, "global_segment_size"),
-    ({"protocol": "carrier-pigeon"}, "protocol"),
-    ({"local_hostnme": "x"}, "local_hostnme"),
-    ({"transfer": {"slice_size": 10}}, "transfer.slice_size"),
-    ({"transfer": {"connections_per_peer": "two"}}, "transfer.connections_per_peer"),
-    ({"store": {"replica_num": 0}}, "store.replica_num"),
-    ({"store": {"location_cache": -1}}, "store.location_cache"),
-    ({"transfer": {"shm_copy_threads": 65}}, "transfer.shm_copy_threads"),
-    ({"transfer": 5}, "transfer"),
-])
+@pytest.mark.parametrize(
+    "content,key",
+    [
+        ({"global_segment_size": "huge"}, "global_segment_size"),
+        ({"protocol": "carrier-pigeon"}, "protocol"),
+        ({"local_hostnme": "x"}, "local_hostnme"),
+        ({"transfer": {"slice_size": 10}}, "transfer.slice_size"),
+        ({"transfer": {"connections_per_peer": "two"}}, "transfer.connections_per_peer"),
+        ({"store": {"replica_num": 0}}, "store.replica_num"),
+        ({"store": {"location_cache": -1}}, "store.location_cache"),
+        ({"transfer": {"shm_copy_threads": 65}}, "transfer.shm_copy_threads"),
+        ({"transfer": 5}, "transfer"),
+    ],
+)
 def test_bad_values_name_the_key(tmp_path: Path, content: dict[str, object], key: str) -> None:
     f = tmp_path / "m.json"
     f.write_text(json.dumps(content))

@@ -16,9 +16,9 @@ def test_segment_table_bounds_and_overlaps() -> None:
     t.add(Region(0x10000, 0x1000, "a"))
     t.add(Region(0x20000, 0x1000, "b"))
     assert t.find(0x10000, 0x1000).name == "a"
-    assert t.find(0x20fff, 1).name == "b"
+    assert t.find(0x20FFF, 1).name == "b"
     with pytest.raises(InvalidRequest, match="runs past the end"):
-        t.find(0x10fff, 2)
+        t.find(0x10FFF, 2)
     with pytest.raises(InvalidRequest, match="not inside any registered memory"):
         t.find(0x18000, 1)
     with pytest.raises(InvalidRequest, match="length must be positive"):
@@ -26,7 +26,7 @@ def test_segment_table_bounds_and_overlaps() -> None:
     with pytest.raises(SegmentOverlap, match="overlaps registered region 'a'"):
         t.add(Region(0x10800, 0x1000, "c"))
     with pytest.raises(SegmentError, match="overlaps registered region 'b'"):
-        t.add(Region(0x1f800, 0x1000, "c"))
+        t.add(Region(0x1F800, 0x1000, "c"))
     with pytest.raises(SegmentError, match="already registered"):
         t.add(Region(0x30000, 0x10, "a"))
     with pytest.raises(SegmentError, match="length must be positive"):
@@ -88,7 +88,6 @@ def test_topology_discovery() -> None:
 
     with pytest.raises(ConfigError, match="transfer.interfaces: interface 'nope0'"):
         resolve_interfaces("nope0")
-
 
 
 def test_shared_transfer_types_keep_their_old_import_paths() -> None:

@@ -95,9 +95,24 @@ def test_blocking_and_autoload_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_cli_lists_plugins() -> None:
-    out = subprocess.run([sys.executable, "-m", "mooncake_core", "plugins"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "mooncake_core", "plugins"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
-    for word in ("tcp", "shm", "rdma", "P2PHANDSHAKE", "etcd://", "vllm", "sglang", "lmdeploy", "trtllm"):
+    for word in (
+        "tcp",
+        "shm",
+        "rdma",
+        "P2PHANDSHAKE",
+        "etcd://",
+        "vllm",
+        "sglang",
+        "lmdeploy",
+        "trtllm",
+    ):
         assert word in out.stdout
 
 
@@ -124,14 +139,20 @@ def test_hook_markers_live_in_a_leaf_module_re_exported_by_plugins() -> None:
 
 
 # the contracts of .importlinter that guard the plugin and transfer layers
-LAYER_CONTRACTS = ("core-layers", "transfer-layers", "transports-layers",
-                   "engine-knows-no-concrete-transport")
+LAYER_CONTRACTS = (
+    "core-layers",
+    "transfer-layers",
+    "transports-layers",
+    "engine-knows-no-concrete-transport",
+)
 
 
 def test_plugin_and_transfer_layers_are_kept() -> None:
     exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
     if exe is None:
         pytest.skip("import-linter is not installed (pip install -e '.[test]')")
-    args = [exe, "--no-cache", "--no-logo"] + [a for c in LAYER_CONTRACTS for a in ("--contract", c)]
+    args = [exe, "--no-cache", "--no-logo"] + [
+        a for c in LAYER_CONTRACTS for a in ("--contract", c)
+    ]
     out = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]

@@ -13,7 +13,9 @@ from mooncake_core.proxy.engine import AllBlocksCleared, BlocksRemoved, BlocksSt
 from mooncake_core.proxy.kvevents import BlockChain, KVEventListener
 
 
-def _stored(hashes: list[bytes], parent: bytes | None, tokens: list[int], size: int | None = 4) -> BlocksStored:
+def _stored(
+    hashes: list[bytes], parent: bytes | None, tokens: list[int], size: int | None = 4
+) -> BlocksStored:
     return BlocksStored(tuple(hashes), parent, tuple(tokens), size)
 
 
@@ -61,8 +63,14 @@ def test_listener_over_real_zmq_feeds_the_callbacks() -> None:
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        lst = KVEventListener([ep], 4, lambda i, b: got.append(("stored", i, b)),
-                              lambda i, b: got.append(("removed", i, b)), loop, _decode)
+        lst = KVEventListener(
+            [ep],
+            4,
+            lambda i, b: got.append(("stored", i, b)),
+            lambda i, b: got.append(("removed", i, b)),
+            loop,
+            _decode,
+        )
         pub = zmq.Context.instance().socket(zmq.PUB)
         pub.connect(ep)  # as an engine does for an endpoint without '*'
         try:

@@ -29,10 +29,18 @@ def test_bad_params_are_invalid_argument() -> None:
         P.decode_request(b"\xc1garbage")
 
 
-@pytest.mark.parametrize(("code", "cls"), [(P.Code.NOT_FOUND, ObjectNotFound), (P.Code.EXISTS, ObjectExists),
-                                           (P.Code.NO_SPACE, NoSpace), (P.Code.LEASE_EXPIRED, LeaseExpired),
-                                           (P.Code.BUSY, P.ObjectBusy), (P.Code.NOT_LEADER, P.NotLeader),
-                                           (P.Code.INTERNAL, StoreError)])
+@pytest.mark.parametrize(
+    ("code", "cls"),
+    [
+        (P.Code.NOT_FOUND, ObjectNotFound),
+        (P.Code.EXISTS, ObjectExists),
+        (P.Code.NO_SPACE, NoSpace),
+        (P.Code.LEASE_EXPIRED, LeaseExpired),
+        (P.Code.BUSY, P.ObjectBusy),
+        (P.Code.NOT_LEADER, P.NotLeader),
+        (P.Code.INTERNAL, StoreError),
+    ],
+)
 def test_codes_map_to_error_classes(code: P.Code, cls: type[Exception]) -> None:
     with pytest.raises(cls, match="msg"):
         P.raise_for(code, "msg")

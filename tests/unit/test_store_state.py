@@ -115,8 +115,13 @@ def test_client_expiry_drops_segments_and_orphans() -> None:
 
 def test_validation_messages() -> None:
     st, _ = _state()
-    for args, msg in [(("", 1), "non-empty"), (("k" * 4097, 1), "limit is 4096"), (("k", 0), "positive"),
-                      (("k", -5), "positive"), (("k", 11 * MiB), "larger than all mounted")]:
+    for args, msg in [
+        (("", 1), "non-empty"),
+        (("k" * 4097, 1), "limit is 4096"),
+        (("k", 0), "positive"),
+        (("k", -5), "positive"),
+        (("k", 11 * MiB), "larger than all mounted"),
+    ]:
         with pytest.raises(InvalidArgument, match=msg):
             st.put_start("c1", args[0], args[1], ReplicaCfg(), 0.0)
     with pytest.raises(InvalidArgument, match="already mounted"):
@@ -140,11 +145,16 @@ def test_replay_of_the_log_rebuilds_the_same_state() -> None:
         other.apply(e, 30.0)
 
     def view(s: MasterState) -> dict[str, Any]:
-        return {k: (o.size, sorted(map(tuple, (tuple(r) for r in o.replicas))), o.hard_pin)
-                for k, o in s.objects.items() if o.complete}
+        return {
+            k: (o.size, sorted(map(tuple, (tuple(r) for r in o.replicas))), o.hard_pin)
+            for k, o in s.objects.items()
+            if o.complete
+        }
 
     assert view(other) == view(st)
-    assert {n: s.allocator.used for n, s in other.segments.items()} == {n: s.allocator.used for n, s in st.segments.items()}
+    assert {n: s.allocator.used for n, s in other.segments.items()} == {
+        n: s.allocator.used for n, s in st.segments.items()
+    }
 
 
 def test_object_cap_evicts_lru_objects_and_refuses_when_nothing_can_go() -> None:
@@ -152,8 +162,15 @@ def test_object_cap_evicts_lru_objects_and_refuses_when_nothing_can_go() -> None
     for i in range(10):
         _put(st, f"k{i}", 100, float(i))
     st.get_replica_list("k0", 10.0)  # k0 becomes the most recently used (and leased until 15)
-    _put(st, "new", 100, 11.0)  # at the cap: LRU objects k1, k2 go (2 = 20% of the cap); k0 is leased
-    assert "k0" in st.objects and "k1" not in st.objects and "k2" not in st.objects and "k3" in st.objects
+    _put(
+        st, "new", 100, 11.0
+    )  # at the cap: LRU objects k1, k2 go (2 = 20% of the cap); k0 is leased
+    assert (
+        "k0" in st.objects
+        and "k1" not in st.objects
+        and "k2" not in st.objects
+        and "k3" in st.objects
+    )
     assert len(st.objects) == 9 and st.counters["evictions"] == 2
     for k in list(st.objects):
         st.objects[k].hard_pin = True
@@ -202,7 +219,14 @@ def test_reserved_puts_carve_objects_out_of_the_extent_and_release_the_rest() ->
     cfg = ReplicaCfg()
     rid, ext, ttl = st.reserve("c2", MiB, cfg, [], 1.0)
     seg, peer, base, off, length, host = ext
-    assert rid and seg == "seg1" and peer == "p-c1" and base == 1 << 32 and length == 16 * MiB and ttl == 30.0
+    assert (
+        rid
+        and seg == "seg1"
+        and peer == "p-c1"
+        and base == 1 << 32
+        and length == 16 * MiB
+        and ttl == 30.0
+    )
     used = st.segments["seg1"].allocator.used
     assert used == length
     # commits in any order (several writer threads share one reservation), with gaps
@@ -211,7 +235,9 @@ def test_reserved_puts_carve_objects_out_of_the_extent_and_release_the_rest() ->
     _no_overlap(st)
     size, reps, _, _ = st.get_replica_list("k5", 3.0)
     assert size == MiB - 7 and reps == [[("seg1", "p-c1", base + off + 5 * MiB, MiB - 7, "h")]]
-    assert st.segments["seg1"].allocator.used == used  # carving moves bytes from the extent to objects
+    assert (
+        st.segments["seg1"].allocator.used == used
+    )  # carving moves bytes from the extent to objects
     with pytest.raises(ObjectExists):
         st.put_commit("c2", "k2", rid, off + 8 * MiB, 100, cfg, 3.0)
     with pytest.raises(InvalidArgument, match="not a free part of reservation"):
@@ -244,7 +270,11 @@ def test_early_commits_stay_invisible_until_confirmed_and_are_dropped_when_not()
     assert st.early == {"e": tok}
     with pytest.raises(ObjectNotFound):
         st.get_replica_list("e", 2.0)
-    assert not st.exists("e", 2.0) and st.keys_by_regex("") == [] and st.remove_by_regex("", True, 2.0) == 0
+    assert (
+        not st.exists("e", 2.0)
+        and st.keys_by_regex("") == []
+        and st.remove_by_regex("", True, 2.0) == 0
+    )
     assert st.check_watermarks(2.0) == 0 and "e" not in st.lru  # never an eviction candidate
     with pytest.raises(InvalidArgument, match="no early commit with this token"):
         st.put_confirm("c2", "e", tok + 1, True, 3.0)
@@ -259,7 +289,9 @@ def test_early_commits_stay_invisible_until_confirmed_and_are_dropped_when_not()
     _ttl, tok2 = st.put_commit("c2", "f", rid, off + 4096, 1000, cfg, 4.0, early=True)
     st.put_confirm("c2", "f", tok2, False, 4.0)
     assert "f" not in st.objects and st.early == {}
-    assert st.segments["seg1"].allocator.used == used - align(1000)  # f's range left the extent and was freed
+    assert st.segments["seg1"].allocator.used == used - align(
+        1000
+    )  # f's range left the extent and was freed
     # never confirmed: reclaimed with the unfinished puts
     st.put_commit("c2", "g", rid, off + 8192, 1000, cfg, 5.0, early=True)
     st.reclaim(14.0)
@@ -293,10 +325,14 @@ def test_unused_reservations_expire_and_limits_are_kept() -> None:
     with pytest.raises(InvalidArgument, match="unknown or expired"):
         st.put_commit("c2", "k2", rid, ext[3] + 4096, 1000, cfg, 19.0)
     # a batch asks for room for all its objects (up to the extent limit)
-    assert st.reserve("c2", MiB // 4, cfg, [], 9.0)[1][4] == 4 * MiB  # room for 16 objects by default
+    assert (
+        st.reserve("c2", MiB // 4, cfg, [], 9.0)[1][4] == 4 * MiB
+    )  # room for 16 objects by default
     big_rid, big_ext, _ = st.reserve("c2", MiB // 4, cfg, [], 9.0, count=40)
     assert big_ext[4] == 10 * MiB
-    assert st.reserve("c2", MiB // 4, cfg, [big_rid], 9.0, count=1000)[1][4] == 16 * MiB  # 1/16 of the segment
+    assert (
+        st.reserve("c2", MiB // 4, cfg, [big_rid], 9.0, count=1000)[1][4] == 16 * MiB
+    )  # 1/16 of the segment
     with pytest.raises(InvalidArgument, match="count must not be negative"):
         st.reserve("c2", MiB, cfg, [], 9.0, count=-1)
     st.reserve("c2", 0, cfg, [r for r in st.reservations if r != rid], 9.0)
@@ -308,7 +344,9 @@ def test_unused_reservations_expire_and_limits_are_kept() -> None:
     with pytest.raises(InvalidArgument, match="replica_num=2"):
         st.reserve("c1", MiB, ReplicaCfg(replica_num=2), [], 20.0)
     st.reserve("c2", 0, cfg, rids[:8], 21.0)
-    _put(st, "fill", 200 * MiB, 21.0)  # 78% used: a 16 MiB extent would pass the 90% watermark... not yet
+    _put(
+        st, "fill", 200 * MiB, 21.0
+    )  # 78% used: a 16 MiB extent would pass the 90% watermark... not yet
     assert st.reserve("c1", MiB, cfg, [], 21.0)[0]
     _put(st, "fill2", 20 * MiB, 21.0)  # now it would
     assert st.reserve("c1", MiB, cfg, [], 21.0) == (0, [], 0.0)
@@ -329,7 +367,7 @@ def test_reservations_survive_replay_and_takeover() -> None:
     st.reserve("c1", 0, cfg, [rid2], 2.5)
     for source in ("log", "snapshot"):
         other = MasterState(StoreConfig())
-        for e in (log if source == "log" else st.export()):
+        for e in log if source == "log" else st.export():
             other.apply(e, 3.0)
         assert set(other.reservations) == {rid}, source
         assert other.reservations[rid].blocks == st.reservations[rid].blocks, source
@@ -337,7 +375,9 @@ def test_reservations_survive_replay_and_takeover() -> None:
         other.on_takeover(100.0)  # long after: the reservation is renewed, not reclaimed
         other.reclaim(101.0)
         other.put_commit("c2", "c", rid, off + MiB, MiB, cfg, 102.0)  # the client carries on
-        with pytest.raises(ObjectExists):  # a commit the old leader applied, retried: ObjectExists, not a range error
+        with pytest.raises(
+            ObjectExists
+        ):  # a commit the old leader applied, retried: ObjectExists, not a range error
             other.put_commit("c2", "b", rid, off + 3 * MiB, MiB, cfg, 102.0)
         assert other.get_replica_list("a", 102.0)[0] == MiB
         for i in range(100):  # the new leader's own placements stay clear of the extent
@@ -351,10 +391,14 @@ def test_reservations_never_trade_a_placement_preference_for_an_extent_elsewhere
     assert st.reserve("c1", MiB, ReplicaCfg(preferred_segment="seg2"), [], 1.0)[1][0] == "seg2"
     assert st.reserve("c2", MiB, ReplicaCfg(strategy="local-first"), [], 1.0)[1][0] == "seg2"
     assert st.reserve("c1", MiB, ReplicaCfg(strategy="local-first"), [], 1.0)[1][0] == "seg1"
-    _put(st, "fill", 52 * MiB, 2.0, preferred_segment="seg2")  # seg2 cannot lend another 4 MiB extent now
+    _put(
+        st, "fill", 52 * MiB, 2.0, preferred_segment="seg2"
+    )  # seg2 cannot lend another 4 MiB extent now
     assert st.reserve("c1", MiB, ReplicaCfg(preferred_segment="seg2"), [], 3.0) == (0, [], 0.0)
     assert st.reserve("c2", MiB, ReplicaCfg(strategy="local-first"), [], 3.0) == (0, [], 0.0)
-    assert st.reserve("c1", MiB, ReplicaCfg(), [], 3.0)[1][0] == "seg1"  # free-ratio-first: the emptier one
+    assert (
+        st.reserve("c1", MiB, ReplicaCfg(), [], 3.0)[1][0] == "seg1"
+    )  # free-ratio-first: the emptier one
     _no_overlap(st)
 
 

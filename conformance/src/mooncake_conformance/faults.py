@@ -73,11 +73,15 @@ class CorruptWrites:
         self.corrupted = 0
 
     @hookimpl(wrapper=True)
-    def mooncake_transports(self) -> Generator[None, list[list[TransportInfo]], list[list[TransportInfo]]]:
+    def mooncake_transports(
+        self,
+    ) -> Generator[None, list[list[TransportInfo]], list[list[TransportInfo]]]:
         """Replace the factories of the wrapped transports in every plugin's answer."""
         answers = yield
-        return [[self._wrap(info) if info.name in self.transports else info for info in infos]
-                for infos in answers]
+        return [
+            [self._wrap(info) if info.name in self.transports else info for info in infos]
+            for infos in answers
+        ]
 
     @contextlib.contextmanager
     def switched_on(self) -> Iterator[CorruptWrites]:
@@ -103,8 +107,9 @@ class CorruptWrites:
             setattr(transport, "execute", execute)  # noqa: B010 - shadow the bound method
             return transport
 
-        return dataclasses.replace(info, factory=factory,
-                                   description=f"{info.description} [test: writes corrupted]")
+        return dataclasses.replace(
+            info, factory=factory, description=f"{info.description} [test: writes corrupted]"
+        )
 
     def _zero_writes(self, items: list[Any]) -> None:
         """Point every pending write item at a zero-filled buffer of its length."""
@@ -141,8 +146,11 @@ def install_corrupt_writes(enabled: bool = False) -> CorruptWrites:
     return plugin
 
 
-def entry_point_dir(directory: str | os.PathLike[str], entry_points: Mapping[str, Mapping[str, str]],
-                    dist: str = "mooncake-test-faults") -> Path:
+def entry_point_dir(
+    directory: str | os.PathLike[str],
+    entry_points: Mapping[str, Mapping[str, str]],
+    dist: str = "mooncake-test-faults",
+) -> Path:
     """Write ``<directory>/<dist>-0.0.0.dist-info`` declaring ``entry_points`` and return ``directory``.
 
     Args:

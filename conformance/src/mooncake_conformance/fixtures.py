@@ -96,8 +96,9 @@ class AdapterFixtures:
 
     # ------------------------------------------------------------------ provided
     @pytest.fixture(autouse=True)
-    def _conformance_record(self, request: pytest.FixtureRequest, adapter_name: str,
-                            adapter_package: str) -> None:
+    def _conformance_record(
+        self, request: pytest.FixtureRequest, adapter_name: str, adapter_package: str
+    ) -> None:
         request.node.user_properties.append(("mooncake_adapter", adapter_name))
         request.node.user_properties.append(("mooncake_adapter_package", adapter_package))
 
@@ -117,18 +118,36 @@ class AdapterFixtures:
     @pytest.fixture
     def rng(self, request: pytest.FixtureRequest) -> random.Random:
         """Random numbers seeded by the test id: reproducible, distinct per check."""
-        return random.Random(int.from_bytes(hashlib.sha256(request.node.nodeid.encode()).digest()[:8], "little"))
+        return random.Random(
+            int.from_bytes(hashlib.sha256(request.node.nodeid.encode()).digest()[:8], "little")
+        )
 
     @pytest.fixture
-    def make_spec(self, harness_factory: str, harness_options: dict[str, Any], base_layout: KVLayout,
-                  store_cluster: StoreCluster) -> Callable[..., HarnessSpec]:
+    def make_spec(
+        self,
+        harness_factory: str,
+        harness_options: dict[str, Any],
+        base_layout: KVLayout,
+        store_cluster: StoreCluster,
+    ) -> Callable[..., HarnessSpec]:
         """``make_spec(layout=None, cluster=None, model=..., rank=0, **options)``."""
 
-        def make(layout: KVLayout | None = None, cluster: StoreCluster | None = None,
-                 model: str = "conformance/model-a", rank: int = 0, **options: Any) -> HarnessSpec:
+        def make(
+            layout: KVLayout | None = None,
+            cluster: StoreCluster | None = None,
+            model: str = "conformance/model-a",
+            rank: int = 0,
+            **options: Any,
+        ) -> HarnessSpec:
             c = cluster if cluster is not None else store_cluster
-            return HarnessSpec(factory=harness_factory, layout=layout or base_layout, master=c.master_address,
-                               model=model, rank=rank, options={**harness_options, **options})
+            return HarnessSpec(
+                factory=harness_factory,
+                layout=layout or base_layout,
+                master=c.master_address,
+                model=model,
+                rank=rank,
+                options={**harness_options, **options},
+            )
 
         return make
 
@@ -147,10 +166,14 @@ class AdapterFixtures:
             h.close()
 
     @pytest.fixture
-    def spawn_worker(self, supports_multiprocess: bool, worker_env: dict[str, str]) -> Iterator[SpawnWorker]:
+    def spawn_worker(
+        self, supports_multiprocess: bool, worker_env: dict[str, str]
+    ) -> Iterator[SpawnWorker]:
         """Start engine ranks in processes of their own; stopped after the check."""
         if not supports_multiprocess:
-            pytest.skip("this adapter's harness cannot run in a worker process (supports_multiprocess)")
+            pytest.skip(
+                "this adapter's harness cannot run in a worker process (supports_multiprocess)"
+            )
         started: list[Worker] = []
 
         def spawn(spec: HarnessSpec) -> Worker:

@@ -159,7 +159,9 @@ class EngineHarness(ABC):
     def load(self, tokens: Sequence[int], slots: Sequence[int]) -> int:
         """Read the full pages of ``tokens`` into ``slots``; leading pages reported loaded."""
 
-    def expected_objects(self, tokens: Sequence[int], slots: Sequence[int]) -> dict[str, bytes] | None:
+    def expected_objects(
+        self, tokens: Sequence[int], slots: Sequence[int]
+    ) -> dict[str, bytes] | None:
         """The store objects saving ``slots`` must create, computed independently of the
         adapter; ``None`` if the adapter's object format is opaque (the check is skipped)."""
         return None
@@ -174,8 +176,9 @@ class EngineHarness(ABC):
     def __enter__(self) -> EngineHarness:
         return self
 
-    def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
 
@@ -183,7 +186,9 @@ def build_harness(spec: HarnessSpec) -> EngineHarness:
     """Import ``spec.factory`` and build the harness it describes."""
     modname, sep, attr = spec.factory.partition(":")
     if not sep or not attr:
-        raise ValueError(f"harness factory {spec.factory!r} must look like 'package.module:function'")
+        raise ValueError(
+            f"harness factory {spec.factory!r} must look like 'package.module:function'"
+        )
     fn = getattr(importlib.import_module(modname), attr)
     harness = fn(spec)
     if not isinstance(harness, EngineHarness):

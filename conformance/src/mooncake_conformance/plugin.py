@@ -39,7 +39,9 @@ def _contract_check(item: pytest.Item) -> str | None:
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, None]:
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, Any, None]:
     outcome = yield
     report: pytest.TestReport = outcome.get_result()
     check = _contract_check(item)
@@ -56,9 +58,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             result = "passed"
         else:
             result = "failed"
-        rec = item.config.stash[_KEY].setdefault(str(adapter), {"module": str(props.get("mooncake_adapter_package")
-                                                                                  or ""), "checks": {},
-                                                                "reasons": {}})
+        rec = item.config.stash[_KEY].setdefault(
+            str(adapter),
+            {
+                "module": str(props.get("mooncake_adapter_package") or ""),
+                "checks": {},
+                "reasons": {},
+            },
+        )
         rec["checks"][check] = status.merge_outcome(rec["checks"].get(check), result)
         if result == "skipped" and isinstance(report.longrepr, tuple):
             rec["reasons"][check] = str(report.longrepr[2])

@@ -17,7 +17,15 @@ from dataclasses import dataclass, field
 
 from mooncake_conformance.harness import EngineHarness
 
-__all__ = ["page_seed", "make_tokens", "ChurnStats", "fill_pages", "expected_pages", "verify_loaded", "churn"]
+__all__ = [
+    "page_seed",
+    "make_tokens",
+    "ChurnStats",
+    "fill_pages",
+    "expected_pages",
+    "verify_loaded",
+    "churn",
+]
 
 
 def page_seed(model: str, tokens: Sequence[int], page: int, page_size: int) -> int:
@@ -47,7 +55,9 @@ def expected_pages(h: EngineHarness, tokens: Sequence[int], n: int, scratch: int
     return out
 
 
-def verify_loaded(h: EngineHarness, slots: Sequence[int], expected: Sequence[bytes], n: int) -> list[int]:
+def verify_loaded(
+    h: EngineHarness, slots: Sequence[int], expected: Sequence[bytes], n: int
+) -> list[int]:
     """Indices ``< n`` whose slot does not hold the expected bytes."""
     return [i for i in range(min(n, len(slots))) if h.read(slots[i]) != expected[i]]
 
@@ -63,17 +73,32 @@ class ChurnStats:
     wrong: int = 0
     exceptions: int = 0
     errors: list[str] = field(default_factory=list)
-    last_ok: float = 0.0  # monotonic time of the last round whose save and load both fully succeeded
+    last_ok: float = (
+        0.0  # monotonic time of the last round whose save and load both fully succeeded
+    )
 
     def as_dict(self) -> dict[str, object]:
-        return {"rounds": self.rounds, "saved_pages": self.saved_pages, "loaded_pages": self.loaded_pages,
-                "hit_pages": self.hit_pages, "wrong": self.wrong, "exceptions": self.exceptions,
-                "errors": self.errors[:5]}
+        return {
+            "rounds": self.rounds,
+            "saved_pages": self.saved_pages,
+            "loaded_pages": self.loaded_pages,
+            "hit_pages": self.hit_pages,
+            "wrong": self.wrong,
+            "exceptions": self.exceptions,
+            "errors": self.errors[:5],
+        }
 
 
-def churn(h: EngineHarness, shared: Sequence[int], seed: int, pages: int, rounds: int = 0,
-          duration_s: float = 0.0, stop: threading.Event | None = None,
-          stats: ChurnStats | None = None) -> ChurnStats:
+def churn(
+    h: EngineHarness,
+    shared: Sequence[int],
+    seed: int,
+    pages: int,
+    rounds: int = 0,
+    duration_s: float = 0.0,
+    stop: threading.Event | None = None,
+    stats: ChurnStats | None = None,
+) -> ChurnStats:
     """Save and load prefixes that overlap other workers' (``shared`` tokens) and its own.
 
     Each round: fresh suffix tokens after ``shared``; fill, save, look up, load into the
@@ -115,7 +140,9 @@ def churn(h: EngineHarness, shared: Sequence[int], seed: int, pages: int, rounds
             bad = verify_loaded(h, dst, want, got)
             stats.wrong += len(bad)
             if bad:
-                stats.errors.append(f"round {stats.rounds}: pages {bad} of {got} loaded held wrong bytes")
+                stats.errors.append(
+                    f"round {stats.rounds}: pages {bad} of {got} loaded held wrong bytes"
+                )
             if saved == pages and got == pages and not bad:
                 stats.last_ok = time.monotonic()
         except Exception as exc:  # an adapter must not raise on store trouble; record it

@@ -25,8 +25,16 @@ from typing import Any
 
 from mooncake_core.config import env_str, environment
 
-__all__ = ["status_dir", "source_digest", "contract_checks", "merge_outcome", "write_status", "read_status",
-           "describe", "SUITE_VERSION"]
+__all__ = [
+    "status_dir",
+    "source_digest",
+    "contract_checks",
+    "merge_outcome",
+    "write_status",
+    "read_status",
+    "describe",
+    "SUITE_VERSION",
+]
 
 SUITE_VERSION = "0.1.0"
 _RANK = {"failed": 3, "passed": 2, "skipped": 1}
@@ -52,8 +60,11 @@ def source_digest(module: str) -> str:
     if spec is None:
         return ""
     roots = list(spec.submodule_search_locations or [])
-    files = sorted(p for r in roots for p in Path(r).rglob("*.py")) if roots else (
-        [Path(spec.origin)] if spec.origin else [])
+    files = (
+        sorted(p for r in roots for p in Path(r).rglob("*.py"))
+        if roots
+        else ([Path(spec.origin)] if spec.origin else [])
+    )
     h = hashlib.sha256()
     for p in files:
         h.update(p.name.encode())
@@ -91,7 +102,9 @@ def read_status(adapter: str) -> dict[str, Any] | None:
     return data
 
 
-def write_status(adapter: str, module: str, checks: Mapping[str, str], reasons: Mapping[str, str]) -> Path | None:
+def write_status(
+    adapter: str, module: str, checks: Mapping[str, str], reasons: Mapping[str, str]
+) -> Path | None:
     """Record ``checks`` (name -> passed/failed/skipped) for ``adapter``; merges with an
     earlier run of the same sources and suite version."""
     p = _path(adapter)

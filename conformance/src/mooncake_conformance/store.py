@@ -45,8 +45,12 @@ class StoreCluster:
         env: extra environment for both processes.
     """
 
-    def __init__(self, segment_size: str = "256MB", lease_ttl_s: float = 5.0,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        segment_size: str = "256MB",
+        lease_ttl_s: float = 5.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.segment_size = segment_size
         self.lease_ttl_s = lease_ttl_s
         self.dir = Path(tempfile.mkdtemp(prefix="mc-conformance-"))
@@ -74,8 +78,13 @@ class StoreCluster:
         ready.unlink(missing_ok=True)
         log = open(self.dir / f"{name}.log", "ab")  # noqa: SIM115 (closed in close())
         self._logs.append(log)
-        proc = subprocess.Popen([sys.executable, "-m", "mooncake_core", *args, "--ready-file", str(ready)],
-                                stdout=log, stderr=log, env=self.env, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mooncake_core", *args, "--ready-file", str(ready)],
+            stdout=log,
+            stderr=log,
+            env=self.env,
+            start_new_session=True,
+        )
         end = time.monotonic() + 60
         while time.monotonic() < end:
             if ready.exists():
@@ -93,9 +102,20 @@ class StoreCluster:
         end = time.monotonic() + 15
         while True:  # after a kill the port may take a moment to be free again
             try:
-                self.master = self._spawn("master", [
-                    "master", "--rpc-address", "127.0.0.1", "--rpc-port", str(self.rpc_port),
-                    "--http-port", "-1", "--default-kv-lease-ttl", str(self.lease_ttl_s)])
+                self.master = self._spawn(
+                    "master",
+                    [
+                        "master",
+                        "--rpc-address",
+                        "127.0.0.1",
+                        "--rpc-port",
+                        str(self.rpc_port),
+                        "--http-port",
+                        "-1",
+                        "--default-kv-lease-ttl",
+                        str(self.lease_ttl_s),
+                    ],
+                )
                 return
             except RuntimeError:
                 if time.monotonic() > end:
@@ -106,8 +126,9 @@ class StoreCluster:
         """Start (or restart) the memory node."""
         if self.node is not None and self.node.poll() is None:
             return
-        self.node = self._spawn("node", ["store", "--master", self.master_address,
-                                         "--segment-size", self.segment_size])
+        self.node = self._spawn(
+            "node", ["store", "--master", self.master_address, "--segment-size", self.segment_size]
+        )
 
     @staticmethod
     def _stop(proc: subprocess.Popen[bytes] | None, kill: bool) -> None:
@@ -157,8 +178,9 @@ class StoreCluster:
     def __enter__(self) -> StoreCluster:
         return self.start()
 
-    def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def describe(self) -> str:

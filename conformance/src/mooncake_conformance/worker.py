@@ -43,12 +43,21 @@ def _handle(h: EngineHarness, req: Mapping[str, Any]) -> Any:
         fill_pages(h, req["tokens"], req["slots"])
         return None
     if op == "expected_digests":
-        return [hashlib.sha256(b).hexdigest() for b in expected_pages(h, req["tokens"], req["n"], h.num_slots - 1)]
+        return [
+            hashlib.sha256(b).hexdigest()
+            for b in expected_pages(h, req["tokens"], req["n"], h.num_slots - 1)
+        ]
     if op == "read_digests":
         return [hashlib.sha256(h.read(s)).hexdigest() for s in req["slots"]]
     if op == "churn":
-        st = churn(h, req["shared"], req["seed"], req["pages"], rounds=req.get("rounds", 0),
-                   duration_s=req.get("duration_s", 0.0))
+        st = churn(
+            h,
+            req["shared"],
+            req["seed"],
+            req["pages"],
+            rounds=req.get("rounds", 0),
+            duration_s=req.get("duration_s", 0.0),
+        )
         return st.as_dict()
     raise ValueError(f"unknown request {op!r}")
 
@@ -87,13 +96,23 @@ class Worker:
         start_timeout_s: how long building the harness may take (engine imports are slow).
     """
 
-    def __init__(self, spec: HarnessSpec, env: Mapping[str, str] | None = None,
-                 start_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        spec: HarnessSpec,
+        env: Mapping[str, str] | None = None,
+        start_timeout_s: float = 120.0,
+    ) -> None:
         e = dict(environment())
         e.update(env or {})
         self.spec = spec
-        self.proc = subprocess.Popen([sys.executable, "-m", "mooncake_conformance.worker", spec.to_json()],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=e, bufsize=1)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mooncake_conformance.worker", spec.to_json()],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=e,
+            bufsize=1,
+        )
         self.pid = int(self._read(start_timeout_s)["ready"])
 
     def _read(self, timeout: float) -> dict[str, Any]:

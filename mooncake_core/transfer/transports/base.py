@@ -58,8 +58,16 @@ class Transport(ABC):
                 may retry them on another transport.
         """
 
-    def control(self, peer: PeerInfo, op: int, deadline: float, *, payload: bytes = b"",
-                aux: int = 0, extra: memoryview | None = None) -> tuple[int, bytes]:
+    def control(
+        self,
+        peer: PeerInfo,
+        op: int,
+        deadline: float,
+        *,
+        payload: bytes = b"",
+        aux: int = 0,
+        extra: memoryview | None = None,
+    ) -> tuple[int, bytes]:
         """Send one control request to ``peer``; return ``(status, reply body)``.
 
         Raises:

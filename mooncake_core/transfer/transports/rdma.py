@@ -64,14 +64,18 @@ def rdma_available(device_filter: str = "") -> tuple[bool, str]:
         wanted = {d.strip() for d in device_filter.split(",") if d.strip()}
         devices = [d for d in devices if d in wanted]
     if not devices:
-        return False, "no RDMA device (no /sys/class/infiniband entries; kernel without InfiniBand/rxe support?)"
+        return (
+            False,
+            "no RDMA device (no /sys/class/infiniband entries; kernel without InfiniBand/rxe support?)",
+        )
     if _import_pyverbs() is None:
         return False, "pyverbs is not importable (apt-get install python3-pyverbs)"
     return True, ",".join(devices)
 
 
-def request_queue_pair(host: TransportHost, peer: PeerInfo, info: dict[str, Any],
-                       deadline: float) -> dict[str, Any]:
+def request_queue_pair(
+    host: TransportHost, peer: PeerInfo, info: dict[str, Any], deadline: float
+) -> dict[str, Any]:
     """Client side of the RDMA queue-pair exchange, over the engine's control channel.
 
     Sends our queue pair ``info`` to ``peer`` and returns the peer's.
@@ -81,8 +85,9 @@ def request_queue_pair(host: TransportHost, peer: PeerInfo, info: dict[str, Any]
     """
     status, body = host.control(peer, Op.RDMA_CONNECT, deadline, payload=json.dumps(info).encode())
     if status != Status.OK:
-        raise TransportError(f"peer {peer.name!r} refused the RDMA connection: "
-                             f"{body.decode(errors='replace')}")
+        raise TransportError(
+            f"peer {peer.name!r} refused the RDMA connection: {body.decode(errors='replace')}"
+        )
     answer: dict[str, Any] = json.loads(body)
     return answer
 
@@ -99,7 +104,9 @@ class _Endpoint:
         cap = QPCap(max_send_wr=512, max_recv_wr=16, max_send_sge=1, max_recv_sge=1)
         init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap)
         attr = QPAttr(port_num=port)
-        attr.qp_access_flags = e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_LOCAL_WRITE
+        attr.qp_access_flags = (
+            e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_LOCAL_WRITE
+        )
         self.qp = QP(pd, init, attr)
         self.port = port
         self.gid_index = gid_index
@@ -185,7 +192,10 @@ class RDMATransport(Transport):
         if not self.available:
             return {}
         with self._lock:
-            return {"device": self.device, "rkeys": {str(a): mr.rkey for a, mr in self._mrs.items()}}
+            return {
+                "device": self.device,
+                "rkeys": {str(a): mr.rkey for a, mr in self._mrs.items()},
+            }
 
     def accept(self, remote: dict[str, Any]) -> dict[str, Any]:
         """Server side of the QP handshake (called by the listener's RDMA_CONNECT)."""
@@ -228,12 +238,19 @@ class RDMATransport(Transport):
                 region = peer.find_region(it.remote_addr, it.length)
                 local = self.engine.segments.find(it.local_addr, it.length)
                 if region is None or str(region["addr"]) not in rkeys:
-                    it.error = InvalidRequest(f"peer {peer.name!r} has no RDMA-registered memory at 0x{it.remote_addr:x}")
+                    it.error = InvalidRequest(
+                        f"peer {peer.name!r} has no RDMA-registered memory at 0x{it.remote_addr:x}"
+                    )
                     continue
                 mr = self._mrs[local.addr]
                 sge = SGE(it.local_addr, it.length, mr.lkey)
-                wr = SendWR(wr_id=i, opcode=e.IBV_WR_RDMA_READ if it.op == READ else e.IBV_WR_RDMA_WRITE,
-                            num_sge=1, sg=[sge], send_flags=e.IBV_SEND_SIGNALED)
+                wr = SendWR(
+                    wr_id=i,
+                    opcode=e.IBV_WR_RDMA_READ if it.op == READ else e.IBV_WR_RDMA_WRITE,
+                    num_sge=1,
+                    sg=[sge],
+                    send_flags=e.IBV_SEND_SIGNALED,
+                )
                 wr.set_wr_rdma(rkeys[str(region["addr"])], it.remote_addr)
                 ep.qp.post_send(wr)
                 posted.append(i)
@@ -246,7 +263,9 @@ class RDMATransport(Transport):
                     if wc.status != e.IBV_WC_SUCCESS:
                         with self._lock:
                             self._eps.pop(peer.name, None)
-                        raise PeerUnreachable(f"RDMA work completion failed ({wc.status}) to {peer.name!r}")
+                        raise PeerUnreachable(
+                            f"RDMA work completion failed ({wc.status}) to {peer.name!r}"
+                        )
                     items[wc.wr_id].done = True
                 left -= n
 
@@ -268,5 +287,11 @@ def _describe_json(t: RDMATransport) -> str:  # pragma: no cover - debugging hel
 
 @hookimpl
 def mooncake_transports() -> list[TransportInfo]:
-    return [TransportInfo("rdma", RDMATransport, priority=20,
-                          description="RDMA via pyverbs (RC QPs, READ/WRITE); falls back to TCP without a device")]
+    return [
+        TransportInfo(
+            "rdma",
+            RDMATransport,
+            priority=20,
+            description="RDMA via pyverbs (RC QPs, READ/WRITE); falls back to TCP without a device",
+        )
+    ]

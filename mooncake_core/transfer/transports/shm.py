@@ -55,8 +55,14 @@ def _cma() -> Any:
         _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         for fn in (_libc.process_vm_readv, _libc.process_vm_writev):
             fn.restype = ctypes.c_ssize_t
-            fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IOVec), ctypes.c_ulong,
-                           ctypes.POINTER(_IOVec), ctypes.c_ulong, ctypes.c_ulong]
+            fn.argtypes = [
+                ctypes.c_int,
+                ctypes.POINTER(_IOVec),
+                ctypes.c_ulong,
+                ctypes.POINTER(_IOVec),
+                ctypes.c_ulong,
+                ctypes.c_ulong,
+            ]
     return _libc
 
 
@@ -149,7 +155,9 @@ class ShmTransport(Transport):
             except OSError as exc:
                 if exc.errno in (errno.EACCES, errno.EPERM):
                     self._denied.add(peer.pid)
-                raise PeerUnreachable(f"cannot map shared memory of peer {peer.name!r} ({path}): {exc.strerror}") from exc
+                raise PeerUnreachable(
+                    f"cannot map shared memory of peer {peer.name!r} ({path}): {exc.strerror}"
+                ) from exc
             try:
                 size = int(region["memfd_offset"]) + int(region["length"])
                 # Pre-build our page tables for the peer's segment (up to POPULATE_LIMIT):
@@ -191,20 +199,30 @@ class ShmTransport(Transport):
             self._close_retired()
 
     def _execute(self, peer: PeerInfo, items: list[WorkItem]) -> None:
-        jobs: list[tuple[int, int, int]] = []  # (dst, src, n) memmoves through mappings, run together below
+        jobs: list[
+            tuple[int, int, int]
+        ] = []  # (dst, src, n) memmoves through mappings, run together below
         mapped: list[WorkItem] = []
         for it in items:
             if it.done or it.error is not None:
                 continue
             region = peer.find_region(it.remote_addr, it.length)
             if region is None:
-                it.error = InvalidRequest(f"peer {peer.name!r} has no registered memory at 0x{it.remote_addr:x}+{it.length}")
+                it.error = InvalidRequest(
+                    f"peer {peer.name!r} has no registered memory at 0x{it.remote_addr:x}+{it.length}"
+                )
                 continue
             if str(region.get("location", "")).startswith("cuda"):
-                raise TransportError(f"peer {peer.name!r} region {region.get('name')!r} is device memory; not reachable by shm")
+                raise TransportError(
+                    f"peer {peer.name!r} region {region.get('name')!r} is device memory; not reachable by shm"
+                )
             if "memfd" in region:
                 base = self._map(peer, region) + (it.remote_addr - int(region["addr"]))
-                jobs.append((it.local_addr, base, it.length) if it.op == READ else (base, it.local_addr, it.length))
+                jobs.append(
+                    (it.local_addr, base, it.length)
+                    if it.op == READ
+                    else (base, it.local_addr, it.length)
+                )
                 mapped.append(it)
                 continue
             try:
@@ -239,5 +257,11 @@ class ShmTransport(Transport):
 
 @hookimpl
 def mooncake_transports() -> list[TransportInfo]:
-    return [TransportInfo("shm", ShmTransport, priority=10,
-                          description="shared memory on one host: memfd mapping or cross-memory attach, one memcpy")]
+    return [
+        TransportInfo(
+            "shm",
+            ShmTransport,
+            priority=10,
+            description="shared memory on one host: memfd mapping or cross-memory attach, one memcpy",
+        )
+    ]

@@ -64,37 +64,53 @@ class TCPConnection:
         self.lock = threading.Lock()
         self.broken = False
         self._req_id = 0
-        self.spin_s = 0.0  # wait for an answer this long with poll(0) before sleeping (set by the transport)
+        self.spin_s = (
+            0.0  # wait for an answer this long with poll(0) before sleeping (set by the transport)
+        )
         self._poller: select.poll | None = None
         try:
             self.sock = socket.create_connection(
                 (host, port), timeout=timeout, source_address=(source, 0) if source else None
             )
         except OSError as exc:
-            raise PeerUnreachable(f"cannot connect to peer {peer!r} at {host}:{port}: {exc.strerror or exc}") from exc
+            raise PeerUnreachable(
+                f"cannot connect to peer {peer!r} at {host}:{port}: {exc.strerror or exc}"
+            ) from exc
         try:
             tune_socket(self.sock)
             self.sock.settimeout(timeout)
             g = memoryview(bytearray(GREETING.size))
             if not recv_exact(self.sock, g):
-                raise PeerUnreachable(f"peer {peer!r} at {host}:{port} closed the connection during the handshake")
+                raise PeerUnreachable(
+                    f"peer {peer!r} at {host}:{port} closed the connection during the handshake"
+                )
             magic, _ver, _flags, nonce = GREETING.unpack(g)
             if magic != MAGIC:
-                raise PeerUnreachable(f"{host}:{port} is not a mooncake-core transfer engine (bad greeting)")
+                raise PeerUnreachable(
+                    f"{host}:{port} is not a mooncake-core transfer engine (bad greeting)"
+                )
             body = auth_digest(secret, nonce) + json.dumps({"v": 1}).encode()
             status, _ = self.request(Op.HELLO, payload=body)
             if status == Status.AUTH_FAILED:
-                raise AuthError(f"peer {peer!r} rejected our shared secret (check transfer.secret on both sides)")
+                raise AuthError(
+                    f"peer {peer!r} rejected our shared secret (check transfer.secret on both sides)"
+                )
             if status != Status.OK:
-                raise PeerUnreachable(f"peer {peer!r} refused the handshake: {STATUS_TEXT.get(status, status)}")
+                raise PeerUnreachable(
+                    f"peer {peer!r} refused the handshake: {STATUS_TEXT.get(status, status)}"
+                )
         except TimeoutError as exc:
             self.close()
-            raise PeerUnreachable(f"peer {peer!r} at {host}:{port} did not answer the handshake within {timeout:.1f}s") from exc
+            raise PeerUnreachable(
+                f"peer {peer!r} at {host}:{port} did not answer the handshake within {timeout:.1f}s"
+            ) from exc
         except (OSError, ConnectionError) as exc:
             self.close()
             if isinstance(exc, TransportError):
                 raise
-            raise PeerUnreachable(f"handshake with peer {peer!r} at {host}:{port} failed: {exc}") from exc
+            raise PeerUnreachable(
+                f"handshake with peer {peer!r} at {host}:{port} failed: {exc}"
+            ) from exc
         except TransportError:
             self.close()
             raise
@@ -140,10 +156,15 @@ class TCPConnection:
             raise ConnectionError("bad response magic")
         return status, req_id, length
 
-    def request(self, op: int, *, payload: bytes = b"", aux: int = 0, extra: memoryview | None = None) -> tuple[int, bytes]:
+    def request(
+        self, op: int, *, payload: bytes = b"", aux: int = 0, extra: memoryview | None = None
+    ) -> tuple[int, bytes]:
         """One control request (HELLO, DESC, PING, NOTIFY, TENSOR): returns (status, reply body)."""
         n = len(payload) + (len(extra) if extra is not None else 0)
-        parts: list[memoryview | bytes] = [REQ.pack(MAGIC, op, 0, 0, self._next_id(), aux, 0, n), payload]
+        parts: list[memoryview | bytes] = [
+            REQ.pack(MAGIC, op, 0, 0, self._next_id(), aux, 0, n),
+            payload,
+        ]
         if extra is not None:
             parts.append(extra)
         send_parts(self.sock, parts)
@@ -172,7 +193,13 @@ class TCPConnection:
                 if it.op == READ:
                     sock.sendall(REQ.pack(MAGIC, Op.READ, 0, 0, sent, 0, it.remote_addr, it.length))
                 else:
-                    send_parts(sock, [REQ.pack(MAGIC, Op.WRITE, 0, 0, sent, 0, it.remote_addr, it.length), it.local_view])
+                    send_parts(
+                        sock,
+                        [
+                            REQ.pack(MAGIC, Op.WRITE, 0, 0, sent, 0, it.remote_addr, it.length),
+                            it.local_view,
+                        ],
+                    )
                 sent += 1
             it = items[recvd]
             if self.spin_s:
@@ -185,7 +212,9 @@ class TCPConnection:
             if status == Status.OK:
                 if it.op == READ:
                     if length != it.length:
-                        raise ConnectionError(f"peer answered {length} bytes for a {it.length}-byte read")
+                        raise ConnectionError(
+                            f"peer answered {length} bytes for a {it.length}-byte read"
+                        )
                     if not recv_exact(sock, it.local_view):
                         raise ConnectionError("peer closed the connection mid-payload")
                 it.done = True
@@ -194,8 +223,10 @@ class TCPConnection:
                 if length:
                     recv_exact(sock, detail)
                 msg = bytes(detail).decode(errors="replace") or STATUS_TEXT.get(status, str(status))
-                it.error = InvalidRequest(f"peer {self.peer!r} refused {'read' if it.op == READ else 'write'} "
-                                          f"of {it.length} bytes at 0x{it.remote_addr:x}: {msg}")
+                it.error = InvalidRequest(
+                    f"peer {self.peer!r} refused {'read' if it.op == READ else 'write'} "
+                    f"of {it.length} bytes at 0x{it.remote_addr:x}: {msg}"
+                )
                 if it.op != READ:  # the peer closes after a refused write
                     raise ConnectionError("peer closed the connection after refusing a write")
             recvd += 1
@@ -249,9 +280,18 @@ class TCPTransport(Transport):
             host, port = peer.addresses[index % len(peer.addresses)]
             sources = self.engine.source_addresses
             source = sources[index % len(sources)] if sources else None
-            timeout = max(0.05, min(self.engine.config.transfer.connect_timeout_s, deadline - time.monotonic()))
-            conn = TCPConnection(host, port, secret=self.engine.config.transfer.secret, timeout=timeout,
-                                 peer=peer.name, source=source)
+            timeout = max(
+                0.05,
+                min(self.engine.config.transfer.connect_timeout_s, deadline - time.monotonic()),
+            )
+            conn = TCPConnection(
+                host,
+                port,
+                secret=self.engine.config.transfer.secret,
+                timeout=timeout,
+                peer=peer.name,
+                source=source,
+            )
             conn.sock.settimeout(self.engine.config.transfer.timeout_s)
             conn.spin_s = max(0.0, self.engine.config.transfer.spin_us) * 1e-6
             pool.conns[index] = conn
@@ -271,8 +311,16 @@ class TCPTransport(Transport):
         for n in names:
             self.drop_peer(n)
 
-    def control(self, peer: PeerInfo, op: int, deadline: float, *, payload: bytes = b"",
-                aux: int = 0, extra: memoryview | None = None) -> tuple[int, bytes]:
+    def control(
+        self,
+        peer: PeerInfo,
+        op: int,
+        deadline: float,
+        *,
+        payload: bytes = b"",
+        aux: int = 0,
+        extra: memoryview | None = None,
+    ) -> tuple[int, bytes]:
         """A control request on the peer's first connection (with one reconnect)."""
         last: BaseException | None = None
         for _ in range(2):
@@ -286,7 +334,9 @@ class TCPTransport(Transport):
         raise PeerUnreachable(f"peer {peer.name!r}: control request failed: {last}") from last
 
     # ------------------------------------------------------------------ data path
-    def _run_on(self, peer: PeerInfo, index: int, items: list[WorkItem], deadline: float) -> BaseException | None:
+    def _run_on(
+        self, peer: PeerInfo, index: int, items: list[WorkItem], deadline: float
+    ) -> BaseException | None:
         try:
             conn = self.connection(peer, index, deadline)
         except TransportError as exc:
@@ -309,7 +359,9 @@ class TCPTransport(Transport):
                 return None
             except TimeoutError as exc:
                 conn.close()
-                return TransferTimeout(f"peer {peer.name!r} did not answer within the timeout") .with_traceback(exc.__traceback__)
+                return TransferTimeout(
+                    f"peer {peer.name!r} did not answer within the timeout"
+                ).with_traceback(exc.__traceback__)
             except (OSError, ConnectionError) as exc:
                 conn.close()
                 return exc
@@ -326,8 +378,12 @@ class TCPTransport(Transport):
             if len(groups) == 1:
                 errors = [self._run_on(peer, offset % self.nconn, groups[0], deadline)]
             else:
-                futs = [self.engine.io_pool.submit(self._run_on, peer, (offset + g) % self.nconn, grp, deadline)
-                        for g, grp in enumerate(groups[1:], start=1)]
+                futs = [
+                    self.engine.io_pool.submit(
+                        self._run_on, peer, (offset + g) % self.nconn, grp, deadline
+                    )
+                    for g, grp in enumerate(groups[1:], start=1)
+                ]
                 first = self._run_on(peer, offset % self.nconn, groups[0], deadline)
                 errors = [first] + [f.result() for f in futs]
             pending = [it for it in pending if not it.done and it.error is None]
@@ -337,20 +393,34 @@ class TCPTransport(Transport):
             if isinstance(err, AuthError):
                 raise err
             if isinstance(err, TransferTimeout) or time.monotonic() >= deadline:
-                raise TransferTimeout(f"transfer to peer {peer.name!r} timed out with {len(pending)} slice(s) outstanding") from err
+                raise TransferTimeout(
+                    f"transfer to peer {peer.name!r} timed out with {len(pending)} slice(s) outstanding"
+                ) from err
             attempt += 1
             if attempt > self.retry_count:
                 if isinstance(err, PeerUnreachable):
                     raise err
-                raise PeerUnreachable(f"peer {peer.name!r}: {len(pending)} slice(s) failed after {self.retry_count} "
-                                      f"retries: {err}") from err
+                raise PeerUnreachable(
+                    f"peer {peer.name!r}: {len(pending)} slice(s) failed after {self.retry_count} "
+                    f"retries: {err}"
+                ) from err
             self.retried_slices += len(pending)
-            logger.debug("retrying %d slice(s) to %s (attempt %d): %s", len(pending), peer.name, attempt, err)
+            logger.debug(
+                "retrying %d slice(s) to %s (attempt %d): %s", len(pending), peer.name, attempt, err
+            )
             offset += 1  # move to other connections
-            time.sleep(min(self.backoff * (2 ** (attempt - 1)), max(0.0, deadline - time.monotonic())))
+            time.sleep(
+                min(self.backoff * (2 ** (attempt - 1)), max(0.0, deadline - time.monotonic()))
+            )
 
 
 @hookimpl
 def mooncake_transports() -> list[TransportInfo]:
-    return [TransportInfo("tcp", TCPTransport, priority=30,
-                          description="TCP: sliced over several connections per peer, sendmsg/recv_into zero-copy")]
+    return [
+        TransportInfo(
+            "tcp",
+            TCPTransport,
+            priority=30,
+            description="TCP: sliced over several connections per peer, sendmsg/recv_into zero-copy",
+        )
+    ]

@@ -65,9 +65,16 @@ def _setup(role: str, model: str, port: int) -> Any:
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import ServerArgs
 
-    sa = ServerArgs(model_path=model, skip_tokenizer_init=True, device="cpu", host="127.0.0.1", page_size=PAGE,
-                    disaggregation_mode=role, disaggregation_transfer_backend="mooncake",
-                    disaggregation_bootstrap_port=port)
+    sa = ServerArgs(
+        model_path=model,
+        skip_tokenizer_init=True,
+        device="cpu",
+        host="127.0.0.1",
+        page_size=PAGE,
+        disaggregation_mode=role,
+        disaggregation_transfer_backend="mooncake",
+        disaggregation_bootstrap_port=port,
+    )
     publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
     # The process groups a scheduler builds (world of one rank; gloo, since there is no GPU).
     import socket
@@ -80,8 +87,13 @@ def _setup(role: str, model: str, port: int) -> Any:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dist_port = s.getsockname()[1]
-    init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{dist_port}",
-                                 local_rank=0, backend="gloo")
+    init_distributed_environment(
+        world_size=1,
+        rank=0,
+        distributed_init_method=f"tcp://127.0.0.1:{dist_port}",
+        local_rank=0,
+        backend="gloo",
+    )
     initialize_model_parallel(backend="gloo")
     return sa
 
@@ -90,8 +102,17 @@ def _kv_pool() -> Any:
     import torch
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    return MHATokenToKVPool(POOL_TOKENS, PAGE, torch.bfloat16, HEADS, HEAD_DIM, LAYERS, "cpu", False,
-                            enable_alt_stream=False)
+    return MHATokenToKVPool(
+        POOL_TOKENS,
+        PAGE,
+        torch.bfloat16,
+        HEADS,
+        HEAD_DIM,
+        LAYERS,
+        "cpu",
+        False,
+        enable_alt_stream=False,
+    )
 
 
 def _page_digest(pool: Any, page: int) -> str:
@@ -100,7 +121,13 @@ def _page_digest(pool: Any, page: int) -> str:
     h = hashlib.sha256()
     for bufs in (pool.k_buffer, pool.v_buffer):
         for layer in bufs:
-            h.update(layer[page * PAGE:(page + 1) * PAGE].contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(
+                layer[page * PAGE : (page + 1) * PAGE]
+                .contiguous()
+                .view(torch.uint8)
+                .numpy()
+                .tobytes()
+            )
     return h.hexdigest()
 
 
@@ -128,7 +155,9 @@ def _manager(role: str, sa: Any, pool: Any, meta: Any) -> Any:
     kv_args.kv_layout = None
     kv_args.prefill_start_layer = 0
     kv_args.prefill_end_layer = LAYERS
-    kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = get_kv_transfer_buf_infos(pool)
+    kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = get_kv_transfer_buf_infos(
+        pool
+    )
     kv_args.num_draft_entries = 0
     kv_args.kv_layer_ids = []
     kv_args.kv_head_num = HEADS
@@ -172,13 +201,16 @@ def prefill(args: argparse.Namespace) -> None:
         get_kv_class,
     )
 
-    server = get_kv_class(TransferBackend.MOONCAKE, KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", args.bootstrap_port)
+    server = get_kv_class(TransferBackend.MOONCAKE, KVClassType.BOOTSTRAP_SERVER)(
+        "127.0.0.1", args.bootstrap_port
+    )
     pool = _kv_pool()
     g = torch.Generator().manual_seed(1234)
     for bufs in (pool.k_buffer, pool.v_buffer):
         for layer in bufs:
-            layer.view(torch.int16).copy_(torch.randint(-(2**15), 2**15, layer.shape, generator=g,
-                                                        dtype=torch.int16))
+            layer.view(torch.int16).copy_(
+                torch.randint(-(2**15), 2**15, layer.shape, generator=g, dtype=torch.int16)
+            )
     meta = MetadataBuffers(8, 256, torch.bfloat16, 16)
     mgr = _manager("prefill", sa, pool, meta)
     rooms: list[dict[str, Any]] = []
@@ -188,18 +220,32 @@ def prefill(args: argparse.Namespace) -> None:
         meta.bootstrap_room[AUX_INDEX, 0] = room
         # created when the request reaches the prefill, before the decode has bootstrapped
         sender = get_kv_class(TransferBackend.MOONCAKE, KVClassType.SENDER)(
-            mgr=mgr, bootstrap_addr=f"127.0.0.1:{args.bootstrap_port}", bootstrap_room=room)
-        _wait(sender.poll, KVPoll.WaitingForInput, f"prefill room {room}: decode metadata", args.timeout)
+            mgr=mgr, bootstrap_addr=f"127.0.0.1:{args.bootstrap_port}", bootstrap_room=room
+        )
+        _wait(
+            sender.poll,
+            KVPoll.WaitingForInput,
+            f"prefill room {room}: decode metadata",
+            args.timeout,
+        )
         sender.init(len(src), AUX_INDEX)
         corrupt.enabled = bool(step.get("corrupt"))  # delivered bytes become zeros
         t0 = time.perf_counter()
-        for chunk in np.array_split(src, int(step.get("chunks", 2))):  # chunked prefill: several sends
+        for chunk in np.array_split(
+            src, int(step.get("chunks", 2))
+        ):  # chunked prefill: several sends
             sender.send(chunk)
         _wait(sender.poll, KVPoll.Success, f"prefill room {room}: transfer", args.timeout)
         dt = time.perf_counter() - t0
         corrupt.enabled = False
-        rooms.append({"room": room, "digests": [_page_digest(pool, int(p)) for p in src], "seconds": dt,
-                      "bytes": len(src) * sum(mgr.kv_args.kv_item_lens)})
+        rooms.append(
+            {
+                "room": room,
+                "digests": [_page_digest(pool, int(p)) for p in src],
+                "seconds": dt,
+                "bytes": len(src) * sum(mgr.kv_args.kv_item_lens),
+            }
+        )
         sender.clear()
     _write(args.out, {"rooms": rooms, "session": mgr.get_session_id()})
     faulthandler.cancel_dump_traceback_later()
@@ -228,7 +274,9 @@ def decode(args: argparse.Namespace) -> None:
     mgr = _manager("decode", sa, pool, meta)
     addr = f"127.0.0.1:{args.bootstrap_port}"
     end = time.monotonic() + args.timeout
-    while not mgr.try_ensure_parallel_info(addr):  # as DecodePreallocQueue does before each receiver
+    while not mgr.try_ensure_parallel_info(
+        addr
+    ):  # as DecodePreallocQueue does before each receiver
         if time.monotonic() > end:
             raise SystemExit(f"decode: the prefill's bootstrap server at {addr} did not answer")
         time.sleep(0.1)
@@ -244,9 +292,14 @@ def decode(args: argparse.Namespace) -> None:
         _wait(receiver.poll, KVPoll.WaitingForInput, f"decode room {room}: bootstrap", args.timeout)
         receiver.send_metadata(dst, AUX_INDEX, None)
         _wait(receiver.poll, KVPoll.Success, f"decode room {room}: transfer", args.timeout)
-        rooms.append({"room": room, "digests": [_page_digest(pool, int(p)) for p in dst],
-                      "first_token": int(meta.output_ids[AUX_INDEX, 0]),
-                      "aux_room": int(meta.bootstrap_room[AUX_INDEX, 0])})
+        rooms.append(
+            {
+                "room": room,
+                "digests": [_page_digest(pool, int(p)) for p in dst],
+                "first_token": int(meta.output_ids[AUX_INDEX, 0]),
+                "aux_room": int(meta.bootstrap_room[AUX_INDEX, 0]),
+            }
+        )
         receiver.clear()
     zero = _page_digest(_kv_pool(), 0)
     others = [p for p in range(POOL_TOKENS // PAGE) if p not in asked]
@@ -254,8 +307,17 @@ def decode(args: argparse.Namespace) -> None:
     # SGLang's own deregistration (what teardown() ends with): compat's batch_unregister_memory
     regions = mgr._registerable_regions()
     rc = mgr.engine.batch_deregister([ptr for ptr, _ in regions])
-    _write(args.out, {"rooms": rooms, "zero_digest": zero, "session": mgr.get_session_id(),
-                      "untouched_nonzero": untouched, "deregister_rc": rc, "regions": len(regions)})
+    _write(
+        args.out,
+        {
+            "rooms": rooms,
+            "zero_digest": zero,
+            "session": mgr.get_session_id(),
+            "untouched_nonzero": untouched,
+            "deregister_rc": rc,
+            "regions": len(regions),
+        },
+    )
 
 
 def _write(path: str, obj: dict[str, Any]) -> None:
@@ -269,13 +331,21 @@ def main() -> int:
     ap.add_argument("role", choices=["prefill", "decode"])
     ap.add_argument("--model", required=True)
     ap.add_argument("--bootstrap-port", type=int, required=True)
-    ap.add_argument("--plan", type=json.loads, required=True,
-                    help='JSON list of {"room", "src": prefill pages, "dst": decode pages, "chunks", "corrupt"}')
+    ap.add_argument(
+        "--plan",
+        type=json.loads,
+        required=True,
+        help='JSON list of {"room", "src": prefill pages, "dst": decode pages, "chunks", "corrupt"}',
+    )
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING, format=f"[{args.role}] %(levelname)s %(name)s: %(message)s")
-    faulthandler.dump_traceback_later(args.timeout + 60, exit=False)  # a hang shows its stacks in the log
+    logging.basicConfig(
+        level=logging.WARNING, format=f"[{args.role}] %(levelname)s %(name)s: %(message)s"
+    )
+    faulthandler.dump_traceback_later(
+        args.timeout + 60, exit=False
+    )  # a hang shows its stacks in the log
     if args.role == "prefill":
         prefill(args)
     else:

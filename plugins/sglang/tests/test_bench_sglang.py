@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="sglang is not installed (scripts/setup.sh)")
+pytest.importorskip(
+    "sglang.srt.mem_cache.hicache_storage", reason="sglang is not installed (scripts/setup.sh)"
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -23,8 +25,22 @@ BENCH = Path(__file__).resolve().parents[3] / "benchmarks" / "published" / "_moo
 
 
 def _bench(*args: str) -> dict[str, float]:
-    out = subprocess.run([sys.executable, "-m", "mooncake_core", "bench", "sglang", "--rounds", "1", "--json", *args],
-                         capture_output=True, text=True, timeout=500)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mooncake_core",
+            "bench",
+            "sglang",
+            "--rounds",
+            "1",
+            "--json",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     res: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
     return res
@@ -40,9 +56,13 @@ def test_bench_ours() -> None:
 def test_bench_against_the_published_backend() -> None:
     if not PEER.is_file():
         pytest.skip("no scratch venv; run scripts/setup_mooncake_peer.sh --sglang")
-    chk = subprocess.run([str(PEER), str(BENCH), "check"], capture_output=True, text=True, timeout=300)
+    chk = subprocess.run(
+        [str(PEER), str(BENCH), "check"], capture_output=True, text=True, timeout=300
+    )
     if chk.returncode != 0:
-        pytest.skip("SGLang is not installed next to the published wheel; run scripts/setup_mooncake_peer.sh --sglang")
+        pytest.skip(
+            "SGLang is not installed next to the published wheel; run scripts/setup_mooncake_peer.sh --sglang"
+        )
     r = _bench("--transport", "tcp", "--compare-mooncake", str(PEER))
     for k in ("set_gbps", "get_gbps", "pages_per_s"):
         assert r[f"mooncake_{k}"] > 0

@@ -13,12 +13,19 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="sglang is not installed (scripts/setup.sh)")
+pytest.importorskip(
+    "sglang.srt.mem_cache.hicache_storage", reason="sglang is not installed (scripts/setup.sh)"
+)
 
 from mooncake_conformance import AdapterContract, AdapterFixtures, KVLayout  # noqa: E402
 
 BASE = KVLayout("page_first", num_layers=4, page_size=16, num_kv_heads=4, head_dim=32, num_slots=24)
-LAYOUTS = [BASE, BASE.replace(name="page_first_direct"), BASE.replace(tp_size=2), BASE.replace(mla=True, tp_size=2)]
+LAYOUTS = [
+    BASE,
+    BASE.replace(name="page_first_direct"),
+    BASE.replace(tp_size=2),
+    BASE.replace(mla=True, tp_size=2),
+]
 
 
 class BuiltinMooncakeFixtures(AdapterFixtures):
@@ -62,16 +69,22 @@ class BuiltinMooncakeFixtures(AdapterFixtures):
 class TestSGLangBuiltinMooncake(AdapterContract, BuiltinMooncakeFixtures):
     """Upstream's backend class, our store underneath."""
 
-    @pytest.mark.xfail(reason="several upstream MooncakeStore instances in one process share compat's transfer "
-                              "engine registrations; SGLang runs one per process", strict=False)
-    def test_keys_differ_across_models_and_ranks(self, base_layout: KVLayout, make_harness: Any,
-                                                 rng: random.Random) -> None:
+    @pytest.mark.xfail(
+        reason="several upstream MooncakeStore instances in one process share compat's transfer "
+        "engine registrations; SGLang runs one per process",
+        strict=False,
+    )
+    def test_keys_differ_across_models_and_ranks(
+        self, base_layout: KVLayout, make_harness: Any, rng: random.Random
+    ) -> None:
         super().test_keys_differ_across_models_and_ranks(base_layout, make_harness, rng)
 
     @pytest.mark.xfail(reason="upstream MooncakeStore checks sizes with a bare assert", strict=True)
     def test_bad_input_wrong_sizes(self, make_harness: Any, rng: random.Random) -> None:
         super().test_bad_input_wrong_sizes(make_harness, rng)
 
-    @pytest.mark.xfail(reason="upstream MooncakeStore does not check host indices against the pool", strict=True)
+    @pytest.mark.xfail(
+        reason="upstream MooncakeStore does not check host indices against the pool", strict=True
+    )
     def test_bad_input_unknown_slots(self, make_harness: Any, rng: random.Random) -> None:
         super().test_bad_input_unknown_slots(make_harness, rng)

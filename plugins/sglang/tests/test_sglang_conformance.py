@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="sglang is not installed (scripts/setup.sh)")
+pytest.importorskip(
+    "sglang.srt.mem_cache.hicache_storage", reason="sglang is not installed (scripts/setup.sh)"
+)
 
 from mooncake_conformance import AdapterContract, AdapterFixtures, KVLayout  # noqa: E402
 

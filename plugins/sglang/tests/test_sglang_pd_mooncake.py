@@ -31,7 +31,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="sglang is not installed (scripts/setup.sh)")
+pytest.importorskip(
+    "sglang.srt.mem_cache.hicache_storage", reason="sglang is not installed (scripts/setup.sh)"
+)
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -42,10 +44,20 @@ PLAN: list[dict[str, Any]] = [
     {"room": 79, "src": [15, 16], "dst": [21, 22], "chunks": 1, "corrupt": True},
 ]
 # a small Llama config: SGLang's ServerArgs reads the model's config.json (no weights)
-TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
-               "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
-               "num_hidden_layers": 4, "vocab_size": 1000, "max_position_embeddings": 2048,
-               "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "head_dim": 64}
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 4,
+    "vocab_size": 1000,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "bfloat16",
+    "head_dim": 64,
+}
 
 
 def _free_port() -> int:
@@ -56,7 +68,9 @@ def _free_port() -> int:
 
 def _tail(path: Path) -> str:
     text = path.read_text(errors="replace") if path.exists() else ""
-    lines = [ln for ln in text.splitlines() if "warnings.warn" not in ln and "UserWarning" not in ln]
+    lines = [
+        ln for ln in text.splitlines() if "warnings.warn" not in ln and "UserWarning" not in ln
+    ]
     return "\n".join(lines[-40:])
 
 
@@ -69,22 +83,42 @@ def transfer(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     port = _free_port()
     env = dict(os.environ, SGLANG_HOST_IP="127.0.0.1", PYTHONUNBUFFERED="1")
     env.pop("MOONCAKE_PROTOCOL", None)
-    common = ["--model", str(model), "--bootstrap-port", str(port), "--plan", json.dumps(PLAN), "--timeout", "120"]
+    common = [
+        "--model",
+        str(model),
+        "--bootstrap-port",
+        str(port),
+        "--plan",
+        json.dumps(PLAN),
+        "--timeout",
+        "120",
+    ]
     logs = {r: base / f"{r}.log" for r in ("prefill", "decode")}
     outs = {r: base / f"{r}.json" for r in ("prefill", "decode")}
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
         for role in ("prefill", "decode"):
             with open(logs[role], "wb") as log:
-                procs[role] = subprocess.Popen([sys.executable, str(ROLE), role, *common, "--out", str(outs[role])],
-                                               stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env)
+                procs[role] = subprocess.Popen(
+                    [sys.executable, str(ROLE), role, *common, "--out", str(outs[role])],
+                    stdin=subprocess.PIPE,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                )
         try:
             rc = procs["decode"].wait(420)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"the decode did not finish; decode log:\n{_tail(logs['decode'])}\nprefill log:\n"
-                        f"{_tail(logs['prefill'])}")
-        assert rc == 0, f"decode exited {rc}; decode log:\n{_tail(logs['decode'])}\nprefill log:\n{_tail(logs['prefill'])}"
-        assert outs["prefill"].exists(), f"prefill wrote no result; its log:\n{_tail(logs['prefill'])}"
+            pytest.fail(
+                f"the decode did not finish; decode log:\n{_tail(logs['decode'])}\nprefill log:\n"
+                f"{_tail(logs['prefill'])}"
+            )
+        assert rc == 0, (
+            f"decode exited {rc}; decode log:\n{_tail(logs['decode'])}\nprefill log:\n{_tail(logs['prefill'])}"
+        )
+        assert outs["prefill"].exists(), (
+            f"prefill wrote no result; its log:\n{_tail(logs['prefill'])}"
+        )
         result = {r: json.loads(outs[r].read_text()) for r in ("prefill", "decode")}
         result["logs"] = {r: str(p) for r, p in logs.items()}
         return result
@@ -110,9 +144,13 @@ def test_decode_receives_byte_identical_kv_pages(transfer: dict[str, Any]) -> No
     for step, s, g in zip(PLAN, sent, got, strict=True):
         if step.get("corrupt"):
             continue
-        assert g["digests"] == s["digests"], f"room {step['room']}: decode pages {step['dst']} differ from " \
-                                             f"prefill pages {step['src']}"
-        assert len(set(s["digests"])) == len(s["digests"])  # distinct random pages, not one repeated
+        assert g["digests"] == s["digests"], (
+            f"room {step['room']}: decode pages {step['dst']} differ from "
+            f"prefill pages {step['src']}"
+        )
+        assert len(set(s["digests"])) == len(
+            s["digests"]
+        )  # distinct random pages, not one repeated
 
 
 def test_aux_row_arrives_with_the_last_chunk(transfer: dict[str, Any]) -> None:

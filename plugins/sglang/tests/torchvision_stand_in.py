@@ -36,7 +36,9 @@ class _Inert:
 
 
 class _TorchvisionStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, name: str, path: Any, target: Any = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if name == "torchvision" or name.startswith("torchvision."):
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
         return None

@@ -62,8 +62,11 @@ class Servers:
 
 
 def _pd(role: str) -> dict[str, Any]:
-    return {"kv_connector": "MooncakeConnector", "kv_role": role,
-            "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
+    return {
+        "kv_connector": "MooncakeConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -72,33 +75,96 @@ def servers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     boot_port, boot2 = free_port(), free_port()
     rpc, http = free_port(), free_port()
     log = open(base / "master.log", "wb")  # noqa: SIM115
-    master = subprocess.Popen([sys.executable, "-m", "mooncake_core", "master", "--rpc-port", str(rpc),
-                               "--http-port", str(http)], stdout=log, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL, env=engine_env())
+    master = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mooncake_core",
+            "master",
+            "--rpc-port",
+            str(rpc),
+            "--http-port",
+            str(http),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=engine_env(),
+    )
     log.close()
     # the file vLLM's MooncakeStoreConnector reads (vllm/distributed/mooncake_store.py)
     cfg = base / "mooncake.json"
-    cfg.write_text(json.dumps({"metadata_server": "P2PHANDSHAKE", "master_server_address": f"127.0.0.1:{rpc}",
-                               "protocol": "tcp", "device_name": "", "global_segment_size": "64MB",
-                               "local_buffer_size": "16MB"}))
+    cfg.write_text(
+        json.dumps(
+            {
+                "metadata_server": "P2PHANDSHAKE",
+                "master_server_address": f"127.0.0.1:{rpc}",
+                "protocol": "tcp",
+                "device_name": "",
+                "global_segment_size": "64MB",
+                "local_buffer_size": "16MB",
+            }
+        )
+    )
     store = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
     store_env = {"MOONCAKE_CONFIG_PATH": str(cfg)}  # no shim: the store connector runs unmodified
     mk = VLLMServer
     all_servers = [
         mk(tiny_model, name="mono", log_path=base / "mono.log", block_size=BLOCK),
-        mk(tiny_model, name="prefill", log_path=base / "prefill.log", block_size=BLOCK, kv_transfer_config=_pd(
-            "kv_producer"), env={**SHIM, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(boot_port)}),
-        mk(tiny_model, name="decode", log_path=base / "decode.log", block_size=BLOCK,
-           kv_transfer_config=_pd("kv_consumer"), env=SHIM, args=DETAILS),
-        mk(tiny_model, name="noshim", log_path=base / "noshim.log", block_size=BLOCK,
-           kv_transfer_config=_pd("kv_consumer"), env={"MOONCAKE_CORE_CPU_SHIM": "0"}),
-        mk(tiny_model, name="A", log_path=base / "A.log", block_size=BLOCK, kv_transfer_config=store,
-           env=store_env),
-        mk(tiny_model, name="B", log_path=base / "B.log", block_size=BLOCK, kv_transfer_config=store,
-           env=store_env, args=DETAILS),
-        mk(tiny_model, name="corrupt", log_path=base / "corrupt.log", block_size=BLOCK,
-           kv_transfer_config=_pd("kv_producer"),
-           env={**SHIM, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(boot2), **corrupt_writes_env(base / "faults")}),
+        mk(
+            tiny_model,
+            name="prefill",
+            log_path=base / "prefill.log",
+            block_size=BLOCK,
+            kv_transfer_config=_pd("kv_producer"),
+            env={**SHIM, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(boot_port)},
+        ),
+        mk(
+            tiny_model,
+            name="decode",
+            log_path=base / "decode.log",
+            block_size=BLOCK,
+            kv_transfer_config=_pd("kv_consumer"),
+            env=SHIM,
+            args=DETAILS,
+        ),
+        mk(
+            tiny_model,
+            name="noshim",
+            log_path=base / "noshim.log",
+            block_size=BLOCK,
+            kv_transfer_config=_pd("kv_consumer"),
+            env={"MOONCAKE_CORE_CPU_SHIM": "0"},
+        ),
+        mk(
+            tiny_model,
+            name="A",
+            log_path=base / "A.log",
+            block_size=BLOCK,
+            kv_transfer_config=store,
+            env=store_env,
+        ),
+        mk(
+            tiny_model,
+            name="B",
+            log_path=base / "B.log",
+            block_size=BLOCK,
+            kv_transfer_config=store,
+            env=store_env,
+            args=DETAILS,
+        ),
+        mk(
+            tiny_model,
+            name="corrupt",
+            log_path=base / "corrupt.log",
+            block_size=BLOCK,
+            kv_transfer_config=_pd("kv_producer"),
+            env={
+                **SHIM,
+                "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(boot2),
+                **corrupt_writes_env(base / "faults"),
+            },
+        ),
     ]
     mono, prefill, decode, noshim, a, b, corrupt = all_servers
     try:
@@ -106,8 +172,20 @@ def servers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             s.start()
         for s in (mono, prefill, decode, a, b, corrupt):
             s.wait_ready(600)
-        yield Servers(mono, prefill, decode, noshim, a, b, master, f"http://127.0.0.1:{http}",
-                      f"http://127.0.0.1:{boot_port}", base, corrupt, f"http://127.0.0.1:{boot2}")
+        yield Servers(
+            mono,
+            prefill,
+            decode,
+            noshim,
+            a,
+            b,
+            master,
+            f"http://127.0.0.1:{http}",
+            f"http://127.0.0.1:{boot_port}",
+            base,
+            corrupt,
+            f"http://127.0.0.1:{boot2}",
+        )
     finally:
         for s in all_servers:
             s.stop()
@@ -132,23 +210,45 @@ def test_builtin_connector_needs_an_accelerator_without_the_shim(servers: Server
     assert proc is not None
     wait_for(lambda: proc.poll() is not None, 300, "the unpatched server to exit")
     log = servers.noshim.log_text()
-    assert "Initializing Mooncake Transfer Engine worker" in log  # TransferEngine was importable (ours)
+    assert (
+        "Initializing Mooncake Transfer Engine worker" in log
+    )  # TransferEngine was importable (ours)
     assert "Mooncake is not available" not in log
-    assert "mooncake_connector.py\", line 1186, in __init__" in log
+    assert 'mooncake_connector.py", line 1186, in __init__' in log
     assert "RuntimeError: Cannot access accelerator device when none is available." in log
 
 
-def _pd_request(s: Servers, prompt: list[int], engine_id: str, prefill: VLLMServer | None = None,
-                bootstrap: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+def _pd_request(
+    s: Servers,
+    prompt: list[int],
+    engine_id: str,
+    prefill: VLLMServer | None = None,
+    bootstrap: str | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
     tid = str(uuid.uuid4())
     with ThreadPoolExecutor(2) as ex:
-        fp = ex.submit((prefill or s.prefill).completion, prompt, 1,
-                       kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid})
-        fd = ex.submit(s.decode.completion, prompt, MAX_TOKENS,
-                       kv_transfer_params={"do_remote_decode": False, "do_remote_prefill": True,
-                                           "remote_engine_id": engine_id,
-                                           "remote_bootstrap_addr": bootstrap or s.bootstrap,
-                                           "transfer_id": tid})
+        fp = ex.submit(
+            (prefill or s.prefill).completion,
+            prompt,
+            1,
+            kv_transfer_params={
+                "do_remote_decode": True,
+                "do_remote_prefill": False,
+                "transfer_id": tid,
+            },
+        )
+        fd = ex.submit(
+            s.decode.completion,
+            prompt,
+            MAX_TOKENS,
+            kv_transfer_params={
+                "do_remote_decode": False,
+                "do_remote_prefill": True,
+                "remote_engine_id": engine_id,
+                "remote_bootstrap_addr": bootstrap or s.bootstrap,
+                "transfer_id": tid,
+            },
+        )
         return fp.result(), fd.result()
 
 
@@ -157,7 +257,10 @@ def test_builtin_pd_outputs_equal_monolithic(servers: Servers) -> None:
     entry = http_json(servers.bootstrap + "/query")["0"]
     engine_id = entry["engine_id"]
     assert entry["worker_addr"]["0"]["0"].startswith("tcp://127.0.0.1:")
-    assert "MOONCAKE_CORE_CPU_SHIM=1: patched torch.accelerator.current_device_index" in servers.decode.log_text()
+    assert (
+        "MOONCAKE_CORE_CPU_SHIM=1: patched torch.accelerator.current_device_index"
+        in servers.decode.log_text()
+    )
     cached: dict[int, int] = {}
     for n in (1, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 1, 500):
         prompt = token_prompt(n, salt=20)
@@ -182,14 +285,20 @@ def test_builtin_pd_decode_really_uses_the_transferred_kv(servers: Servers) -> N
     engine_id = http_json(servers.corrupt_bootstrap + "/query")["0"]["engine_id"]
     prompt = token_prompt(5 * BLOCK + 1, salt=22)
     want = _text(servers.mono.completion(prompt, MAX_TOKENS))
-    _, good = _pd_request(servers, prompt, http_json(servers.bootstrap + "/query")["0"]["engine_id"])
+    _, good = _pd_request(
+        servers, prompt, http_json(servers.bootstrap + "/query")["0"]["engine_id"]
+    )
     assert _text(good) == want
     # a prompt the decode instance has never seen (else its own prefix cache would answer)
     fresh = token_prompt(5 * BLOCK + 1, salt=25)
     want_fresh = _text(servers.mono.completion(fresh, MAX_TOKENS))
     _, bad = _pd_request(servers, fresh, engine_id, servers.corrupt, servers.corrupt_bootstrap)
-    assert _cached(bad) >= 5 * BLOCK  # the decode instance loaded (zeroed) KV rather than recomputing
-    assert _text(bad) != want_fresh, "zeroing the transferred KV did not change the output: it was not used"
+    assert (
+        _cached(bad) >= 5 * BLOCK
+    )  # the decode instance loaded (zeroed) KV rather than recomputing
+    assert _text(bad) != want_fresh, (
+        "zeroing the transferred KV did not change the output: it was not used"
+    )
 
 
 def _objects(s: Servers) -> int:

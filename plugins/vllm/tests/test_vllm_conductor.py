@@ -41,8 +41,11 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow, needs_vllm, pytest.mark.time
 
 
 def _pd(role: str) -> dict[str, Any]:
-    cfg: dict[str, Any] = {"kv_connector": "MooncakeCoreConnector", "kv_role": role,
-                           "kv_connector_module_path": "mooncake_vllm.connector"}
+    cfg: dict[str, Any] = {
+        "kv_connector": "MooncakeCoreConnector",
+        "kv_role": role,
+        "kv_connector_module_path": "mooncake_vllm.connector",
+    }
     if role == "kv_consumer":
         cfg["kv_load_failure_policy"] = "recompute"
     return cfg
@@ -50,12 +53,22 @@ def _pd(role: str) -> dict[str, Any]:
 
 def _prefill_config(master: str, stats: Path) -> dict[str, Any]:
     """PD producer and store connector together (vLLM's MultiConnector)."""
-    store = {"kv_connector": "MooncakeCoreStoreConnector", "kv_role": "kv_both",
-             "kv_connector_module_path": "mooncake_vllm.store_connector",
-             "kv_connector_extra_config": {"mooncake": {"master_server_address": master}, "segment_size": "64MiB",
-                                           "stats_dir": str(stats)}}
-    return {"kv_connector": "MultiConnector", "kv_role": "kv_producer", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"connectors": [_pd("kv_producer"), store]}}
+    store = {
+        "kv_connector": "MooncakeCoreStoreConnector",
+        "kv_role": "kv_both",
+        "kv_connector_module_path": "mooncake_vllm.store_connector",
+        "kv_connector_extra_config": {
+            "mooncake": {"master_server_address": master},
+            "segment_size": "64MiB",
+            "stats_dir": str(stats),
+        },
+    }
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_producer",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"connectors": [_pd("kv_producer"), store]},
+    }
 
 
 @dataclasses.dataclass
@@ -78,27 +91,69 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     port = free_port()
     master_addr = f"127.0.0.1:{port}"
     log = open(base / "master.log", "wb")  # noqa: SIM115
-    master = subprocess.Popen([sys.executable, "-m", "mooncake_core", "master", "--rpc-port", str(port),
-                               "--http-port", str(free_port())], stdout=log, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL, env=engine_env())
+    master = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mooncake_core",
+            "master",
+            "--rpc-port",
+            str(port),
+            "--http-port",
+            str(free_port()),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=engine_env(),
+    )
     log.close()
-    events = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]  # bound by the proxy, vLLM connects
-    servers = [VLLMServer(tiny_model, name=f"prefill{i}", log_path=base / f"prefill{i}.log", block_size=BLOCK,
-                          kv_transfer_config=_prefill_config(master_addr, base / "stats" / f"prefill{i}"),
-                          log_stats=True,
-                          args=["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                                                                  "endpoint": events[i]})])
-               for i in range(2)]
-    servers.append(VLLMServer(tiny_model, name="decode", log_path=base / "decode.log", block_size=BLOCK,
-                              kv_transfer_config=_pd("kv_consumer")))
+    events = [
+        f"tcp://127.0.0.1:{free_port()}" for _ in range(2)
+    ]  # bound by the proxy, vLLM connects
+    servers = [
+        VLLMServer(
+            tiny_model,
+            name=f"prefill{i}",
+            log_path=base / f"prefill{i}.log",
+            block_size=BLOCK,
+            kv_transfer_config=_prefill_config(master_addr, base / "stats" / f"prefill{i}"),
+            log_stats=True,
+            args=[
+                "--kv-events-config",
+                json.dumps(
+                    {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events[i]}
+                ),
+            ],
+        )
+        for i in range(2)
+    ]
+    servers.append(
+        VLLMServer(
+            tiny_model,
+            name="decode",
+            log_path=base / "decode.log",
+            block_size=BLOCK,
+            kv_transfer_config=_pd("kv_consumer"),
+        )
+    )
     proxy: ProxyProcess | None = None
     try:
         for s in servers:
             s.start()
         for s in servers:
             s.wait_ready(600)
-        proxy = ProxyProcess([servers[0].url, servers[1].url], [servers[2].url], base / "proxy.log",
-                             "--policy", "global-cache", "--block-tokens", str(BLOCK), "--kv-events", *events)
+        proxy = ProxyProcess(
+            [servers[0].url, servers[1].url],
+            [servers[2].url],
+            base / "proxy.log",
+            "--policy",
+            "global-cache",
+            "--block-tokens",
+            str(BLOCK),
+            "--kv-events",
+            *events,
+        )
         yield Cluster(servers, proxy, master_addr, base)
     finally:
         if proxy is not None:
@@ -125,8 +180,12 @@ def _prefix_hits(server: VLLMServer, name: str = "prefix_cache_hits") -> float:
     return float(m.group(1))
 
 
-def _post(url: str, body: dict[str, Any], timeout: float = 300) -> tuple[int, dict[str, str], dict[str, Any]]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+def _post(
+    url: str, body: dict[str, Any], timeout: float = 300
+) -> tuple[int, dict[str, str], dict[str, Any]]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return int(r.status), dict(r.headers), json.loads(r.read())
@@ -134,9 +193,17 @@ def _post(url: str, body: dict[str, Any], timeout: float = 300) -> tuple[int, di
         return int(exc.code), dict(exc.headers), json.loads(exc.read() or b"{}")
 
 
-def _complete(proxy: ProxyProcess, prompt: list[int] | str, out: dict[int, str] | None = None, key: int = 0) -> str:
+def _complete(
+    proxy: ProxyProcess, prompt: list[int] | str, out: dict[int, str] | None = None, key: int = 0
+) -> str:
     """Run one completion through the proxy; return the prefill instance it went to."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     status, headers, answer = _post(proxy.url + "/v1/completions", body)
     assert status == 200, answer
     assert answer["choices"][0]["text"] is not None
@@ -155,7 +222,10 @@ def test_requests_follow_the_instance_that_holds_their_prefix(cluster: Cluster) 
     by_url = {s.url: s for s in servers[:2]}
     prompts = [token_prompt(12 * BLOCK, salt=101), token_prompt(12 * BLOCK, salt=202)]
     holders: dict[int, str] = {}
-    threads = [threading.Thread(target=_complete, args=(proxy, p, holders, k)) for k, p in enumerate(prompts)]
+    threads = [
+        threading.Thread(target=_complete, args=(proxy, p, holders, k))
+        for k, p in enumerate(prompts)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -166,9 +236,13 @@ def test_requests_follow_the_instance_that_holds_their_prefix(cluster: Cluster) 
         for extra in range(3):
             hits = _prefix_hits(by_url[holders[k]])
             went = _complete(proxy, prompt + token_prompt(BLOCK + extra, salt=300 + extra))
-            assert went == holders[k], f"prompt {k}: extension {extra} went to {went}, its prefix is on {holders[k]}"
+            assert went == holders[k], (
+                f"prompt {k}: extension {extra} went to {went}, its prefix is on {holders[k]}"
+            )
             # and vLLM really reused the prefix there
-            assert _prefix_hits(by_url[went]) >= hits + 11 * BLOCK, "no prefix-cache hit on the holder"
+            assert _prefix_hits(by_url[went]) >= hits + 11 * BLOCK, (
+                "no prefix-cache hit on the holder"
+            )
 
 
 def _kv_events(proxy: ProxyProcess) -> int:
@@ -189,8 +263,11 @@ def _wait_for_kv_events(proxy: ProxyProcess, before: int, timeout: float = 60.0)
         elif seen > before and time.monotonic() - quiet_since >= 0.5:
             return
         time.sleep(0.05)
-    raise AssertionError(f"the proxy took in no KV events within {timeout:.0f}s (count stayed at {before})"
-                         if seen == before else f"KV events kept arriving for {timeout:.0f}s")
+    raise AssertionError(
+        f"the proxy took in no KV events within {timeout:.0f}s (count stayed at {before})"
+        if seen == before
+        else f"KV events kept arriving for {timeout:.0f}s"
+    )
 
 
 def test_kv_events_reveal_prefixes_the_proxy_did_not_route(cluster: Cluster) -> None:
@@ -199,8 +276,11 @@ def test_kv_events_reveal_prefixes_the_proxy_did_not_route(cluster: Cluster) -> 
     for target in (servers[1], servers[0]):  # both orders: the proxy cannot be guessing
         p = prompt + token_prompt(2 * BLOCK, salt=500 + target.port % 97)
         # computed on `target` directly, bypassing the proxy: only its KV events tell
-        req = urllib.request.Request(target.url + "/v1/completions", headers={"Content-Type": "application/json"},
-                                     data=json.dumps({"model": "tiny", "prompt": p, "max_tokens": 1}).encode())
+        req = urllib.request.Request(
+            target.url + "/v1/completions",
+            headers={"Content-Type": "application/json"},
+            data=json.dumps({"model": "tiny", "prompt": p, "max_tokens": 1}).encode(),
+        )
         before = _kv_events(proxy)
         urllib.request.urlopen(req, timeout=120).read()
         _wait_for_kv_events(proxy, before)  # events are published asynchronously
@@ -208,32 +288,54 @@ def test_kv_events_reveal_prefixes_the_proxy_did_not_route(cluster: Cluster) -> 
         assert went == target.url, f"prefix computed on {target.url} but the proxy chose {went}"
 
 
-_WORDS = ("mooncake kvcache prefill decode store pages transfer tokens layers heads blocks instance "
-          "quick brown fox lazy dog zero one two three four five six seven eight nine ten").split()
+_WORDS = (
+    "mooncake kvcache prefill decode store pages transfer tokens layers heads blocks instance "
+    "quick brown fox lazy dog zero one two three four five six seven eight nine ten"
+).split()
 
 
 def _text(words: int, salt: int) -> str:
     return " ".join(_WORDS[(i * 7 + salt * 13 + i * i * salt) % len(_WORDS)] for i in range(words))
 
 
-def test_text_and_chat_prompts_follow_the_instance_that_holds_their_prefix(cluster: Cluster) -> None:
+def test_text_and_chat_prompts_follow_the_instance_that_holds_their_prefix(
+    cluster: Cluster,
+) -> None:
     """KV events name blocks by token ids; the proxy tokenizes text prompts to match them."""
     servers, proxy = cluster.servers, cluster.proxy
-    for target in (servers[1], servers[0]):  # both orders: characters alone would always pick instance 0
+    for target in (
+        servers[1],
+        servers[0],
+    ):  # both orders: characters alone would always pick instance 0
         text = _text(300, salt=target.port % 89)
-        _post(target.url + "/v1/completions", {"model": "tiny", "prompt": text, "max_tokens": 1})  # bypasses the proxy
+        _post(
+            target.url + "/v1/completions", {"model": "tiny", "prompt": text, "max_tokens": 1}
+        )  # bypasses the proxy
         msgs = [{"role": "user", "content": _text(300, salt=target.port % 83 + 1)}]
-        _post(target.url + "/v1/chat/completions", {"model": "tiny", "messages": msgs, "max_tokens": 1})
+        _post(
+            target.url + "/v1/chat/completions",
+            {"model": "tiny", "messages": msgs, "max_tokens": 1},
+        )
         time.sleep(1.0)  # events are published asynchronously
         hits = _prefix_hits(target)
         went = _complete(proxy, text + " and a few more words")
-        assert went == target.url, f"text prefix computed on {target.url} but the proxy chose {went}"
+        assert went == target.url, (
+            f"text prefix computed on {target.url} but the proxy chose {went}"
+        )
         assert _prefix_hits(target) >= hits + 4 * BLOCK, "no prefix-cache hit on the holder"
-        body = {"model": "tiny", "max_tokens": 2, "temperature": 0, "ignore_eos": True,
-                "messages": msgs + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}]}
+        body = {
+            "model": "tiny",
+            "max_tokens": 2,
+            "temperature": 0,
+            "ignore_eos": True,
+            "messages": msgs
+            + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}],
+        }
         status, headers, answer = _post(proxy.url + "/v1/chat/completions", body)
         assert status == 200, answer
-        assert headers["X-Mooncake-Prefill"] == target.url, f"chat prefix on {target.url}, proxy chose {headers}"
+        assert headers["X-Mooncake-Prefill"] == target.url, (
+            f"chat prefix on {target.url}, proxy chose {headers}"
+        )
         assert int(_decision(headers)["cached_blocks"]) >= 4
     with urllib.request.urlopen(proxy.url + "/proxy/stats", timeout=10) as r:
         stats = json.loads(r.read())
@@ -249,7 +351,10 @@ def test_store_held_prefix_is_counted_and_served_from_the_store(cluster: Cluster
     n_prefix = 40
     n = (n_prefix + 1) * BLOCK
     cost = CostModel(dataclasses.replace(DEFAULT_PROFILE, block_tokens=BLOCK))
-    recompute, fetch = cost.prefill_s(n, 0), cost.transfer_s(n_prefix) + cost.prefill_s(n, n_prefix * BLOCK)
+    recompute, fetch = (
+        cost.prefill_s(n, 0),
+        cost.transfer_s(n_prefix) + cost.prefill_s(n, n_prefix * BLOCK),
+    )
     slo = (recompute + fetch) / 2
     assert fetch < slo < recompute
     prefix = token_prompt(n_prefix * BLOCK, salt=707)
@@ -257,16 +362,35 @@ def test_store_held_prefix_is_counted_and_served_from_the_store(cluster: Cluster
     # instance 1 computes the prefix for a client that bypasses every proxy; its store connector saves it
     saved = cluster.store_worker(1).get("save_objects", 0)
     direct = servers[1].completion(prompt, max_tokens=4)["choices"][0]["text"]
-    wait_for(lambda: cluster.store_worker(1).get("save_objects", 0) >= saved + 2 * n_prefix, 60,
-             "instance 1 saving the prefix's pages (2 layers each)")
-    proxy = ProxyProcess([servers[0].url, servers[1].url], [servers[2].url], cluster.base / "proxy-store.log",
-                         "--policy", "global-cache", "--block-tokens", str(BLOCK), "--reject",
-                         "--slo-ttft", f"{slo:.4f}", "--slo-tbt", "10",
-                         "--store-master", cluster.master, "--store-dtype", "float32")
+    wait_for(
+        lambda: cluster.store_worker(1).get("save_objects", 0) >= saved + 2 * n_prefix,
+        60,
+        "instance 1 saving the prefix's pages (2 layers each)",
+    )
+    proxy = ProxyProcess(
+        [servers[0].url, servers[1].url],
+        [servers[2].url],
+        cluster.base / "proxy-store.log",
+        "--policy",
+        "global-cache",
+        "--block-tokens",
+        str(BLOCK),
+        "--reject",
+        "--slo-ttft",
+        f"{slo:.4f}",
+        "--slo-tbt",
+        "10",
+        "--store-master",
+        cluster.master,
+        "--store-dtype",
+        "float32",
+    )
     try:
         body = {"model": "tiny", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
         # nothing of this prompt is stored: recompute is predicted over the SLO, so 429
-        status, _, answer = _post(proxy.url + "/v1/completions", {**body, "prompt": token_prompt(n, salt=709)})
+        status, _, answer = _post(
+            proxy.url + "/v1/completions", {**body, "prompt": token_prompt(n, salt=709)}
+        )
         assert status == 429, answer
         hits0 = _prefix_hits(servers[0], "external_prefix_cache_hits")
         loaded0 = cluster.store_sched(0).get("hit_pages", 0)

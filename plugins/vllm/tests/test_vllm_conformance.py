@@ -51,4 +51,3 @@ class VLLMFixtures(AdapterFixtures):
 
 class TestVLLMStore(AdapterContract, VLLMFixtures):
     """The store connector (KV pool), scheduler and worker halves in one process per rank."""
-

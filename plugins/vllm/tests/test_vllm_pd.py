@@ -63,11 +63,21 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     stats = base / "stats"
     servers = [
         VLLMServer(tiny_model, name="mono", log_path=base / "mono.log", block_size=BLOCK),
-        VLLMServer(tiny_model, name="prefill", log_path=base / "prefill.log", block_size=BLOCK,
-                   kv_transfer_config=_pd_config("kv_producer", stats, send_timeout_s=SEND_TIMEOUT_S)),
-        VLLMServer(tiny_model, name="decode", log_path=base / "decode.log", block_size=BLOCK,
-                   kv_transfer_config=_pd_config("kv_consumer", stats),
-                   env=corrupt_kv_env(base / "faults")),
+        VLLMServer(
+            tiny_model,
+            name="prefill",
+            log_path=base / "prefill.log",
+            block_size=BLOCK,
+            kv_transfer_config=_pd_config("kv_producer", stats, send_timeout_s=SEND_TIMEOUT_S),
+        ),
+        VLLMServer(
+            tiny_model,
+            name="decode",
+            log_path=base / "decode.log",
+            block_size=BLOCK,
+            kv_transfer_config=_pd_config("kv_consumer", stats),
+            env=corrupt_kv_env(base / "faults"),
+        ),
     ]
     proxy: ProxyProcess | None = None
     try:
@@ -91,7 +101,9 @@ def _text(answer: dict[str, Any]) -> str:
 
 
 def _sse_text(url: str, body: dict[str, Any]) -> str:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     out = []
     with urllib.request.urlopen(req, timeout=120) as resp:
         for line in resp:
@@ -113,9 +125,18 @@ def test_pd_outputs_equal_monolithic(cluster: Cluster) -> None:
     for n in LENGTHS:
         prompt = token_prompt(n)
         want = _text(cluster.mono.completion(prompt, MAX_TOKENS))
-        got = _text(http_json(cluster.proxy.url + "/v1/completions",
-                              {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
-                               "temperature": 0, "ignore_eos": True}))
+        got = _text(
+            http_json(
+                cluster.proxy.url + "/v1/completions",
+                {
+                    "model": "tiny",
+                    "prompt": prompt,
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            )
+        )
         assert got == want, f"prompt of {n} tokens: PD {got!r} != monolithic {want!r}"
     after = cluster.decode_stats()
     # every request's prompt KV came over the transfer engine, block by block
@@ -125,18 +146,36 @@ def test_pd_outputs_equal_monolithic(cluster: Cluster) -> None:
     assert after.get("recv_bytes", 0) > before.get("recv_bytes", 0)
     assert after.get("recv_failures", 0) == before.get("recv_failures", 0)
     # ... and the prefill instance freed every kept request once the decode side was done
-    wait_for(lambda: cluster.prefill_stats().get("sends_released_by_peer", 0)
-             >= cluster.prefill_stats().get("send_requests", 0) > 0, 30, "prefill blocks released")
+    wait_for(
+        lambda: (
+            cluster.prefill_stats().get("sends_released_by_peer", 0)
+            >= cluster.prefill_stats().get("send_requests", 0)
+            > 0
+        ),
+        30,
+        "prefill blocks released",
+    )
 
 
 def test_pd_chat_and_streaming_through_proxy(cluster: Cluster) -> None:
-    chat = {"model": "tiny", "messages": [{"role": "user", "content": "the quick brown fox " * 20}],
-            "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    chat = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "the quick brown fox " * 20}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     want = _text(http_json(cluster.mono.url + "/v1/chat/completions", chat))
     assert _text(http_json(cluster.proxy.url + "/v1/chat/completions", chat)) == want
     assert _sse_text(cluster.proxy.url + "/v1/chat/completions", {**chat, "stream": True}) == want
     prompt = token_prompt(3 * BLOCK + 5, salt=1)
-    comp = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    comp = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     want_c = _text(cluster.mono.completion(prompt, MAX_TOKENS))
     assert _sse_text(cluster.proxy.url + "/v1/completions", {**comp, "stream": True}) == want_c
     stats = http_json(cluster.proxy.url + "/proxy/stats")
@@ -144,8 +183,9 @@ def test_pd_chat_and_streaming_through_proxy(cluster: Cluster) -> None:
 
 
 def _prefill_params(cluster: Cluster, prompt: list[int]) -> dict[str, Any]:
-    ans = cluster.prefill.completion(prompt, 1, kv_transfer_params={"do_remote_decode": True,
-                                                                    "do_remote_prefill": False})
+    ans = cluster.prefill.completion(
+        prompt, 1, kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False}
+    )
     params = ans["kv_transfer_params"]
     assert params["do_remote_prefill"] is True and params["remote_block_ids"]
     return dict(params)
@@ -154,7 +194,11 @@ def _prefill_params(cluster: Cluster, prompt: list[int]) -> dict[str, Any]:
 def test_decode_really_uses_transferred_kv(cluster: Cluster) -> None:
     prompt = token_prompt(6 * BLOCK + 7, salt=2)
     want = _text(cluster.mono.completion(prompt, MAX_TOKENS))
-    ok = _text(cluster.decode.completion(prompt, MAX_TOKENS, kv_transfer_params=_prefill_params(cluster, prompt)))
+    ok = _text(
+        cluster.decode.completion(
+            prompt, MAX_TOKENS, kv_transfer_params=_prefill_params(cluster, prompt)
+        )
+    )
     assert ok == want
     prompt2 = token_prompt(6 * BLOCK + 7, salt=3)
     want2 = _text(cluster.mono.completion(prompt2, MAX_TOKENS))
@@ -162,14 +206,19 @@ def test_decode_really_uses_transferred_kv(cluster: Cluster) -> None:
     params = {**_prefill_params(cluster, prompt2), FLAG: True}
     bad = _text(cluster.decode.completion(prompt2, MAX_TOKENS, kv_transfer_params=params))
     assert cluster.decode_stats().get("test_corrupted_requests", 0) == before + 1
-    assert bad != want2, "zeroing the fetched KV did not change the output: the decode did not use it"
+    assert bad != want2, (
+        "zeroing the fetched KV did not change the output: the decode did not use it"
+    )
 
 
 def test_unfetched_blocks_are_released_after_timeout(cluster: Cluster) -> None:
     before = cluster.prefill_stats().get("sends_released_by_timeout", 0)
     _prefill_params(cluster, token_prompt(2 * BLOCK + 3, salt=4))  # nobody fetches it
-    wait_for(lambda: cluster.prefill_stats().get("sends_released_by_timeout", 0) == before + 1,
-             SEND_TIMEOUT_S + 30, "the prefill instance to release unfetched blocks")
+    wait_for(
+        lambda: cluster.prefill_stats().get("sends_released_by_timeout", 0) == before + 1,
+        SEND_TIMEOUT_S + 30,
+        "the prefill instance to release unfetched blocks",
+    )
     assert "no decode instance fetched request" in cluster.prefill.log_text()
     assert cluster.prefill.healthy()
 
@@ -190,10 +239,14 @@ def test_prefill_killed_decode_recomputes(cluster: Cluster) -> None:
     assert cluster.decode.healthy()
     # the instance keeps serving, with and without transfer parameters
     p2 = token_prompt(BLOCK + 3, salt=6)
-    assert _text(cluster.decode.completion(p2, MAX_TOKENS)) == _text(cluster.mono.completion(p2, MAX_TOKENS))
+    assert _text(cluster.decode.completion(p2, MAX_TOKENS)) == _text(
+        cluster.mono.completion(p2, MAX_TOKENS)
+    )
     # and the proxy turns the dead prefill instance into a clear error, not a hang
     try:
-        http_json(cluster.proxy.url + "/v1/completions", {"model": "tiny", "prompt": p2, "max_tokens": 2})
+        http_json(
+            cluster.proxy.url + "/v1/completions", {"model": "tiny", "prompt": p2, "max_tokens": 2}
+        )
         raise AssertionError("the proxy answered although its prefill instance is dead")
     except urllib.error.HTTPError as exc:
         assert exc.code == 502

@@ -44,8 +44,11 @@ def _store_config(addr: str, stats: Path, by_name: bool) -> dict[str, Any]:
         "kv_connector": "MooncakeCoreStoreConnector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"mooncake": {"master_server_address": addr}, "segment_size": "64MiB",
-                                      "stats_dir": str(stats)},
+        "kv_connector_extra_config": {
+            "mooncake": {"master_server_address": addr},
+            "segment_size": "64MiB",
+            "stats_dir": str(stats),
+        },
     }
     if not by_name:  # B finds the class by name alone (the vllm.general_plugins entry point)
         cfg["kv_connector_module_path"] = "mooncake_vllm.store_connector"
@@ -58,13 +61,34 @@ def pool(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     port = free_port()
     addr = f"127.0.0.1:{port}"
     log = open(base / "master.log", "wb")  # noqa: SIM115
-    master = subprocess.Popen([sys.executable, "-m", "mooncake_core", "master", "--rpc-port", str(port),
-                               "--http-port", str(free_port())], stdout=log, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL, env=engine_env())
+    master = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mooncake_core",
+            "master",
+            "--rpc-port",
+            str(port),
+            "--http-port",
+            str(free_port()),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=engine_env(),
+    )
     log.close()
-    servers = [VLLMServer(tiny_model, name=n, log_path=base / f"{n}.log", block_size=BLOCK,
-                          kv_transfer_config=_store_config(addr, base / "stats" / n, by_name=n == "B"),
-                          env=corrupt_kv_env(base / "faults")) for n in ("A", "B")]
+    servers = [
+        VLLMServer(
+            tiny_model,
+            name=n,
+            log_path=base / f"{n}.log",
+            block_size=BLOCK,
+            kv_transfer_config=_store_config(addr, base / "stats" / n, by_name=n == "B"),
+            env=corrupt_kv_env(base / "faults"),
+        )
+        for n in ("A", "B")
+    ]
     try:
         for s in servers:
             s.start()
@@ -84,7 +108,11 @@ def _text(ans: dict[str, Any]) -> str:
 
 
 def _saved(pool: Pool, server: VLLMServer, objects: int) -> None:
-    wait_for(lambda: pool.worker(server).get("save_objects", 0) >= objects, 60, f"{objects} objects saved")
+    wait_for(
+        lambda: pool.worker(server).get("save_objects", 0) >= objects,
+        60,
+        f"{objects} objects saved",
+    )
 
 
 def test_fresh_instance_hits_the_pool(pool: Pool) -> None:

@@ -46,8 +46,11 @@ _HERE = Path(__file__).resolve().parent
 
 def corrupt_kv_env(directory: Path) -> dict[str, str]:
     """Environment for a ``VLLMServer`` whose processes load this plugin."""
-    root = entry_point_dir(directory, {"vllm.general_plugins": {"mooncake_test_corrupt_kv": f"{__name__}:register"}},
-                           dist="mooncake-test-vllm-faults")
+    root = entry_point_dir(
+        directory,
+        {"vllm.general_plugins": {"mooncake_test_corrupt_kv": f"{__name__}:register"}},
+        dist="mooncake-test-vllm-faults",
+    )
     return {"PYTHONPATH": pythonpath(root, _HERE)}
 
 
@@ -66,10 +69,13 @@ def _wrap(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..
 
 def _patch_scheduler_side(cls: type) -> None:
     def note(real: Callable[..., Any]) -> Callable[..., Any]:
-        def update_state_after_alloc(self: Any, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        def update_state_after_alloc(
+            self: Any, request: Any, blocks: Any, num_external_tokens: int
+        ) -> None:
             real(self, request, blocks, num_external_tokens)
             if (request.kv_transfer_params or {}).get(FLAG):
                 self.__dict__.setdefault("_test_flagged", set()).add(request.request_id)
+
         return update_state_after_alloc
 
     def attach(real: Callable[..., Any]) -> Callable[..., Any]:
@@ -77,6 +83,7 @@ def _patch_scheduler_side(cls: type) -> None:
             meta = real(self, scheduler_output)
             setattr(meta, _ATTR, frozenset(self.__dict__.pop("_test_flagged", ())))
             return meta
+
         return build_connector_meta
 
     _wrap(cls, "update_state_after_alloc", note)
@@ -92,6 +99,7 @@ def _patch_pd_worker(cls: type) -> None:
                 if spec.request_id in flagged and spec.local_block_ids:
                     pending[spec.request_id] = list(spec.local_block_ids)
             real(self, meta)
+
         return start_load
 
     def zero(real: Callable[..., Any]) -> Callable[..., Any]:
@@ -103,8 +111,11 @@ def _patch_pd_worker(cls: type) -> None:
                 if blocks and rid not in failed:
                     _zero(list(self.layers.values()), blocks)
                     self.counters.add(test_corrupted_requests=1)
-                    logger.warning("test fault: zeroed the %d fetched KV blocks of %s", len(blocks), rid)
+                    logger.warning(
+                        "test fault: zeroed the %d fetched KV blocks of %s", len(blocks), rid
+                    )
             return sending, recving, failed
+
         return results
 
     _wrap(cls, "start_load", remember)
@@ -126,7 +137,12 @@ def _patch_store_worker(cls: type) -> None:
             for job in jobs:
                 _zero([t for _, t in self.worker.layers], list(job.block_ids))
                 self.worker.counters.add(test_corrupted_requests=1)
-                logger.warning("test fault: zeroed the %d loaded KV pages of %s", len(job.block_ids), job.request_id)
+                logger.warning(
+                    "test fault: zeroed the %d loaded KV pages of %s",
+                    len(job.block_ids),
+                    job.request_id,
+                )
+
         return start_load_kv
 
     _wrap(cls, "start_load_kv", zero)

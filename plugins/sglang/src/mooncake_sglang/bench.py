@@ -91,13 +91,27 @@ def _harness(master: str, transport: str) -> Any:
 
     install_torchvision_stand_in()
 
-    lay = KVLayout(name="page_first", num_layers=32, page_size=64, num_kv_heads=2, head_dim=128,
-                   dtype="bfloat16", num_slots=PAGES + 1)
+    lay = KVLayout(
+        name="page_first",
+        num_layers=32,
+        page_size=64,
+        num_kv_heads=2,
+        head_dim=128,
+        dtype="bfloat16",
+        num_slots=PAGES + 1,
+    )
     opts: dict[str, Any] = {"failover_timeout_s": 5.0}
     if transport != "auto":
         opts["protocol"] = transport
-    return make_harness(HarnessSpec(factory="mooncake_sglang.testing.harness:make_harness", layout=lay, master=master,
-                                    model="bench/sglang-32l", options=opts))
+    return make_harness(
+        HarnessSpec(
+            factory="mooncake_sglang.testing.harness:make_harness",
+            layout=lay,
+            master=master,
+            model="bench/sglang-32l",
+            options=opts,
+        )
+    )
 
 
 def rank_main(role: str, master: str, transport: str) -> int:
@@ -141,13 +155,20 @@ class _Side:
         self.set_s: list[float] = []
         self.get_s: list[float] = []
 
-    def start(self, tag: str, argv: list[str], env: dict[str, str] | None = None,
-              pipes: bool = False) -> subprocess.Popen[str]:
+    def start(
+        self, tag: str, argv: list[str], env: dict[str, str] | None = None, pipes: bool = False
+    ) -> subprocess.Popen[str]:
         log = open(self.workdir / f"{self.name}-{tag}.log", "w")  # closed in close()
         self._logs.append(log)
-        p = subprocess.Popen(argv, stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
-                             stdout=subprocess.PIPE if pipes else log, stderr=log, text=True, env=env,
-                             cwd=self.workdir)
+        p = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
+            stdout=subprocess.PIPE if pipes else log,
+            stderr=log,
+            text=True,
+            env=env,
+            cwd=self.workdir,
+        )
         self.procs.append((tag, p))
         return p
 
@@ -174,8 +195,10 @@ class _Side:
                     if "error" in out:
                         raise RuntimeError(f"{self.name} {tag}: {out['error']}")
                     return out
-        raise RuntimeError(f"{self.name} {tag} gave no answer within {timeout:.0f} s (exit {p.poll()}); "
-                           f"its log ends:\n{self.log(tag)}")
+        raise RuntimeError(
+            f"{self.name} {tag} gave no answer within {timeout:.0f} s (exit {p.poll()}); "
+            f"its log ends:\n{self.log(tag)}"
+        )
 
     def ask(self, p: subprocess.Popen[str], tag: str, msg: dict[str, Any]) -> dict[str, Any]:
         assert p.stdin is not None
@@ -183,7 +206,9 @@ class _Side:
         p.stdin.flush()
         return self.answer(p, tag)
 
-    def ranks(self, writer: list[str], reader: list[str], env: dict[str, str] | None = None) -> None:
+    def ranks(
+        self, writer: list[str], reader: list[str], env: dict[str, str] | None = None
+    ) -> None:
         self.writer = self.start("writer", writer, env, pipes=True)
         self.reader = self.start("reader", reader, env, pipes=True)
         w = self.answer(self.writer, "writer", 300)
@@ -195,12 +220,16 @@ class _Side:
         assert self.writer is not None and self.reader is not None
         s = self.ask(self.writer, "writer", {"cmd": "set", "keys": keys})
         if s["ok"] != len(keys):
-            raise RuntimeError(f"{self.name}: batch_set_v1 stored {s['ok']} of {len(keys)} pages; writer log:\n"
-                               f"{self.log('writer')}")
+            raise RuntimeError(
+                f"{self.name}: batch_set_v1 stored {s['ok']} of {len(keys)} pages; writer log:\n"
+                f"{self.log('writer')}"
+            )
         g = self.ask(self.reader, "reader", {"cmd": "get", "keys": keys})
         if g["ok"] != len(keys) or g["digests"] != self.want:
-            raise RuntimeError(f"{self.name}: reader got {g['ok']} of {len(keys)} pages; SHA-256 of pages "
-                               f"{list(CHECK)} match: {g['digests'] == self.want}")
+            raise RuntimeError(
+                f"{self.name}: reader got {g['ok']} of {len(keys)} pages; SHA-256 of pages "
+                f"{list(CHECK)} match: {g['digests'] == self.want}"
+            )
         if measured:
             self.set_s.append(float(s["s"]))
             self.get_s.append(float(g["s"]))
@@ -210,9 +239,14 @@ class _Side:
     def figures(self) -> dict[str, Any]:
         nbytes = PAGES * self.page_bytes
         set_med, get_med = statistics.median(self.set_s), statistics.median(self.get_s)
-        return {"set_gbps": round(nbytes / set_med / 1e9, 3), "get_gbps": round(nbytes / get_med / 1e9, 3),
-                "pages_per_s": round(PAGES / get_med, 1), "set_pages_per_s": round(PAGES / set_med, 1),
-                "set_ms": round(set_med * 1e3, 2), "get_ms": round(get_med * 1e3, 2)}
+        return {
+            "set_gbps": round(nbytes / set_med / 1e9, 3),
+            "get_gbps": round(nbytes / get_med / 1e9, 3),
+            "pages_per_s": round(PAGES / get_med, 1),
+            "set_pages_per_s": round(PAGES / set_med, 1),
+            "set_ms": round(set_med * 1e3, 2),
+            "get_ms": round(get_med * 1e3, 2),
+        }
 
     def close(self) -> None:
         for p in (self.writer, self.reader):
@@ -266,15 +300,59 @@ def start_ours(side: _Side, transport: str) -> None:
     py = sys.executable
     env = dict(config.environment(), MOONCAKE_LOG_LEVEL="WARNING")
     mready = side.workdir / "master.json"
-    m = side.start("master", [py, "-m", "mooncake_core", "--log-level", "WARNING", "master", "--rpc-port", "0",
-                              "--http-port", "-1", "--ready-file", str(mready)], env)
+    m = side.start(
+        "master",
+        [
+            py,
+            "-m",
+            "mooncake_core",
+            "--log-level",
+            "WARNING",
+            "master",
+            "--rpc-port",
+            "0",
+            "--http-port",
+            "-1",
+            "--ready-file",
+            str(mready),
+        ],
+        env,
+    )
     master = f"127.0.0.1:{_wait_file(mready, m, 'master')['rpc_port']}"
     nready = side.workdir / "node.json"
-    n = side.start("node", [py, "-m", "mooncake_core", "--log-level", "WARNING", "store", "--master", master,
-                            "--segment-size", f"{SEGMENT >> 20}MB", "--prefault", "--ready-file", str(nready)], env)
+    n = side.start(
+        "node",
+        [
+            py,
+            "-m",
+            "mooncake_core",
+            "--log-level",
+            "WARNING",
+            "store",
+            "--master",
+            master,
+            "--segment-size",
+            f"{SEGMENT >> 20}MB",
+            "--prefault",
+            "--ready-file",
+            str(nready),
+        ],
+        env,
+    )
     _wait_file(nready, n, "store node")
-    logger.info("ours: master %s, store node lending %d MiB; starting the two ranks", master, SEGMENT >> 20)
-    rank = [py, "-m", "mooncake_sglang.bench", "--master", master, "--transport", transport, "--rank"]
+    logger.info(
+        "ours: master %s, store node lending %d MiB; starting the two ranks", master, SEGMENT >> 20
+    )
+    rank = [
+        py,
+        "-m",
+        "mooncake_sglang.bench",
+        "--master",
+        master,
+        "--transport",
+        transport,
+        "--rank",
+    ]
     side.ranks(rank + ["writer"], rank + ["reader"], env)
 
 
@@ -285,14 +363,23 @@ def check_published(python: str) -> str:
     py = os.path.abspath(python) if os.sep in python else python
     master_bin = Path(py).parent / "mooncake_master"
     if not master_bin.is_file():
-        raise RuntimeError(f"{master_bin} not found: {python} is not the scratch venv with the published wheel; "
-                           "run scripts/setup_mooncake_peer.sh --sglang")
-    chk = subprocess.run([py, str(published.script(PUBLISHED_RANK + ".py")), "check"], capture_output=True, text=True,
-                         env=mooncake_env(), timeout=300)
+        raise RuntimeError(
+            f"{master_bin} not found: {python} is not the scratch venv with the published wheel; "
+            "run scripts/setup_mooncake_peer.sh --sglang"
+        )
+    chk = subprocess.run(
+        [py, str(published.script(PUBLISHED_RANK + ".py")), "check"],
+        capture_output=True,
+        text=True,
+        env=mooncake_env(),
+        timeout=300,
+    )
     if chk.returncode != 0:
         tail = (chk.stderr or chk.stdout).strip().splitlines()[-1:] or [""]
-        raise RuntimeError(f"SGLang's MooncakeStore does not import with {python} ({tail[0]}); run "
-                           "scripts/setup_mooncake_peer.sh --sglang")
+        raise RuntimeError(
+            f"SGLang's MooncakeStore does not import with {python} ({tail[0]}); run "
+            "scripts/setup_mooncake_peer.sh --sglang"
+        )
     return py
 
 
@@ -304,29 +391,52 @@ def start_published(side: _Side, python: str) -> None:
     master_bin = Path(py).parent / "mooncake_master"
     env = mooncake_env()
     rpc, http, metrics = free_port(), free_port(), free_port()
-    m = side.start("master", [str(master_bin), f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
-                              "--enable_http_metadata_server=true", f"--http_metadata_server_port={http}",
-                              "--http_metadata_server_host=127.0.0.1", f"--metrics_port={metrics}",
-                              "--metrics_host=127.0.0.1", "--enable_metric_reporting=false"], env)
+    m = side.start(
+        "master",
+        [
+            str(master_bin),
+            f"--rpc_port={rpc}",
+            "--rpc_address=127.0.0.1",
+            "--enable_http_metadata_server=true",
+            f"--http_metadata_server_port={http}",
+            "--http_metadata_server_host=127.0.0.1",
+            f"--metrics_port={metrics}",
+            "--metrics_host=127.0.0.1",
+            "--enable_metric_reporting=false",
+        ],
+        env,
+    )
     _wait_port(rpc, m, "published mooncake_master")
     _wait_port(http, m, "published mooncake_master (HTTP metadata)")
     master, metadata = f"127.0.0.1:{rpc}", f"http://127.0.0.1:{http}/metadata"
-    holder = side.start("holder", [py, str(store_script), "holder", master, metadata, str(SEGMENT)], env, pipes=True)
+    holder = side.start(
+        "holder", [py, str(store_script), "holder", master, metadata, str(SEGMENT)], env, pipes=True
+    )
     assert holder.stdout is not None
     with selectors.DefaultSelector() as sel:
         sel.register(holder.stdout, selectors.EVENT_READ)
         line = holder.stdout.readline().strip() if sel.select(60) else ""
     if line != "ready":
         raise RuntimeError(f"published holder said {line!r}; log:\n{side.log('holder')}")
-    logger.info("published: mooncake_master %s (metadata %s), holder lending %d MiB; starting the two ranks",
-                master, metadata, SEGMENT >> 20)
+    logger.info(
+        "published: mooncake_master %s (metadata %s), holder lending %d MiB; starting the two ranks",
+        master,
+        metadata,
+        SEGMENT >> 20,
+    )
     rank = [py, str(published.script(PUBLISHED_RANK + ".py")), "rank"]
-    side.ranks(rank + ["writer", master, metadata, str(PAGES)], rank + ["reader", master, metadata, str(PAGES)], env)
+    side.ranks(
+        rank + ["writer", master, metadata, str(PAGES)],
+        rank + ["reader", master, metadata, str(PAGES)],
+        env,
+    )
 
 
 def _keys(tag: str, r: int) -> list[str]:
     """SGLang-like page keys (64 hex digits), fresh for every round."""
-    return [hashlib.sha256(f"{tag}-{os.getpid()}-{r}-{i}".encode()).hexdigest() for i in range(PAGES)]
+    return [
+        hashlib.sha256(f"{tag}-{os.getpid()}-{r}-{i}".encode()).hexdigest() for i in range(PAGES)
+    ]
 
 
 def run(rounds: int, transport: str = "auto", compare: str | None = None) -> dict[str, Any]:
@@ -341,15 +451,22 @@ def run(rounds: int, transport: str = "auto", compare: str | None = None) -> dic
             sides = [ours] if theirs is None else [ours, theirs]
             for side in sides:  # warm-up: connections, page tables, first touch of the lent memory
                 for w in range(WARMUP_ROUNDS):
-                    side.round(_keys(side.name + "-warm", w), measured=False, clear=w == WARMUP_ROUNDS - 1)
+                    side.round(
+                        _keys(side.name + "-warm", w), measured=False, clear=w == WARMUP_ROUNDS - 1
+                    )
             for r in range(rounds):
-                for side in (sides if r % 2 == 0 else sides[::-1]):
+                for side in sides if r % 2 == 0 else sides[::-1]:
                     side.round(_keys(side.name, r), measured=True)
         finally:
             for opened in (ours, theirs):
                 if opened is not None:
                     opened.close()
-    res: dict[str, Any] = {"pages": PAGES, "page_bytes": ours.page_bytes, "rounds": rounds, "transport": transport}
+    res: dict[str, Any] = {
+        "pages": PAGES,
+        "page_bytes": ours.page_bytes,
+        "rounds": rounds,
+        "transport": transport,
+    }
     res.update(ours.figures())
     if theirs is not None:
         t = theirs.figures()
@@ -361,14 +478,26 @@ def run(rounds: int, transport: str = "auto", compare: str | None = None) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="mooncake-core bench sglang", description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=5, help="measured batches per backend (default 5)")
+    ap = argparse.ArgumentParser(
+        prog="mooncake-core bench sglang", description=(__doc__ or "").splitlines()[0]
+    )
+    ap.add_argument(
+        "--rounds", type=int, default=5, help="measured batches per backend (default 5)"
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    ap.add_argument("--transport", choices=["auto", "tcp", "shm"], default="auto",
-                    help="our backend's path to the store node (default auto: shared memory on one host)")
-    ap.add_argument("--compare-mooncake", metavar="PYTHON", default=None,
-                    help="also run SGLang's built-in MooncakeStore on the published wheel in this Python's venv "
-                         "(scripts/setup_mooncake_peer.sh --sglang prints it)")
+    ap.add_argument(
+        "--transport",
+        choices=["auto", "tcp", "shm"],
+        default="auto",
+        help="our backend's path to the store node (default auto: shared memory on one host)",
+    )
+    ap.add_argument(
+        "--compare-mooncake",
+        metavar="PYTHON",
+        default=None,
+        help="also run SGLang's built-in MooncakeStore on the published wheel in this Python's venv "
+        "(scripts/setup_mooncake_peer.sh --sglang prints it)",
+    )
     ap.add_argument("--rank", choices=["writer", "reader"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--master", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -381,15 +510,25 @@ def main(argv: list[str] | None = None) -> int:
             args.compare_mooncake = check_published(args.compare_mooncake)
         except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
             raise SystemExit(f"mooncake-core: error: --compare-mooncake: {exc}") from None
-    what = "ours and SGLang's built-in backend on the published wheel, alternating" if args.compare_mooncake \
+    what = (
+        "ours and SGLang's built-in backend on the published wheel, alternating"
+        if args.compare_mooncake
         else "our backend"
-    print(f"bench sglang: {what}; master, store node, writer and reader ranks on loopback ...", file=sys.stderr,
-          flush=True)
+    )
+    print(
+        f"bench sglang: {what}; master, store node, writer and reader ranks on loopback ...",
+        file=sys.stderr,
+        flush=True,
+    )
     r = run(args.rounds, args.transport, args.compare_mooncake)
     mib = r["page_bytes"] / (1 << 20)
-    print(f"{PAGES} pages x {mib:.2f} MiB a batch (32 layers, 64 tokens, K+V), median of {r['rounds']} rounds; "
-          f"our transport: {r['transport']}")
-    print(f"{'backend':<22} {'op':<13} {'ms/batch':>9} {'GB/s':>7} {'pages/s':>9} {'ours/published':>15}")
+    print(
+        f"{PAGES} pages x {mib:.2f} MiB a batch (32 layers, 64 tokens, K+V), median of {r['rounds']} rounds; "
+        f"our transport: {r['transport']}"
+    )
+    print(
+        f"{'backend':<22} {'op':<13} {'ms/batch':>9} {'GB/s':>7} {'pages/s':>9} {'ours/published':>15}"
+    )
     rows = [("ours (mooncake_core)", "")]
     if "mooncake_set_gbps" in r:
         rows.append(("published (built-in)", "mooncake_"))
@@ -398,7 +537,9 @@ def main(argv: list[str] | None = None) -> int:
             pps = r[f"{p}set_pages_per_s"] if k == "set" else r[f"{p}pages_per_s"]
             ratio = r.get(f"{k}_gbps_ratio_vs_mooncake") if p == "" else None
             col = f"{ratio:.2f}x" if isinstance(ratio, (int, float)) else ""
-            print(f"{name:<22} {op:<13} {r[f'{p}{k}_ms']:>9.1f} {r[f'{p}{k}_gbps']:>7.2f} {pps:>9.0f} {col:>15}")
+            print(
+                f"{name:<22} {op:<13} {r[f'{p}{k}_ms']:>9.1f} {r[f'{p}{k}_gbps']:>7.2f} {pps:>9.0f} {col:>15}"
+            )
     print("(each reader verified every batch: page count and SHA-256 of three pages)")
     if args.json:
         print(json.dumps(r))

@@ -62,11 +62,26 @@ __all__ = ["MooncakeCoreStorage", "EXTRA_CONFIG_KEYS"]
 logger = logging.getLogger(__name__)
 
 #: keys of --hicache-storage-backend-extra-config this backend reads
-EXTRA_CONFIG_KEYS = ("master_server_address", "global_segment_size", "protocol", "failover_timeout_s",
-                     "key_namespace", "mooncake_config_path")
-_SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "allocator",
-                "hicache_storage_pass_prefix_keys", "prefetch_threshold", "prefetch_timeout_base",
-                "prefetch_timeout_per_ki_token", "tp_lcm_size")
+EXTRA_CONFIG_KEYS = (
+    "master_server_address",
+    "global_segment_size",
+    "protocol",
+    "failover_timeout_s",
+    "key_namespace",
+    "mooncake_config_path",
+)
+_SGLANG_KEYS = (
+    "backend_name",
+    "module_path",
+    "class_name",
+    "interface_v1",
+    "allocator",
+    "hicache_storage_pass_prefix_keys",
+    "prefetch_threshold",
+    "prefetch_timeout_base",
+    "prefetch_timeout_per_ki_token",
+    "tp_lcm_size",
+)
 _STORE_TROUBLE = (MooncakeError, OSError)
 _ALREADY = (ObjectExists, ObjectBusy)
 
@@ -76,7 +91,11 @@ def _check_extra(extra: dict[str, Any]) -> None:
     for k in extra:
         if k not in known:
             close = difflib.get_close_matches(k, known, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(EXTRA_CONFIG_KEYS)}"
+            hint = (
+                f"; did you mean {close[0]!r}?"
+                if close
+                else f"; known keys: {', '.join(EXTRA_CONFIG_KEYS)}"
+            )
             raise ConfigError(f"--hicache-storage-backend-extra-config: unknown key {k!r}{hint}")
 
 
@@ -90,8 +109,12 @@ class MooncakeCoreStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
             benchmarks); it is not closed by :meth:`close`.
     """
 
-    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None,
-                 client: StoreClient | None = None) -> None:
+    def __init__(
+        self,
+        storage_config: HiCacheStorageConfig,
+        kwargs: dict[str, Any] | None = None,
+        client: StoreClient | None = None,
+    ) -> None:
         extra = dict(storage_config.extra_config or {})
         _check_extra(extra)
         self.storage_config = storage_config
@@ -102,9 +125,19 @@ class MooncakeCoreStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         self._view: PoolView | None = None
         self._scheme: KeyScheme | None = None
         self._registered: list[int] = []
-        self._metrics: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
-                                                 "backup_bandwidth": []}
-        self.counters = {"set_pages": 0, "set_skipped": 0, "get_pages": 0, "get_failed": 0, "store_errors": 0}
+        self._metrics: dict[str, list[float]] = {
+            "prefetch_pgs": [],
+            "backup_pgs": [],
+            "prefetch_bandwidth": [],
+            "backup_bandwidth": [],
+        }
+        self.counters = {
+            "set_pages": 0,
+            "set_skipped": 0,
+            "get_pages": 0,
+            "get_failed": 0,
+            "store_errors": 0,
+        }
         self._closed = False
         if client is not None:
             self.client = client
@@ -115,21 +148,35 @@ class MooncakeCoreStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
             overrides["master_server_address"] = str(extra["master_server_address"])
         cfg = load_config(extra.get("mooncake_config_path"), **overrides)
         parts = max(1, int(storage_config.tp_size) * int(storage_config.pp_size))
-        seg = (parse_size(extra["global_segment_size"], "global_segment_size") if "global_segment_size" in extra
-               else int(cfg.global_segment_size) // parts)
+        seg = (
+            parse_size(extra["global_segment_size"], "global_segment_size")
+            if "global_segment_size" in extra
+            else int(cfg.global_segment_size) // parts
+        )
         protocol = extra.get("protocol")
-        self.client = StoreClient(cfg, segment_size=seg, transport=str(protocol) if protocol else None,
-                                  failover_timeout_s=float(extra.get("failover_timeout_s", 3.0)))
+        self.client = StoreClient(
+            cfg,
+            segment_size=seg,
+            transport=str(protocol) if protocol else None,
+            failover_timeout_s=float(extra.get("failover_timeout_s", 3.0)),
+        )
         self._own_client = True
         try:
             self.client.start()
         except MooncakeError as exc:
-            raise MooncakeError(f"mooncake_core HiCache backend: cannot reach the store master at "
-                                f"{self.client.master_address}: {exc}; start `mooncake-core master` or set "
-                                "master_server_address in --hicache-storage-backend-extra-config") from exc
-        logger.info("mooncake_core HiCache backend: rank %d/%d (%s) on master %s, lending %d MiB",
-                    storage_config.tp_rank, storage_config.tp_size, "MLA" if storage_config.is_mla_model else "MHA",
-                    self.client.master_address, seg >> 20)
+            raise MooncakeError(
+                f"mooncake_core HiCache backend: cannot reach the store master at "
+                f"{self.client.master_address}: {exc}; start `mooncake-core master` or set "
+                "master_server_address in --hicache-storage-backend-extra-config"
+            ) from exc
+        logger.info(
+            "mooncake_core HiCache backend: rank %d/%d (%s) on master %s, lending %d MiB",
+            storage_config.tp_rank,
+            storage_config.tp_size,
+            "MLA" if storage_config.is_mla_model else "MHA",
+            self.client.master_address,
+            seg >> 20,
+        )
 
     # ------------------------------------------------------------------ registration
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -138,31 +185,53 @@ class MooncakeCoreStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         cfg = self.storage_config
         view = PoolView(mem_pool_host, mla=bool(cfg.is_mla_model))
         self._view = view
-        self._scheme = KeyScheme(model=str(cfg.model_name or ""), token_major=view.token_major,
-                                 num_layers=view.num_layers, heads=view.heads, head_dim=view.head_dim,
-                                 dtype=view.dtype, page_size=view.page_size, mla=view.mla,
-                                 tp_rank=int(cfg.tp_rank), tp_size=int(cfg.tp_size), pp_rank=int(cfg.pp_rank),
-                                 pp_size=int(cfg.pp_size), cp_rank=int(cfg.attn_cp_rank),
-                                 cp_size=int(cfg.attn_cp_size), namespace=self.namespace)
+        self._scheme = KeyScheme(
+            model=str(cfg.model_name or ""),
+            token_major=view.token_major,
+            num_layers=view.num_layers,
+            heads=view.heads,
+            head_dim=view.head_dim,
+            dtype=view.dtype,
+            page_size=view.page_size,
+            mla=view.mla,
+            tp_rank=int(cfg.tp_rank),
+            tp_size=int(cfg.tp_size),
+            pp_rank=int(cfg.pp_rank),
+            pp_size=int(cfg.pp_size),
+            cp_rank=int(cfg.attn_cp_rank),
+            cp_size=int(cfg.attn_cp_size),
+            namespace=self.namespace,
+        )
         if view.contiguous:
             for i in range(len(view.parts)):
                 addr, n = view.region(i)
                 self.client.register_buffer(addr, n)
                 self._registered.append(addr)
-        logger.info("mooncake_core HiCache backend: %s pool, %d layers x %d heads x %d, page %d, keys %s*",
-                    view.layout, view.num_layers, view.heads, view.head_dim, view.page_size, self._scheme.prefix)
+        logger.info(
+            "mooncake_core HiCache backend: %s pool, %d layers x %d heads x %d, page %d, keys %s*",
+            view.layout,
+            view.num_layers,
+            view.heads,
+            view.head_dim,
+            view.page_size,
+            self._scheme.prefix,
+        )
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         if str(host_pool_name) == "kv" and host_pool is getattr(self, "mem_pool_host", None):
             return
-        raise ConfigError(f"mooncake_core HiCache backend: extra host pool {str(host_pool_name)!r} (hybrid or sidecar "
-                          "pools: Mamba, SWA, DSA indexer) is not supported; use SGLang's built-in backends for "
-                          "hybrid models")
+        raise ConfigError(
+            f"mooncake_core HiCache backend: extra host pool {str(host_pool_name)!r} (hybrid or sidecar "
+            "pools: Mamba, SWA, DSA indexer) is not supported; use SGLang's built-in backends for "
+            "hybrid models"
+        )
 
     def _require(self) -> tuple[PoolView, KeyScheme]:
         if self._view is None or self._scheme is None:
-            raise ConfigError("mooncake_core HiCache backend: no host pool registered; SGLang calls "
-                              "register_mem_pool_host() right after building the backend")
+            raise ConfigError(
+                "mooncake_core HiCache backend: no host pool registered; SGLang calls "
+                "register_mem_pool_host() right after building the backend"
+            )
         return self._view, self._scheme
 
     # ------------------------------------------------------------------ helpers
@@ -170,8 +239,11 @@ class MooncakeCoreStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         self.counters["store_errors"] += 1
         if self._healthy:
             self._healthy = False
-            logger.warning("mooncake_core HiCache backend: %s failed (%s); reporting misses until the store answers",
-                           what, exc)
+            logger.warning(
+                "mooncake_core HiCache backend: %s failed (%s); reporting misses until the store answers",
+                what,
+                exc,
+            )
         else:
             logger.debug("%s failed: %s", what, exc)
 
@@ -183,7 +255,9 @@ class MooncakeCoreStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
     def _present(self, objkeys: list[str]) -> list[bool]:
         return [bool(x) for x in self.client.batch_exists(objkeys)]
 
-    def _put(self, objkeys: list[str], bufs: list[Any], sizes: list[int] | None, what: str) -> list[bool]:
+    def _put(
+        self, objkeys: list[str], bufs: list[Any], sizes: list[int] | None, what: str
+    ) -> list[bool]:
         """Put objects not yet present; per-object success (already present counts).
 
         No existence query first: the master's ``batch_put_start`` answers ``ObjectExists``
@@ -206,7 +280,7 @@ class MooncakeCoreStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
 
     @staticmethod
     def _pages_ok(obj_ok: Sequence[bool], nparts: int) -> list[bool]:
-        return [all(obj_ok[i * nparts:(i + 1) * nparts]) for i in range(len(obj_ok) // nparts)]
+        return [all(obj_ok[i * nparts : (i + 1) * nparts]) for i in range(len(obj_ok) // nparts)]
 
     def _record(self, kind: str, pages: int, seconds: float, nbytes: int) -> None:
         with self._lock:
@@ -214,8 +288,12 @@ class MooncakeCoreStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
             self._metrics[f"{kind}_bandwidth"].append(nbytes / max(seconds, 1e-9) / 1e9)
 
     # ------------------------------------------------------------------ zero-copy v1
-    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+    def batch_set_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
         """Store pages ``keys[i]`` from host slots ``host_indices[i*P:(i+1)*P]``."""
         view, scheme = self._require()
         starts = view.page_starts(host_indices, len(keys))
@@ -241,8 +319,12 @@ class MooncakeCoreStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         self._record("backup", sum(ok), time.perf_counter() - t0, sum(ok) * view.page_nbytes)
         return ok
 
-    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+    def batch_get_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
         """Read pages ``keys[i]`` into host slots ``host_indices[i*P:(i+1)*P]``."""
         view, scheme = self._require()
         starts = view.page_starts(host_indices, len(keys))
@@ -264,11 +346,20 @@ class MooncakeCoreStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
             self._trouble("batch_get_v1", exc)
             return [False] * len(keys)
         self._ok()
-        obj_ok = [isinstance(r, int) and not isinstance(r, bool) and r == view.object_nbytes for r in res]
+        obj_ok = [
+            isinstance(r, int) and not isinstance(r, bool) and r == view.object_nbytes for r in res
+        ]
         odd = next((r for r in res if not isinstance(r, (int, ObjectNotFound))), None)
-        if odd is not None:  # a miss is normal (evicted since exists); anything else is worth a line
-            logger.warning("batch_get_v1: %d of %d objects not read; first error: %s: %s",
-                           len(obj_ok) - sum(obj_ok), len(obj_ok), type(odd).__name__, odd)
+        if (
+            odd is not None
+        ):  # a miss is normal (evicted since exists); anything else is worth a line
+            logger.warning(
+                "batch_get_v1: %d of %d objects not read; first error: %s: %s",
+                len(obj_ok) - sum(obj_ok),
+                len(obj_ok),
+                type(odd).__name__,
+                odd,
+            )
         ok = self._pages_ok(obj_ok, nparts)
         if staged:
             good = [i for i, g in enumerate(ok) if g]
@@ -282,7 +373,9 @@ class MooncakeCoreStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         return ok
 
     # ------------------------------------------------------------------ existence
-    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+    def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> int:
         """How many leading pages of ``keys`` are fully stored (0 when the store is unreachable)."""
         _, scheme = self._require()
         if not keys:
@@ -295,7 +388,7 @@ class MooncakeCoreStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         self._ok()
         nparts = len(scheme.parts)
         for i in range(len(keys)):
-            if not all(present[i * nparts:(i + 1) * nparts]):
+            if not all(present[i * nparts : (i + 1) * nparts]):
                 return i
         return len(keys)
 
@@ -308,30 +401,47 @@ class MooncakeCoreStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         if target is None:
             return torch.empty(view.page_nbytes // view.itemsize, dtype=view.parts[0].dtype)
         if not isinstance(target, torch.Tensor):
-            raise ValueError(f"target_location must be a torch.Tensor (a flat page), got {type(target).__name__}")
+            raise ValueError(
+                f"target_location must be a torch.Tensor (a flat page), got {type(target).__name__}"
+            )
         if target.numel() * target.element_size() != view.page_nbytes or not target.is_contiguous():
-            raise ValueError(f"target_location holds {target.numel() * target.element_size()} bytes; a flat page of "
-                             f"this pool is {view.page_nbytes} contiguous bytes")
+            raise ValueError(
+                f"target_location holds {target.numel() * target.element_size()} bytes; a flat page of "
+                f"this pool is {view.page_nbytes} contiguous bytes"
+            )
         return target
 
-    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
-                  target_sizes: Any = None) -> bool:
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
         """Store flat pages (``host_pool.get_data_page(i)``); True if every page is stored."""
         view, scheme = self._require()
         if values is None or len(values) != len(keys):
-            raise ValueError(f"batch_set needs one flat page tensor per key: {len(keys)} keys, "
-                             f"{'no' if values is None else len(values)} values")
+            raise ValueError(
+                f"batch_set needs one flat page tensor per key: {len(keys)} keys, "
+                f"{'no' if values is None else len(values)} values"
+            )
         nparts = len(view.parts)
         bufs: list[Any] = []
         for key, v in zip(keys, values, strict=True):
             if not isinstance(v, torch.Tensor):
-                raise ValueError(f"value for page {key!r} must be a torch.Tensor, got {type(v).__name__}")
+                raise ValueError(
+                    f"value for page {key!r} must be a torch.Tensor, got {type(v).__name__}"
+                )
             flat = v.detach().contiguous().view(-1)
             if flat.numel() * flat.element_size() != view.page_nbytes:
-                raise ValueError(f"value for page {key!r} has {flat.numel() * flat.element_size()} bytes; a page of "
-                                 f"this pool is {view.page_nbytes} ({nparts} x {view.object_nbytes})")
+                raise ValueError(
+                    f"value for page {key!r} has {flat.numel() * flat.element_size()} bytes; a page of "
+                    f"this pool is {view.page_nbytes} ({nparts} x {view.object_nbytes})"
+                )
             raw = flat.view(torch.uint8)
-            bufs.extend(raw[j * view.object_nbytes:(j + 1) * view.object_nbytes] for j in range(nparts))
+            bufs.extend(
+                raw[j * view.object_nbytes : (j + 1) * view.object_nbytes] for j in range(nparts)
+            )
         objkeys = scheme.batch_keys(keys)
         if not keys or not self.is_writer:
             return True
@@ -343,18 +453,26 @@ class MooncakeCoreStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         self._ok()
         return ok
 
-    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+    def set(
+        self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
+    ) -> bool:
         return self.batch_set([key], [value])
 
-    def batch_get(self, keys: list[str], target_locations: Any = None,
-                  target_sizes: Any = None) -> list[torch.Tensor | None]:
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[torch.Tensor | None]:
         """Read flat pages; ``None`` for each page that is missing or failed."""
         view, scheme = self._require()
-        targets = [self._flat_target(None if target_locations is None else target_locations[i])
-                   for i in range(len(keys))]
+        targets = [
+            self._flat_target(None if target_locations is None else target_locations[i])
+            for i in range(len(keys))
+        ]
         nparts = len(view.parts)
-        bufs = [t.view(-1).view(torch.uint8)[j * view.object_nbytes:(j + 1) * view.object_nbytes]
-                for t in targets for j in range(nparts)]
+        bufs = [
+            t.view(-1).view(torch.uint8)[j * view.object_nbytes : (j + 1) * view.object_nbytes]
+            for t in targets
+            for j in range(nparts)
+        ]
         objkeys = scheme.batch_keys(keys)
         if not keys:
             return []
@@ -364,10 +482,17 @@ class MooncakeCoreStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
             self._trouble("batch_get", exc)
             return [None] * len(keys)
         self._ok()
-        obj_ok = [isinstance(r, int) and not isinstance(r, bool) and r == view.object_nbytes for r in res]
-        return [t if good else None for t, good in zip(targets, self._pages_ok(obj_ok, nparts), strict=True)]
+        obj_ok = [
+            isinstance(r, int) and not isinstance(r, bool) and r == view.object_nbytes for r in res
+        ]
+        return [
+            t if good else None
+            for t, good in zip(targets, self._pages_ok(obj_ok, nparts), strict=True)
+        ]
 
-    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+    def get(
+        self, key: str, target_location: Any = None, target_sizes: Any = None
+    ) -> torch.Tensor | None:
         return self.batch_get([key], None if target_location is None else [target_location])[0]
 
     # ------------------------------------------------------------------ admin
@@ -390,10 +515,12 @@ class MooncakeCoreStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         except ImportError:
             return None
         with self._lock:
-            m = StorageMetrics(prefetch_pgs=[int(x) for x in self._metrics["prefetch_pgs"]],
-                               backup_pgs=[int(x) for x in self._metrics["backup_pgs"]],
-                               prefetch_bandwidth=list(self._metrics["prefetch_bandwidth"]),
-                               backup_bandwidth=list(self._metrics["backup_bandwidth"]))
+            m = StorageMetrics(
+                prefetch_pgs=[int(x) for x in self._metrics["prefetch_pgs"]],
+                backup_pgs=[int(x) for x in self._metrics["backup_pgs"]],
+                prefetch_bandwidth=list(self._metrics["prefetch_bandwidth"]),
+                backup_bandwidth=list(self._metrics["backup_bandwidth"]),
+            )
             for v in self._metrics.values():
                 v.clear()
         return m

@@ -87,8 +87,10 @@ class KeyScheme:
 
     @property
     def geometry(self) -> str:
-        text = (f"v1|{'tok' if self.token_major else 'lyr'}|L{self.num_layers}|H{self.heads}|D{self.head_dim}"
-                f"|{self.dtype}|P{self.page_size}|{'mla' if self.mla else 'mha'}")
+        text = (
+            f"v1|{'tok' if self.token_major else 'lyr'}|L{self.num_layers}|H{self.heads}|D{self.head_dim}"
+            f"|{self.dtype}|P{self.page_size}|{'mla' if self.mla else 'mha'}"
+        )
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
     @property

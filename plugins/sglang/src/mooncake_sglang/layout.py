@@ -46,15 +46,21 @@ class PoolView:
     def __init__(self, pool: Any, mla: bool) -> None:
         layout = str(getattr(pool, "layout", ""))
         if layout not in SUPPORTED_LAYOUTS:
-            raise ConfigError(f"host pool layout {layout!r} is not supported by mooncake_core's SGLang backend; "
-                              f"use --hicache-mem-layout {' or '.join(SUPPORTED_LAYOUTS)}")
+            raise ConfigError(
+                f"host pool layout {layout!r} is not supported by mooncake_core's SGLang backend; "
+                f"use --hicache-mem-layout {' or '.join(SUPPORTED_LAYOUTS)}"
+            )
         if int(getattr(pool, "dcp_size", 1)) != 1:
-            raise ConfigError("decode context parallelism (dcp_size > 1) is not supported by mooncake_core's "
-                              "SGLang backend yet")
+            raise ConfigError(
+                "decode context parallelism (dcp_size > 1) is not supported by mooncake_core's "
+                "SGLang backend yet"
+            )
         kv = pool.kv_buffer
         if isinstance(kv, (list, tuple)):
-            raise ConfigError(f"host pool {type(pool).__name__} has split buffers; only single-buffer MHA/MLA "
-                              "pools are supported")
+            raise ConfigError(
+                f"host pool {type(pool).__name__} has split buffers; only single-buffer MHA/MLA "
+                "pools are supported"
+            )
         self.pool = pool
         self.layout = layout
         self.mla = mla
@@ -62,11 +68,15 @@ class PoolView:
         self.size = int(pool.size)
         self.token_major = layout == "page_first"
         self.contiguous = layout != "layer_first"
-        want = {"page_first": 4, "page_first_direct": 5, "layer_first": 4}[layout] + (0 if mla else 1)
+        want = {"page_first": 4, "page_first_direct": 5, "layer_first": 4}[layout] + (
+            0 if mla else 1
+        )
         if kv.dim() != want:
             kind = "MLA" if mla else "MHA"
-            raise ConfigError(f"{kind} host pool with layout {layout!r} should have a {want}-d kv_buffer, got shape "
-                              f"{tuple(kv.shape)}; is storage_config.is_mla_model right?")
+            raise ConfigError(
+                f"{kind} host pool with layout {layout!r} should have a {want}-d kv_buffer, got shape "
+                f"{tuple(kv.shape)}; is storage_config.is_mla_model right?"
+            )
         self.parts: list[torch.Tensor] = [kv] if mla else [kv[0], kv[1]]
         self.part_names = ("kv",) if mla else ("k", "v")
         p0 = self.parts[0]
@@ -75,12 +85,25 @@ class PoolView:
         if layout == "page_first":  # [size, L, H, D]
             self.num_layers, self.heads, self.head_dim = (int(x) for x in p0.shape[1:])
         elif layout == "page_first_direct":  # [pages, L, P, H, D]
-            self.num_layers, self.heads, self.head_dim = int(p0.shape[1]), int(p0.shape[3]), int(p0.shape[4])
+            self.num_layers, self.heads, self.head_dim = (
+                int(p0.shape[1]),
+                int(p0.shape[3]),
+                int(p0.shape[4]),
+            )
         else:  # [L, size, H, D]
-            self.num_layers, self.heads, self.head_dim = int(p0.shape[0]), int(p0.shape[2]), int(p0.shape[3])
-        self.object_shape = ((self.page_size, self.num_layers, self.heads, self.head_dim) if self.token_major
-                             else (self.num_layers, self.page_size, self.heads, self.head_dim))
-        self.object_nbytes = self.page_size * self.num_layers * self.heads * self.head_dim * self.itemsize
+            self.num_layers, self.heads, self.head_dim = (
+                int(p0.shape[0]),
+                int(p0.shape[2]),
+                int(p0.shape[3]),
+            )
+        self.object_shape = (
+            (self.page_size, self.num_layers, self.heads, self.head_dim)
+            if self.token_major
+            else (self.num_layers, self.page_size, self.heads, self.head_dim)
+        )
+        self.object_nbytes = (
+            self.page_size * self.num_layers * self.heads * self.head_dim * self.itemsize
+        )
         self.page_nbytes = self.object_nbytes * len(self.parts)
         for t in self.parts:
             if not t.is_contiguous() and self.contiguous:
@@ -93,13 +116,21 @@ class PoolView:
 
         if not isinstance(host_indices, torch.Tensor):
             host_indices = torch.as_tensor(host_indices)
-        if host_indices.dim() != 1 or host_indices.dtype.is_floating_point or host_indices.dtype == torch.bool:
-            raise ValueError(f"host_indices must be a 1-d integer tensor, got {host_indices.dtype} with shape "
-                             f"{tuple(host_indices.shape)}")
+        if (
+            host_indices.dim() != 1
+            or host_indices.dtype.is_floating_point
+            or host_indices.dtype == torch.bool
+        ):
+            raise ValueError(
+                f"host_indices must be a 1-d integer tensor, got {host_indices.dtype} with shape "
+                f"{tuple(host_indices.shape)}"
+            )
         P = self.page_size
         if host_indices.numel() != npages * P:
-            raise ValueError(f"{npages} page keys need {npages * P} host indices (page_size {P}), got "
-                             f"{host_indices.numel()}")
+            raise ValueError(
+                f"{npages} page keys need {npages * P} host indices (page_size {P}), got "
+                f"{host_indices.numel()}"
+            )
         if npages == 0:
             return []
         idx = host_indices.to(torch.int64).view(npages, P)
@@ -107,11 +138,15 @@ class PoolView:
         lo, hi = int(starts.min()), int(starts.max())
         if lo < 0 or hi + P > self.size:
             bad = lo if lo < 0 else hi
-            raise IndexError(f"host index {bad} is outside the host pool of {self.size} tokens "
-                             f"({self.size // P} pages of {P})")
+            raise IndexError(
+                f"host index {bad} is outside the host pool of {self.size} tokens "
+                f"({self.size // P} pages of {P})"
+            )
         if bool((starts % P != 0).any()):
-            raise ValueError(f"page {int((starts % P != 0).nonzero()[0, 0])} does not start on a page boundary "
-                             f"(page_size {P}); host_indices must be whole pages")
+            raise ValueError(
+                f"page {int((starts % P != 0).nonzero()[0, 0])} does not start on a page boundary "
+                f"(page_size {P}); host_indices must be whole pages"
+            )
         if P > 1 and not bool((idx - starts[:, None] == torch.arange(P)).all()):
             raise ValueError("each page's host indices must be consecutive tokens of one host page")
         return [int(s) for s in starts.tolist()]
@@ -143,19 +178,30 @@ class PoolView:
         t = self.parts[part]
         n = len(starts)
         sel = t.index_select(1, self._token_index(starts))  # [L, n*P, H, D]
-        return sel.view(self.num_layers, n, self.page_size, self.heads, self.head_dim).transpose(0, 1).contiguous()
+        return (
+            sel.view(self.num_layers, n, self.page_size, self.heads, self.head_dim)
+            .transpose(0, 1)
+            .contiguous()
+        )
 
     def scatter(self, part: int, starts: list[int], pages: torch.Tensor) -> None:
         """Write ``[n, L, P, H, D]`` pages back into ``part`` (layer_first)."""
         t = self.parts[part]
         n = len(starts)
-        src = pages.view(n, self.num_layers, self.page_size, self.heads, self.head_dim).transpose(0, 1)
-        t.index_copy_(1, self._token_index(starts), src.reshape(self.num_layers, n * self.page_size, self.heads,
-                                                                  self.head_dim))
+        src = pages.view(n, self.num_layers, self.page_size, self.heads, self.head_dim).transpose(
+            0, 1
+        )
+        t.index_copy_(
+            1,
+            self._token_index(starts),
+            src.reshape(self.num_layers, n * self.page_size, self.heads, self.head_dim),
+        )
 
     def staging(self, npages: int) -> torch.Tensor:
         """A fresh ``[n, L, P, H, D]`` tensor of this pool's dtype."""
         import torch
 
-        return torch.empty((npages, self.num_layers, self.page_size, self.heads, self.head_dim),
-                           dtype=self.parts[0].dtype)
+        return torch.empty(
+            (npages, self.num_layers, self.page_size, self.heads, self.head_dim),
+            dtype=self.parts[0].dtype,
+        )

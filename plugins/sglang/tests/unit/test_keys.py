@@ -22,26 +22,45 @@ def test_page_hashes_follow_sglangs_chain() -> None:
 
 
 def _scheme(**kw: object) -> KeyScheme:
-    base: dict[str, object] = dict(model="org/m", token_major=True, num_layers=4, heads=2, head_dim=8,
-                                   dtype="bfloat16", page_size=16, mla=False)
+    base: dict[str, object] = dict(
+        model="org/m",
+        token_major=True,
+        num_layers=4,
+        heads=2,
+        head_dim=8,
+        dtype="bfloat16",
+        page_size=16,
+        mla=False,
+    )
     base.update(kw)
     return KeyScheme(**base)  # type: ignore[arg-type]
 
 
 def test_keys_carry_model_geometry_and_shard() -> None:
     a = _scheme()
-    assert a.keys("ab") == [f"sgl/org/m/{a.geometry}/tp0of1/ab/k", f"sgl/org/m/{a.geometry}/tp0of1/ab/v"]
+    assert a.keys("ab") == [
+        f"sgl/org/m/{a.geometry}/tp0of1/ab/k",
+        f"sgl/org/m/{a.geometry}/tp0of1/ab/v",
+    ]
     assert _scheme(mla=True, tp_rank=1, tp_size=2).keys("ab")[0].endswith("/mla/ab/kv")
-    others = [_scheme(model="org/n"), _scheme(token_major=False), _scheme(tp_rank=1, tp_size=2),
-              _scheme(dtype="float16"), _scheme(page_size=32), _scheme(pp_rank=1, pp_size=2),
-              _scheme(namespace="tenant1")]
+    others = [
+        _scheme(model="org/n"),
+        _scheme(token_major=False),
+        _scheme(tp_rank=1, tp_size=2),
+        _scheme(dtype="float16"),
+        _scheme(page_size=32),
+        _scheme(pp_rank=1, pp_size=2),
+        _scheme(namespace="tenant1"),
+    ]
     seen = {a.prefix} | {o.prefix for o in others}
     assert len(seen) == len(others) + 1
     with pytest.raises(ValueError, match="empty page hash"):
         a.keys("")
 
 
-def test_adapter_reports_conformance(tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_adapter_reports_conformance(
+    tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from mooncake_conformance import status
     from mooncake_sglang import adapter
 
@@ -49,6 +68,10 @@ def test_adapter_reports_conformance(tmp_path: pytest.TempPathFactory, monkeypat
     assert adapter.mooncake_adapter_info().conformance.startswith("not run")
     checks = {c: "passed" for c in status.contract_checks()}
     status.write_status("sglang", "mooncake_sglang", checks, {})
-    assert adapter.mooncake_adapter_info().conformance.startswith(f"passed {len(checks)} of {len(checks)}")
-    status.write_status("sglang", "mooncake_sglang", {"test_hits_full_partial_and_miss": "failed"}, {})
+    assert adapter.mooncake_adapter_info().conformance.startswith(
+        f"passed {len(checks)} of {len(checks)}"
+    )
+    status.write_status(
+        "sglang", "mooncake_sglang", {"test_hits_full_partial_and_miss": "failed"}, {}
+    )
     assert adapter.mooncake_adapter_info().conformance.startswith("FAILED 1 of")

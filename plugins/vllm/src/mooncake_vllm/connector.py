@@ -54,7 +54,9 @@ def _tp_rank() -> int:
 class MooncakeCoreConnector(KVConnectorBase_V1):
     """PD connector: the decode instance pulls the prefill instance's KV blocks."""
 
-    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+    def __init__(
+        self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = self._kv_transfer_config
         self.engine_id = str(ktc.engine_id)
@@ -63,12 +65,16 @@ class MooncakeCoreConnector(KVConnectorBase_V1):
         self.scheduler: PDScheduler | None = None
         self.worker: PDWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = PDScheduler(self.engine_id, self.kv_role, int(vllm_config.cache_config.block_size))
+            self.scheduler = PDScheduler(
+                self.engine_id, self.kv_role, int(vllm_config.cache_config.block_size)
+            )
         else:
             self.worker = PDWorker(self.engine_id, self.kv_role, extra, _tp_rank())
 
     # ============================== scheduler side
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         assert self.scheduler is not None
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
@@ -110,7 +116,9 @@ class MooncakeCoreConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are asynchronous: the request waits in WAITING_FOR_REMOTE_KVS
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return None  # the prefill side keeps its blocks; the decode side pulls them
 
     def wait_for_save(self) -> None:
@@ -120,7 +128,9 @@ class MooncakeCoreConnector(KVConnectorBase_V1):
         if self.worker is None:
             return KVConnectorTransferResults()
         sending, recving, failed = self.worker.results(finished_req_ids)
-        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         r = self.get_transfer_results(finished_req_ids)

@@ -28,9 +28,15 @@ PROMPTS = [
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workdir", default=None, help="model, logs and counters go here (default: a temp dir)")
-    p.add_argument("--max-tokens", type=int, default=16, help="tokens to generate per request (default 16)")
-    p.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for each vLLM server")
+    p.add_argument(
+        "--workdir", default=None, help="model, logs and counters go here (default: a temp dir)"
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=16, help="tokens to generate per request (default 16)"
+    )
+    p.add_argument(
+        "--start-timeout", type=float, default=600.0, help="seconds to wait for each vLLM server"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,11 +60,22 @@ def run(args: argparse.Namespace) -> int:
     print(f"[pd-demo] work dir {work}", flush=True)
     t0 = time.monotonic()
     model = build_tiny_llama(work / "tiny-llama")
-    print(f"[pd-demo] built a random 2-layer Llama + local tokenizer in {time.monotonic() - t0:.0f} s", flush=True)
-    prefill = VLLMServer(model, name="prefill", log_path=work / "prefill.log",
-                         kv_transfer_config=pd_transfer_config("kv_producer", stats_dir=str(stats)))
-    decode = VLLMServer(model, name="decode", log_path=work / "decode.log",
-                        kv_transfer_config=pd_transfer_config("kv_consumer", stats_dir=str(stats)))
+    print(
+        f"[pd-demo] built a random 2-layer Llama + local tokenizer in {time.monotonic() - t0:.0f} s",
+        flush=True,
+    )
+    prefill = VLLMServer(
+        model,
+        name="prefill",
+        log_path=work / "prefill.log",
+        kv_transfer_config=pd_transfer_config("kv_producer", stats_dir=str(stats)),
+    )
+    decode = VLLMServer(
+        model,
+        name="decode",
+        log_path=work / "decode.log",
+        kv_transfer_config=pd_transfer_config("kv_consumer", stats_dir=str(stats)),
+    )
     mono = VLLMServer(model, name="monolithic", log_path=work / "monolithic.log")
     servers = [prefill, decode, mono]
     stop_proxy = None
@@ -72,9 +89,17 @@ def run(args: argparse.Namespace) -> int:
             print(f"[pd-demo]   {s.name:<10} {s.url}  (log {s.log_path})", flush=True)
         proxy = ProxyServer(ProxyConfig(prefill=(prefill.url,), decode=(decode.url,), port=0))
         purl, stop_proxy = proxy.run_in_thread()
-        print(f"[pd-demo]   proxy      {purl}  (mooncake-core proxy, policy least-load); "
-              f"ready after {time.monotonic() - t0:.0f} s", flush=True)
-        body = {"model": "tiny", "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
+        print(
+            f"[pd-demo]   proxy      {purl}  (mooncake-core proxy, policy least-load); "
+            f"ready after {time.monotonic() - t0:.0f} s",
+            flush=True,
+        )
+        body = {
+            "model": "tiny",
+            "max_tokens": args.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         # warm both paths once (first requests compile kernels)
         http_json(mono.url + "/v1/completions", {**body, "prompt": "warm up"})
         http_json(purl + "/v1/completions", {**body, "prompt": "warm up please"})
@@ -82,19 +107,27 @@ def run(args: argparse.Namespace) -> int:
         same = 0
         ttft_pd: list[float] = []
         ttft_mono: list[float] = []
-        print("\n  #  prompt chars | monolithic answer            | PD answer (prefill -> decode) | same")
+        print(
+            "\n  #  prompt chars | monolithic answer            | PD answer (prefill -> decode) | same"
+        )
         for i, prompt in enumerate(PROMPTS):
             tm, want = stream_ttft(mono.url + "/v1/completions", {**body, "prompt": prompt})
             tp, got = stream_ttft(purl + "/v1/completions", {**body, "prompt": prompt})
             ttft_mono.append(tm)
             ttft_pd.append(tp)
             same += want == got
-            print(f"  {i}  {len(prompt):>12} | {want[:28]!r:<30} | {got[:28]!r:<30} | {'yes' if want == got else 'NO'}")
+            print(
+                f"  {i}  {len(prompt):>12} | {want[:28]!r:<30} | {got[:28]!r:<30} | {'yes' if want == got else 'NO'}"
+            )
         chat = {**body, "messages": [{"role": "user", "content": PROMPTS[1]}]}
-        want = http_json(mono.url + "/v1/chat/completions", chat)["choices"][0]["message"]["content"]
+        want = http_json(mono.url + "/v1/chat/completions", chat)["choices"][0]["message"][
+            "content"
+        ]
         got = http_json(purl + "/v1/chat/completions", chat)["choices"][0]["message"]["content"]
         same += want == got
-        print(f"  chat {len(PROMPTS[1]):>10} | {want[:28]!r:<30} | {got[:28]!r:<30} | {'yes' if want == got else 'NO'}")
+        print(
+            f"  chat {len(PROMPTS[1]):>10} | {want[:28]!r:<30} | {got[:28]!r:<30} | {'yes' if want == got else 'NO'}"
+        )
         after = read_counters(stats, "pd-kv_consumer-")
         moved = after.get("recv_bytes", 0) - before.get("recv_bytes", 0)
         secs = after.get("recv_seconds", 0) - before.get("recv_seconds", 0)
@@ -102,12 +135,16 @@ def run(args: argparse.Namespace) -> int:
         reqs = after.get("recv_requests", 0) - before.get("recv_requests", 0)
         total = len(PROMPTS) + 1
         print(f"\n[pd-demo] answers identical to the monolithic instance: {same}/{total}")
-        print(f"[pd-demo] KV moved prefill -> decode by the transfer engine: {reqs:.0f} requests, {blocks:.0f} blocks, "
-              f"{moved / 1024:.0f} KiB in {secs * 1e3:.1f} ms"
-              + (f" ({moved / secs / 1e9:.2f} GB/s)" if secs > 0 else ""))
-        print(f"[pd-demo] TTFT median: monolithic {statistics.median(ttft_mono) * 1e3:.0f} ms, "
-              f"PD via proxy {statistics.median(ttft_pd) * 1e3:.0f} ms "
-              "(tiny model: PD adds a hop; the gain shows with long prompts, see `mooncake-core bench vllm`)")
+        print(
+            f"[pd-demo] KV moved prefill -> decode by the transfer engine: {reqs:.0f} requests, {blocks:.0f} blocks, "
+            f"{moved / 1024:.0f} KiB in {secs * 1e3:.1f} ms"
+            + (f" ({moved / secs / 1e9:.2f} GB/s)" if secs > 0 else "")
+        )
+        print(
+            f"[pd-demo] TTFT median: monolithic {statistics.median(ttft_mono) * 1e3:.0f} ms, "
+            f"PD via proxy {statistics.median(ttft_pd) * 1e3:.0f} ms "
+            "(tiny model: PD adds a hop; the gain shows with long prompts, see `mooncake-core bench vllm`)"
+        )
         return 0 if same == total and reqs >= total else 1
     finally:
         if stop_proxy is not None:

@@ -34,8 +34,16 @@ __all__ = ["VLLMProxyEngine", "ENGINE", "tokenize_request", "decode_kv_events"]
 
 ENGINE = "vllm"
 
-_CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
-                "chat_template_kwargs", "tools", "mm_processor_kwargs", "media_io_kwargs")
+_CHAT_FIELDS = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+    "mm_processor_kwargs",
+    "media_io_kwargs",
+)
 
 
 def tokenize_request(body: dict[str, Any], chat: bool) -> dict[str, Any] | None:
@@ -73,8 +81,14 @@ def decode_kv_events(payload: bytes) -> list[KVEvent]:
         kind = ev.get("type") if isinstance(ev, dict) else None
         if kind == "BlockStored":
             size = ev.get("block_size")
-            out.append(BlocksStored(tuple(ev.get("block_hashes") or ()), ev.get("parent_block_hash"),
-                                    tuple(ev.get("token_ids") or ()), int(size) if size else None))
+            out.append(
+                BlocksStored(
+                    tuple(ev.get("block_hashes") or ()),
+                    ev.get("parent_block_hash"),
+                    tuple(ev.get("token_ids") or ()),
+                    int(size) if size else None,
+                )
+            )
         elif kind == "BlockRemoved":
             out.append(BlocksRemoved(tuple(ev.get("block_hashes") or ())))
         elif kind == "AllBlocksCleared":
@@ -87,9 +101,11 @@ class VLLMProxyEngine:
 
     name = ENGINE
     tokenize_path = "/tokenize"
-    missing_handoff = ("returned no kv_transfer_params; start it with "
-                       "--kv-transfer-config '{\"kv_connector\":\"MooncakeCoreConnector\","
-                       "\"kv_role\":\"kv_producer\"}'")
+    missing_handoff = (
+        "returned no kv_transfer_params; start it with "
+        '--kv-transfer-config \'{"kv_connector":"MooncakeCoreConnector",'
+        '"kv_role":"kv_producer"}\''
+    )
 
     def prefill_body(self, body: dict[str, Any]) -> dict[str, Any]:
         pbody = dict(body)

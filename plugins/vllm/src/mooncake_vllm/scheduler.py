@@ -57,9 +57,17 @@ class PDScheduler:
         for key, md in metadata.items():
             tp = key[1] if isinstance(key, tuple) else key
             if isinstance(md, PDHandshake):
-                self.peers[str(tp)] = {"peer": md.peer, "layers": dict(md.layers), "block_bytes": md.block_bytes}
-        logger.info("mooncake_vllm: %s engine %s reachable at %s", self.role, self.engine_id,
-                    ", ".join(p["peer"] for p in self.peers.values()) or "(nowhere)")
+                self.peers[str(tp)] = {
+                    "peer": md.peer,
+                    "layers": dict(md.layers),
+                    "block_bytes": md.block_bytes,
+                }
+        logger.info(
+            "mooncake_vllm: %s engine %s reachable at %s",
+            self.role,
+            self.engine_id,
+            ", ".join(p["peer"] for p in self.peers.values()) or "(nowhere)",
+        )
 
     # ------------------------------------------------------------------ decode side
     def _wants_fetch(self, request: Any) -> dict[str, Any] | None:
@@ -67,13 +75,19 @@ class PDScheduler:
         if not self.is_consumer or not p or not p.get("do_remote_prefill"):
             return None
         if not all(k in p for k in _REQUIRED):
-            logger.warning("mooncake_vllm: request %s has incomplete kv_transfer_params (need %s); "
-                           "computing its prompt here", request.request_id, ", ".join(_REQUIRED))
+            logger.warning(
+                "mooncake_vllm: request %s has incomplete kv_transfer_params (need %s); "
+                "computing its prompt here",
+                request.request_id,
+                ", ".join(_REQUIRED),
+            )
             p["do_remote_prefill"] = False
             return None
         return dict(p)
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         p = self._wants_fetch(request)
         if p is None:
             return 0, False
@@ -91,8 +105,12 @@ class PDScheduler:
             return
         request.kv_transfer_params["do_remote_prefill"] = False  # one fetch per request
         rid = request.request_id
-        spec = RecvSpec(rid, str(p["remote_request_id"]), str(p.get("remote_engine_id", "?")),
-                        dict(p["remote_peers"]))
+        spec = RecvSpec(
+            rid,
+            str(p["remote_request_id"]),
+            str(p.get("remote_engine_id", "?")),
+            dict(p["remote_peers"]),
+        )
         local_hit = self._local_hit.pop(rid, 0)
         if num_external_tokens > 0:
             bs = self.block_size
@@ -119,14 +137,24 @@ class PDScheduler:
             # Finished (aborted) before it was scheduled: release the prefill side.
             p["do_remote_prefill"] = False
             if all(k in p for k in _REQUIRED):
-                self._recvs.append(RecvSpec(rid, str(p["remote_request_id"]), str(p.get("remote_engine_id", "?")),
-                                            dict(p["remote_peers"])))
+                self._recvs.append(
+                    RecvSpec(
+                        rid,
+                        str(p["remote_request_id"]),
+                        str(p.get("remote_engine_id", "?")),
+                        dict(p["remote_peers"]),
+                    )
+                )
             return False, None
         if not (self.is_producer and p.get("do_remote_decode")):
             return False, None
         status = str(getattr(request.status, "name", request.status))
         ids = _first_group(block_ids)
-        if status not in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED") or not ids or not self.peers:
+        if (
+            status not in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+            or not ids
+            or not self.peers
+        ):
             return False, None
         self._sends[rid] = ids
         return True, {

@@ -89,7 +89,9 @@ def _key_prefix(vllm_config: Any) -> str:
 
 
 def _tp_size(vllm_config: Any) -> int:
-    return int(getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1)
+    return int(
+        getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1
+    )
 
 
 def _rank_dir(rank: int, size: int) -> str:
@@ -99,8 +101,12 @@ def _rank_dir(rank: int, size: int) -> str:
 def scheme_of(vllm_config: Any) -> StoreKeyScheme:
     """The key scheme of this vLLM engine (model, dtype, block size, TP size)."""
     mc = vllm_config.model_config
-    return StoreKeyScheme(str(getattr(mc, "model", "?")), str(getattr(mc, "dtype", "?")),
-                          int(vllm_config.cache_config.block_size), _tp_size(vllm_config))
+    return StoreKeyScheme(
+        str(getattr(mc, "model", "?")),
+        str(getattr(mc, "dtype", "?")),
+        int(vllm_config.cache_config.block_size),
+        _tp_size(vllm_config),
+    )
 
 
 class _StoreScheduler:
@@ -113,8 +119,11 @@ class _StoreScheduler:
         self.tp_size = self.scheme.tp_size
         self.retry_after_s = float(option(extra, "retry_after_s", 10.0))
         self.counters = Counters(f"store-sched-{engine_id}", option(extra, "stats_dir", None))
-        self._make_client: Any = lambda: StoreClient(config_from_engine(extra), segment_size=0,
-                                                     failover_timeout_s=float(option(extra, "lookup_timeout_s", 2.0)))
+        self._make_client: Any = lambda: StoreClient(
+            config_from_engine(extra),
+            segment_size=0,
+            failover_timeout_s=float(option(extra, "lookup_timeout_s", 2.0)),
+        )
         self.client: Any = None
         self._down_until = 0.0
         self.reqs: dict[str, _Req] = {}
@@ -135,12 +144,18 @@ class _StoreScheduler:
         except Exception as exc:
             self._down_until = time.monotonic() + self.retry_after_s
             self.counters.add(lookup_failures=1)
-            logger.warning("mooncake_vllm: KV store lookup failed (%s); computing prompts locally, "
-                           "next try in %.0f s", exc, self.retry_after_s)
+            logger.warning(
+                "mooncake_vllm: KV store lookup failed (%s); computing prompts locally, "
+                "next try in %.0f s",
+                exc,
+                self.retry_after_s,
+            )
             return 0
         return n
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         rid = request.request_id
         prompt = list(request.prompt_token_ids or [])
         bs = self.block_size
@@ -174,7 +189,9 @@ class _StoreScheduler:
         if num_external_tokens > 0 and st.hit_pages:
             n = st.hit_pages
             self.counters.add(hit_requests=1, hit_pages=n)
-            self._loads.append(PageJob(request.request_id, st.pages[start : start + n], ids[start : start + n]))
+            self._loads.append(
+                PageJob(request.request_id, st.pages[start : start + n], ids[start : start + n])
+            )
         # local prefix hits and store hits are not saved again
         st.saved_upto = start + (st.hit_pages if num_external_tokens > 0 else 0)
 
@@ -203,7 +220,9 @@ class _StoreScheduler:
             st = self.reqs[rid]
             upto = min(computed // bs, len(st.pages), len(st.blocks))
             if upto > st.saved_upto:
-                self._saves.append(PageJob(rid, st.pages[st.saved_upto : upto], st.blocks[st.saved_upto : upto]))
+                self._saves.append(
+                    PageJob(rid, st.pages[st.saved_upto : upto], st.blocks[st.saved_upto : upto])
+                )
                 st.saved_upto = upto
                 st.saving = True
         meta = StoreMetadata(loads=self._loads, saves=self._saves)
@@ -221,11 +240,15 @@ class _StoreScheduler:
 
 
 class _StoreWorker:
-    def __init__(self, vllm_config: Any, extra: dict[str, Any], engine_id: str, tp_rank: int) -> None:
+    def __init__(
+        self, vllm_config: Any, extra: dict[str, Any], engine_id: str, tp_rank: int
+    ) -> None:
         self.extra = extra
         self.scheme = scheme_of(vllm_config)
         self.tp_rank = tp_rank
-        self.counters = Counters(f"store-worker-{engine_id}-tp{tp_rank}", option(extra, "stats_dir", None))
+        self.counters = Counters(
+            f"store-worker-{engine_id}-tp{tp_rank}", option(extra, "stats_dir", None)
+        )
         self.client: Any = None
         self.layers: list[tuple[str, Any]] = []
         self.block_bytes = 0
@@ -248,19 +271,32 @@ class _StoreWorker:
         seg = self.extra.get("segment_size")
         size = int(cfg.global_segment_size) if seg is None else int(parse_size(seg))
         try:
-            self.client = StoreClient(cfg, segment_size=size, failover_timeout_s=self.retry_timeout_s).start()
+            self.client = StoreClient(
+                cfg, segment_size=size, failover_timeout_s=self.retry_timeout_s
+            ).start()
         except Exception as exc:  # serve without the pool rather than not at all
-            logger.warning("mooncake_vllm: cannot reach the KV store master %s (%s); this instance runs "
-                           "without the shared KV pool", cfg.master_server_address, exc)
+            logger.warning(
+                "mooncake_vllm: cannot reach the KV store master %s (%s); this instance runs "
+                "without the shared KV pool",
+                cfg.master_server_address,
+                exc,
+            )
             self.client = None
             return
         for name, t in kv_caches.items():
             self.client.register_buffer(t)
             self.layers.append((name, t))
             self.block_bytes = int(t.stride(0)) * int(t.element_size())
-        logger.info("mooncake_vllm: store worker on %s, %d layers x %d bytes per page, lends %d bytes; "
-                    "keys %s..., seed %r", self.client.hostname, len(self.layers), self.block_bytes, size,
-                    self.scheme.rank_prefix(self.tp_rank), self.scheme.seed)
+        logger.info(
+            "mooncake_vllm: store worker on %s, %d layers x %d bytes per page, lends %d bytes; "
+            "keys %s..., seed %r",
+            self.client.hostname,
+            len(self.layers),
+            self.block_bytes,
+            size,
+            self.scheme.rank_prefix(self.tp_rank),
+            self.scheme.seed,
+        )
 
     def _keys(self, pages: list[str], layer: int) -> list[str]:
         return self.scheme.layer_keys(pages, self.tp_rank, layer)
@@ -277,8 +313,11 @@ class _StoreWorker:
                 addrs = [base + b * bb for b in job.block_ids]
                 fut = self._save_pool_free_load(keys, addrs)
                 self._loading.setdefault(name, []).append((fut, list(job.block_ids)))
-        self.counters.add(load_requests=len(meta.loads), load_pages=sum(len(j.pages) for j in meta.loads),
-                          load_bytes=sum(len(j.pages) for j in meta.loads) * bb * len(self.layers))
+        self.counters.add(
+            load_requests=len(meta.loads),
+            load_pages=sum(len(j.pages) for j in meta.loads),
+            load_bytes=sum(len(j.pages) for j in meta.loads) * bb * len(self.layers),
+        )
 
     def _save_pool_free_load(self, keys: list[str], addrs: list[int]) -> Future[list[Any]]:
         """Start one layer's reads on a short-lived thread (the save thread may be busy)."""
@@ -286,7 +325,9 @@ class _StoreWorker:
 
         def run() -> None:
             try:
-                fut.set_result(self.client.batch_get_into(keys, addrs, [self.block_bytes] * len(keys)))
+                fut.set_result(
+                    self.client.batch_get_into(keys, addrs, [self.block_bytes] * len(keys))
+                )
             except BaseException as exc:
                 fut.set_exception(exc)
 
@@ -307,9 +348,13 @@ class _StoreWorker:
             if bad:
                 self._load_errors.update(bad)
                 self.counters.add(load_failures=1)
-                logger.warning("mooncake_vllm: loading %d KV page(s) of layer %s from the store failed (%s); "
-                               "vLLM's kv_load_failure_policy decides (recompute: computed here)",
-                               len(bad), layer_name, first)
+                logger.warning(
+                    "mooncake_vllm: loading %d KV page(s) of layer %s from the store failed (%s); "
+                    "vLLM's kv_load_failure_policy decides (recompute: computed here)",
+                    len(bad),
+                    layer_name,
+                    first,
+                )
 
     def finish_loads(self) -> None:
         for name in list(self._loading):
@@ -346,14 +391,21 @@ class _StoreWorker:
             res = [exc] * len(keys)
         errs = [r for r in res if r is not None and type(r).__name__ != "ObjectExists"]
         stored = sum(1 for r in res if r is None)
-        self.counters.add(save_objects=stored, save_bytes=stored * self.block_bytes,
-                          save_seconds=time.monotonic() - t0, save_failures=1 if errs else 0)
+        self.counters.add(
+            save_objects=stored,
+            save_bytes=stored * self.block_bytes,
+            save_seconds=time.monotonic() - t0,
+            save_failures=1 if errs else 0,
+        )
         if errs:
             self._save_down_until = time.monotonic() + self.retry_after_s
         if errs and not self._save_down_logged:
             self._save_down_logged = True
-            logger.warning("mooncake_vllm: saving KV pages to the store failed (%s); serving continues "
-                           "without saving", errs[0])
+            logger.warning(
+                "mooncake_vllm: saving KV pages to the store failed (%s); serving continues "
+                "without saving",
+                errs[0],
+            )
         elif not errs:
             self._save_down_logged = False
 
@@ -378,7 +430,9 @@ class _StoreWorker:
 class MooncakeCoreStoreConnector(KVConnectorBase_V1):
     """Saves prompt KV pages into the mooncake-core store and loads them on prefix hits."""
 
-    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+    def __init__(
+        self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = self._kv_transfer_config
         extra = dict(ktc.kv_connector_extra_config or {})
@@ -397,7 +451,9 @@ class MooncakeCoreStoreConnector(KVConnectorBase_V1):
         return False  # a dropped save is only a future miss
 
     # ============================== scheduler side
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         assert self.sched is not None
         return self.sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
@@ -429,7 +485,9 @@ class MooncakeCoreStoreConnector(KVConnectorBase_V1):
         if self.worker is not None:
             self.worker.wait_for_layer_load(layer_name)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return None  # pages are saved after the forward, in wait_for_save
 
     def wait_for_save(self) -> None:
@@ -443,7 +501,9 @@ class MooncakeCoreStoreConnector(KVConnectorBase_V1):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self.worker is None:
             return KVConnectorTransferResults()
-        return KVConnectorTransferResults(finished_sending=self.worker.finished_saves(finished_req_ids))
+        return KVConnectorTransferResults(
+            finished_sending=self.worker.finished_saves(finished_req_ids)
+        )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         r = self.get_transfer_results(finished_req_ids)

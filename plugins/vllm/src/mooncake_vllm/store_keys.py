@@ -20,7 +20,13 @@ from dataclasses import dataclass
 
 __all__ = ["StoreKeyScheme", "page_chain", "key_prefix", "rank_dir", "normalize_dtype"]
 
-_DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
+_DTYPE_ALIASES = {
+    "half": "float16",
+    "fp16": "float16",
+    "float": "float32",
+    "fp32": "float32",
+    "bf16": "bfloat16",
+}
 
 
 def page_chain(seed: str, tokens: Sequence[int], page: int, n_pages: int) -> list[str]:
@@ -29,8 +35,9 @@ def page_chain(seed: str, tokens: Sequence[int], page: int, n_pages: int) -> lis
     out = []
     for i in range(n_pages):
         chunk = tokens[i * page : (i + 1) * page]
-        h = hashlib.blake2b(h + b"".join(int(t).to_bytes(4, "little", signed=True) for t in chunk),
-                            digest_size=16).digest()
+        h = hashlib.blake2b(
+            h + b"".join(int(t).to_bytes(4, "little", signed=True) for t in chunk), digest_size=16
+        ).digest()
         out.append(h.hex())
     return out
 

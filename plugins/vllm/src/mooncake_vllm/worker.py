@@ -67,7 +67,9 @@ class PDWorker:
         self.tp_rank = tp_rank
         self.send_timeout_s = float(option(extra, "send_timeout_s", 120.0))
         self.transfer_timeout_s = float(option(extra, "transfer_timeout_s", 30.0))
-        self.counters = Counters(f"pd-{role}-{engine_id}-tp{tp_rank}", option(extra, "stats_dir", None))
+        self.counters = Counters(
+            f"pd-{role}-{engine_id}-tp{tp_rank}", option(extra, "stats_dir", None)
+        )
         self.engine: TransferEngine | None = None
         self.layers: dict[str, Any] = {}
         self.block_bytes = 0
@@ -85,7 +87,9 @@ class PDWorker:
         shapes = set()
         for name, t in kv_caches.items():
             if not t.is_contiguous():
-                raise ValueError(f"KV cache of layer {name!r} is not contiguous; the PD connector moves whole blocks")
+                raise ValueError(
+                    f"KV cache of layer {name!r} is not contiguous; the PD connector moves whole blocks"
+                )
             self.engine.register(t, name=name)
             self.layers[name] = t
             shapes.add((tuple(t.shape), t.dtype))
@@ -93,15 +97,25 @@ class PDWorker:
             self.num_blocks = int(t.shape[0])
         if len(shapes) > 1:
             raise ValueError(f"layers have different KV layouts: {shapes}")
-        logger.info("mooncake_vllm: %s worker tp%d registered %d layers x %d blocks x %d bytes on %s",
-                    self.role, self.tp_rank, len(self.layers), self.num_blocks, self.block_bytes, self.engine.name)
+        logger.info(
+            "mooncake_vllm: %s worker tp%d registered %d layers x %d blocks x %d bytes on %s",
+            self.role,
+            self.tp_rank,
+            len(self.layers),
+            self.num_blocks,
+            self.block_bytes,
+            self.engine.name,
+        )
 
     def handshake(self) -> PDHandshake | None:
         if self.engine is None:
             return None
-        return PDHandshake(peer=self.engine.name,
-                           layers={n: int(t.data_ptr()) for n, t in self.layers.items()},
-                           block_bytes=self.block_bytes, num_blocks=self.num_blocks)
+        return PDHandshake(
+            peer=self.engine.name,
+            layers={n: int(t.data_ptr()) for n, t in self.layers.items()},
+            block_bytes=self.block_bytes,
+            num_blocks=self.num_blocks,
+        )
 
     def shutdown(self) -> None:
         self._notify_pool.shutdown(wait=False, cancel_futures=True)
@@ -135,11 +149,17 @@ class PDWorker:
         self._fetches[spec.request_id] = fetch
         try:
             if info is None:
-                raise ValueError(f"prefill instance {spec.remote_engine_id} has no TP rank {self.tp_rank}")
+                raise ValueError(
+                    f"prefill instance {spec.remote_engine_id} has no TP rank {self.tp_rank}"
+                )
             if int(info["block_bytes"]) != self.block_bytes:
-                raise ValueError(f"block size differs: remote {info['block_bytes']} bytes, local {self.block_bytes}")
+                raise ValueError(
+                    f"block size differs: remote {info['block_bytes']} bytes, local {self.block_bytes}"
+                )
             if len(spec.local_block_ids) != len(spec.remote_block_ids):
-                raise ValueError(f"{len(spec.local_block_ids)} local blocks for {len(spec.remote_block_ids)} remote ones")
+                raise ValueError(
+                    f"{len(spec.local_block_ids)} local blocks for {len(spec.remote_block_ids)} remote ones"
+                )
             remote_layers: dict[str, int] = info["layers"]
             runs = _runs(spec.local_block_ids, spec.remote_block_ids)
             bb = self.block_bytes
@@ -148,8 +168,12 @@ class PDWorker:
                 if base is None:
                     raise ValueError(f"prefill instance has no layer {name!r}")
                 local_base = int(t.data_ptr())
-                reqs = [TransferRequest("read", peer, local_base + lb * bb, n * bb, remote_addr=int(base) + rb * bb)
-                        for lb, rb, n in runs]
+                reqs = [
+                    TransferRequest(
+                        "read", peer, local_base + lb * bb, n * bb, remote_addr=int(base) + rb * bb
+                    )
+                    for lb, rb, n in runs
+                ]
                 fetch.batches.append(self.engine.submit(reqs, timeout=self.transfer_timeout_s))
                 fetch.nbytes += sum(n for _, _, n in runs) * bb
         except Exception as exc:  # reported as a failed load in results()
@@ -181,8 +205,12 @@ class PDWorker:
                 sending.add(rid)
                 del self._sends[rid]
             elif now >= deadline:
-                logger.warning("mooncake_vllm: no decode instance fetched request %s within %.0f s; "
-                               "releasing its KV blocks", rid, self.send_timeout_s)
+                logger.warning(
+                    "mooncake_vllm: no decode instance fetched request %s within %.0f s; "
+                    "releasing its KV blocks",
+                    rid,
+                    self.send_timeout_s,
+                )
                 self.counters.add(sends_released_by_timeout=1)
                 sending.add(rid)
                 del self._sends[rid]
@@ -199,16 +227,25 @@ class PDWorker:
                         err = exc
                         break
             if err is not None:
-                logger.warning("mooncake_vllm: KV fetch for request %s from prefill %s (%s) failed: %s; "
-                               "vLLM's kv_load_failure_policy decides (recompute: the prompt is computed here)",
-                               rid, f.spec.remote_engine_id, f.peer or "?", err)
+                logger.warning(
+                    "mooncake_vllm: KV fetch for request %s from prefill %s (%s) failed: %s; "
+                    "vLLM's kv_load_failure_policy decides (recompute: the prompt is computed here)",
+                    rid,
+                    f.spec.remote_engine_id,
+                    f.peer or "?",
+                    err,
+                )
                 self.counters.add(recv_failures=1)
                 failed.add(rid)
                 recving.add(rid)
             else:
                 dt = time.monotonic() - f.started
-                self.counters.add(recv_requests=1, recv_blocks=len(f.spec.local_block_ids),
-                                  recv_bytes=f.nbytes, recv_seconds=dt)
+                self.counters.add(
+                    recv_requests=1,
+                    recv_blocks=len(f.spec.local_block_ids),
+                    recv_bytes=f.nbytes,
+                    recv_seconds=dt,
+                )
                 logger.debug("fetched %d bytes for %s in %.3f s", f.nbytes, rid, dt)
                 recving.add(rid)
             if f.peer:

@@ -40,8 +40,13 @@ def _prefill_ok(seen: list[dict[str, Any]]) -> Handler:
     async def h(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         seen.append(body)
-        return web.json_response({"choices": [{"text": "x"}],
-                                  "kv_transfer_params": {"do_remote_prefill": True, "remote_request_id": "r1"}})
+        return web.json_response(
+            {
+                "choices": [{"text": "x"}],
+                "kv_transfer_params": {"do_remote_prefill": True, "remote_request_id": "r1"},
+            }
+        )
+
     return h
 
 
@@ -57,12 +62,19 @@ def _decode_ok(seen: list[dict[str, Any]]) -> Handler:
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
-        return web.json_response({"choices": [{"text": "abc"}], "echo": body.get("kv_transfer_params")})
+        return web.json_response(
+            {"choices": [{"text": "abc"}], "echo": body.get("kv_transfer_params")}
+        )
+
     return h
 
 
-async def _run(prefill: list[Handler], decode: list[Handler], client: Callable[[str, ProxyServer], Awaitable[None]],
-               **cfg: Any) -> None:
+async def _run(
+    prefill: list[Handler],
+    decode: list[Handler],
+    client: Callable[[str, ProxyServer], Awaitable[None]],
+    **cfg: Any,
+) -> None:
     runners = []
     purls, durls = [], []
     for h in prefill:
@@ -84,7 +96,10 @@ async def _run(prefill: list[Handler], decode: list[Handler], client: Callable[[
 
 
 async def _post(url: str, body: Any, raw: bool = False) -> tuple[int, Any]:
-    async with aiohttp.ClientSession() as s, s.post(url, json=body, timeout=aiohttp.ClientTimeout(total=20)) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(url, json=body, timeout=aiohttp.ClientTimeout(total=20)) as r,
+    ):
         data = await r.read()
         return r.status, (data if raw else json.loads(data))
 
@@ -94,7 +109,9 @@ def test_completion_goes_prefill_then_decode_with_params() -> None:
     dseen: list[dict[str, Any]] = []
 
     async def client(url: str, proxy: ProxyServer) -> None:
-        st, body = await _post(url + "/v1/completions", {"model": "m", "prompt": [1, 2, 3], "max_tokens": 5})
+        st, body = await _post(
+            url + "/v1/completions", {"model": "m", "prompt": [1, 2, 3], "max_tokens": 5}
+        )
         assert st == 200
         assert body["echo"] == {"do_remote_prefill": True, "remote_request_id": "r1"}
         assert pseen[0]["max_tokens"] == 1 and pseen[0]["stream"] is False
@@ -109,9 +126,17 @@ def test_chat_streaming_passes_through() -> None:
     dseen: list[dict[str, Any]] = []
 
     async def client(url: str, proxy: ProxyServer) -> None:
-        st, raw = await _post(url + "/v1/chat/completions",
-                              {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
-                               "stream_options": {"include_usage": True}, "max_completion_tokens": 9}, raw=True)
+        st, raw = await _post(
+            url + "/v1/chat/completions",
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "hi"}],
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "max_completion_tokens": 9,
+            },
+            raw=True,
+        )
         assert st == 200
         assert raw.count(b"data: ") == 4 and raw.endswith(b"data: [DONE]\n\n")
         assert pseen[0]["max_completion_tokens"] == 1 and "stream_options" not in pseen[0]
@@ -127,7 +152,10 @@ def test_prefill_500_is_a_clear_502() -> None:
     async def client(url: str, proxy: ProxyServer) -> None:
         st, body = await _post(url + "/v1/completions", {"prompt": "hello"})
         assert st == 502
-        assert "prefill instance" in body["error"]["message"] and "engine dead" in body["error"]["message"]
+        assert (
+            "prefill instance" in body["error"]["message"]
+            and "engine dead" in body["error"]["message"]
+        )
 
     asyncio.run(_run([bad], [_decode_ok([])], client))
 
@@ -196,7 +224,9 @@ def test_stream_that_stalls_ends_with_error_event() -> None:
         return resp
 
     async def client(url: str, proxy: ProxyServer) -> None:
-        st, raw = await _post(url + "/v1/completions", {"prompt": "hello", "stream": True}, raw=True)
+        st, raw = await _post(
+            url + "/v1/completions", {"prompt": "hello", "stream": True}, raw=True
+        )
         assert st == 200
         assert b'"error"' in raw and raw.endswith(b"data: [DONE]\n\n")
 
@@ -205,7 +235,10 @@ def test_stream_that_stalls_ends_with_error_event() -> None:
 
 def test_bad_json_is_400() -> None:
     async def client(url: str, proxy: ProxyServer) -> None:
-        async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", data=b"{nope") as r:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(url + "/v1/completions", data=b"{nope") as r,
+        ):
             assert r.status == 400
 
     asyncio.run(_run([_prefill_ok([])], [_decode_ok([])], client))
@@ -248,16 +281,29 @@ def test_early_rejection_answers_429_before_any_prefill() -> None:
 
     async def client(url: str, proxy: ProxyServer) -> None:
         # a 2k-token prompt cannot meet a 1 ms TTFT target on the shipped profile
-        st, body = await _post(url + "/v1/completions", {"model": "m", "prompt": list(range(2048)), "max_tokens": 4})
+        st, body = await _post(
+            url + "/v1/completions", {"model": "m", "prompt": list(range(2048)), "max_tokens": 4}
+        )
         assert st == 429, body
-        assert body["error"]["type"] == "rate_limit_exceeded" and "rejected early" in body["error"]["message"]
+        assert (
+            body["error"]["type"] == "rate_limit_exceeded"
+            and "rejected early" in body["error"]["message"]
+        )
         assert "TTFT" in body["error"]["message"]
         assert pseen == [] and dseen == []  # no prefill work was spent on it
         async with aiohttp.ClientSession() as s, s.get(url + "/proxy/stats") as r:
             assert (await r.json())["rejected"] == 1
 
     opts = (("reject", True), ("slo_ttft_s", 0.001), ("slo_tbt_s", 10.0))
-    asyncio.run(_run([_prefill_ok(pseen)], [_decode_ok(dseen)], client, policy="global-cache", policy_options=opts))
+    asyncio.run(
+        _run(
+            [_prefill_ok(pseen)],
+            [_decode_ok(dseen)],
+            client,
+            policy="global-cache",
+            policy_options=opts,
+        )
+    )
 
 
 def test_rejection_triggers_exactly_at_the_predicted_ttft() -> None:
@@ -272,7 +318,9 @@ def test_rejection_triggers_exactly_at_the_predicted_ttft() -> None:
     predicted = probe.conductor.decide(req, now=0.0, commit=False).ttft_s
     ok = make_policy("global-cache", p, d, reject=True, slo_ttft_s=predicted * 1.01, slo_tbt_s=10.0)
     ok.choose(Job(1, len(prompt), [7] * 5 + prompt[5:], 4))  # accepted
-    tight = make_policy("global-cache", p, d, reject=True, slo_ttft_s=predicted * 0.99, slo_tbt_s=10.0)
+    tight = make_policy(
+        "global-cache", p, d, reject=True, slo_ttft_s=predicted * 0.99, slo_tbt_s=10.0
+    )
     with pytest.raises(RequestRejected, match="rejected early"):
         tight.choose(Job(2, len(prompt), [9] * 5 + prompt[5:], 4))
     with pytest.raises(ConfigError, match="does not take options"):

@@ -28,7 +28,9 @@ srv.serve_forever()
 """
 
 
-def test_a_port_taken_before_the_server_binds_it_gets_a_restart_on_a_new_port(tmp_path: Path) -> None:
+def test_a_port_taken_before_the_server_binds_it_gets_a_restart_on_a_new_port(
+    tmp_path: Path,
+) -> None:
     server = VLLMServer(tmp_path, log_path=tmp_path / "server.log")
     server.cmd = [sys.executable, "-c", _SERVE, "--port", str(server.port)]
     taken = socket.socket()

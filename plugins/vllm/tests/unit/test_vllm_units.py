@@ -15,8 +15,10 @@ from vllm_helpers import HAVE_VLLM
 
 
 def test_adapter_entry_point_does_not_import_vllm() -> None:
-    code = ("import sys, mooncake_vllm.adapter as a; info = a.mooncake_adapter_info(); "
-            "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules); print(info.status)")
+    code = (
+        "import sys, mooncake_vllm.adapter as a; info = a.mooncake_adapter_info(); "
+        "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules); print(info.status)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
 
@@ -100,9 +102,11 @@ def test_pd_scheduler_round_trip() -> None:
 @pytest.mark.slow
 @needs_vllm
 def test_register_is_idempotent_and_names_resolve() -> None:
-    code = ("from mooncake_vllm.register import register; register(); register(); "
-            "from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory as F; "
-            "print(sorted(k for k in F._registry if k.startswith('MooncakeCore')))")
+    code = (
+        "from mooncake_vllm.register import register; register(); register(); "
+        "from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory as F; "
+        "print(sorted(k for k in F._registry if k.startswith('MooncakeCore')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "['MooncakeCoreConnector', 'MooncakeCoreStoreConnector']" in out.stdout
@@ -114,12 +118,16 @@ def test_store_keys_carry_tp_size_and_hits_need_every_rank() -> None:
     from mooncake_vllm.store_connector import _key_prefix, _rank_dir, _StoreScheduler, _tp_size
 
     def vc(tp: int) -> SimpleNamespace:
-        return SimpleNamespace(model_config=SimpleNamespace(model="/m/tiny", dtype="float32"),
-                               cache_config=SimpleNamespace(block_size=32),
-                               parallel_config=SimpleNamespace(tensor_parallel_size=tp))
+        return SimpleNamespace(
+            model_config=SimpleNamespace(model="/m/tiny", dtype="float32"),
+            cache_config=SimpleNamespace(block_size=32),
+            parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+        )
 
     # rank 0 of a TP=2 engine never shares keys with a TP=1 engine of the same model
-    assert _key_prefix(vc(1)) + _rank_dir(0, _tp_size(vc(1))) != _key_prefix(vc(2)) + _rank_dir(0, _tp_size(vc(2)))
+    assert _key_prefix(vc(1)) + _rank_dir(0, _tp_size(vc(1))) != _key_prefix(vc(2)) + _rank_dir(
+        0, _tp_size(vc(2))
+    )
     sched = _StoreScheduler(vc(2), {}, "t")
     asked: list[list[str]] = []
 

@@ -59,24 +59,50 @@ def build_host_pool(layout: KVLayout, rank: int = 0) -> Any:
     L, P = layout.num_layers, layout.page_size
     dev_tokens = P * 4  # a tiny stand-in for the GPU pool; only its geometry matters here
     capacity = (layout.num_slots + 1) * P
-    common: dict[str, Any] = {"pin_memory": False, "device": "cpu", "device_capacity_tokens": dev_tokens,
-                              "start_layer": 0, "end_layer": L, "host_token_capacity": capacity}
+    common: dict[str, Any] = {
+        "pin_memory": False,
+        "device": "cpu",
+        "device_capacity_tokens": dev_tokens,
+        "start_layer": 0,
+        "end_layer": L,
+        "host_token_capacity": capacity,
+    }
     if layout.mla:
         bufs = tuple(torch.zeros(dev_tokens, 1, layout.head_dim, dtype=dtype) for _ in range(L))
         ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64)
         rope = min(8, layout.head_dim // 2)
-        info = MLABufferInfo(buffers=bufs, data_ptrs=ptrs, layer_indices=tuple(range(L)), device_layer_num=L,
-                             page_size=P, kv_lora_rank=layout.head_dim - rope, qk_rope_head_dim=rope,
-                             kv_cache_dim=layout.head_dim, dtype=dtype, device=torch.device("cpu"))
+        info = MLABufferInfo(
+            buffers=bufs,
+            data_ptrs=ptrs,
+            layer_indices=tuple(range(L)),
+            device_layer_num=L,
+            page_size=P,
+            kv_lora_rank=layout.head_dim - rope,
+            qk_rope_head_dim=rope,
+            kv_cache_dim=layout.head_dim,
+            dtype=dtype,
+            device=torch.device("cpu"),
+        )
         return MLATokenToKVPoolHost(info, 2.0, 0, P, layout.name, target_layer_num=L, **common)
     heads = layout.num_kv_heads // layout.tp_size
     k = tuple(torch.zeros(dev_tokens, heads, layout.head_dim, dtype=dtype) for _ in range(L))
     v = tuple(torch.zeros(dev_tokens, heads, layout.head_dim, dtype=dtype) for _ in range(L))
-    buffers = KVBuffers(k=k, v=v, k_data_ptrs=torch.tensor([t.data_ptr() for t in k], dtype=torch.uint64),
-                        v_data_ptrs=torch.tensor([t.data_ptr() for t in v], dtype=torch.uint64),
-                        layout=KVBufferLayout.NHD)
-    info = MHABufferInfo(buffers=buffers, page_size=P, head_num=heads, head_dim=layout.head_dim,
-                         v_head_dim=layout.head_dim, dtype=dtype, device=torch.device("cpu"))
+    buffers = KVBuffers(
+        k=k,
+        v=v,
+        k_data_ptrs=torch.tensor([t.data_ptr() for t in k], dtype=torch.uint64),
+        v_data_ptrs=torch.tensor([t.data_ptr() for t in v], dtype=torch.uint64),
+        layout=KVBufferLayout.NHD,
+    )
+    info = MHABufferInfo(
+        buffers=buffers,
+        page_size=P,
+        head_num=heads,
+        head_dim=layout.head_dim,
+        v_head_dim=layout.head_dim,
+        dtype=dtype,
+        device=torch.device("cpu"),
+    )
     return MHATokenToKVPoolHost(info, 2.0, 0, P, layout.name, **common)
 
 
@@ -119,21 +145,40 @@ class SGLangHarness(EngineHarness):
             import mooncake_core.compat as compat
 
             compat.install()
-            extra: dict[str, Any] = {"master_server_address": spec.master, "protocol": "tcp",
-                                     "metadata_server": "P2PHANDSHAKE", "global_segment_size": 0,
-                                     "check_server": False, "local_hostname": "127.0.0.1"}
+            extra: dict[str, Any] = {
+                "master_server_address": spec.master,
+                "protocol": "tcp",
+                "metadata_server": "P2PHANDSHAKE",
+                "global_segment_size": 0,
+                "check_server": False,
+                "local_hostname": "127.0.0.1",
+            }
             name = "mooncake"
         else:
-            extra = {"backend_name": "mooncake_core", "module_path": "mooncake_sglang.hicache",
-                     "class_name": "MooncakeCoreStorage", "interface_v1": int(self.v1),
-                     "master_server_address": spec.master, "global_segment_size": 0,
-                     "failover_timeout_s": 2.0}
+            extra = {
+                "backend_name": "mooncake_core",
+                "module_path": "mooncake_sglang.hicache",
+                "class_name": "MooncakeCoreStorage",
+                "interface_v1": int(self.v1),
+                "master_server_address": spec.master,
+                "global_segment_size": 0,
+                "failover_timeout_s": 2.0,
+            }
             name = "dynamic"
         extra.update(opts)
         self.storage_config = HiCacheStorageConfig(
-            tp_rank=spec.rank, tp_size=lay.tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-            is_mla_model=lay.mla, enable_storage_metrics=False, is_page_first_layout=lay.name == "page_first",
-            model_name=spec.model, extra_config=extra)
+            tp_rank=spec.rank,
+            tp_size=lay.tp_size,
+            pp_rank=0,
+            pp_size=1,
+            attn_cp_rank=0,
+            attn_cp_size=1,
+            is_mla_model=lay.mla,
+            enable_storage_metrics=False,
+            is_page_first_layout=lay.name == "page_first",
+            model_name=spec.model,
+            extra_config=extra,
+        )
         self.backend = StorageBackendFactory.create_backend(name, self.storage_config, self.pool)
         self.backend.register_mem_pool_host(self.pool)
         self.backend.on_host_pools_registered()
@@ -162,7 +207,11 @@ class SGLangHarness(EngineHarness):
         g = torch.Generator().manual_seed((seed * 1_000_003 + shard) & 0x7FFF_FFFF_FFFF_FFFF)
         n = self._page_numel()
         data = torch.randint(-(2**15), 2**15, (n,), generator=g, dtype=torch.int16)
-        flat = data.view(torch.bfloat16) if self.pool.dtype == torch.bfloat16 else data.to(self.pool.dtype)
+        flat = (
+            data.view(torch.bfloat16)
+            if self.pool.dtype == torch.bfloat16
+            else data.to(self.pool.dtype)
+        )
         self.pool.set_from_flat_data_page(slot * self.page_size, flat)
 
     def read(self, slot: int) -> bytes:
@@ -243,7 +292,9 @@ class SGLangHarness(EngineHarness):
                 break
         return done
 
-    def expected_objects(self, tokens: Sequence[int], slots: Sequence[int]) -> dict[str, bytes] | None:
+    def expected_objects(
+        self, tokens: Sequence[int], slots: Sequence[int]
+    ) -> dict[str, bytes] | None:
         """Objects per SGLang layout, from the pool tensors (independent of the backend's code)."""
         import torch
 
@@ -283,15 +334,21 @@ class SGLangHarness(EngineHarness):
             return StorageBackendFactory.create_backend("dynamic", c2, self.pool)
 
         return {
-            "batch_set_v1 with a page not starting on a page boundary":
-                lambda: b.batch_set_v1([key], torch.arange(1, 1 + P)),
+            "batch_set_v1 with a page not starting on a page boundary": lambda: b.batch_set_v1(
+                [key], torch.arange(1, 1 + P)
+            ),
             "batch_get_v1 with float host indices": lambda: b.batch_get_v1([key], torch.zeros(P)),
-            "batch_set_v1 with a page's indices not consecutive":
-                lambda: b.batch_set_v1([key], torch.arange(0, P).flip(0)) if P > 1 else b.batch_set_v1([], [1]),
-            "batch_set with a flat page of the wrong size":
-                lambda: b.batch_set([key], [torch.zeros(7, dtype=self.pool.dtype)]),
-            "batch_get with a target of the wrong size":
-                lambda: b.batch_get([key], [torch.zeros(3, dtype=self.pool.dtype)]),
+            "batch_set_v1 with a page's indices not consecutive": lambda: (
+                b.batch_set_v1([key], torch.arange(0, P).flip(0))
+                if P > 1
+                else b.batch_set_v1([], [1])
+            ),
+            "batch_set with a flat page of the wrong size": lambda: b.batch_set(
+                [key], [torch.zeros(7, dtype=self.pool.dtype)]
+            ),
+            "batch_get with a target of the wrong size": lambda: b.batch_get(
+                [key], [torch.zeros(3, dtype=self.pool.dtype)]
+            ),
             "extra_config with a misspelt key": unknown_key,
         }
 
@@ -304,4 +361,3 @@ class SGLangHarness(EngineHarness):
 def make_harness(spec: HarnessSpec) -> SGLangHarness:
     """Harness factory for ``HarnessSpec.factory = "mooncake_sglang.testing.harness:make_harness"``."""
     return SGLangHarness(spec)
-

@@ -28,8 +28,18 @@ from mooncake_vllm.testing.server import (
     stream_ttft,
 )
 
-__all__ = ["build_tiny_llama", "VLLMServer", "free_port", "engine_env", "http_json", "stream_ttft",
-           "read_counters", "pd_transfer_config", "store_transfer_config", "make_harness"]
+__all__ = [
+    "build_tiny_llama",
+    "VLLMServer",
+    "free_port",
+    "engine_env",
+    "http_json",
+    "stream_ttft",
+    "read_counters",
+    "pd_transfer_config",
+    "store_transfer_config",
+    "make_harness",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -50,8 +50,14 @@ __all__ = ["VLLMStoreHarness", "make_harness", "allocate_cpu_kv_caches"]
 _ids = itertools.count()
 
 
-def allocate_cpu_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                           head_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def allocate_cpu_kv_caches(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
     """Per-layer KV caches as vLLM's CPU worker allocates them (one backing buffer)."""
     import torch
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
@@ -63,14 +69,23 @@ def allocate_cpu_kv_caches(num_layers: int, num_blocks: int, block_size: int, nu
     )
     from vllm.v1.worker.utils import allocate_kv_cache
 
-
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype)
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype
+    )
     names = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
     page = spec.page_size_bytes
-    cfg = KVCacheConfig(num_blocks=num_blocks,
-                        kv_cache_tensors=[KVCacheTensor(size=page * num_blocks * num_layers, layers=names,
-                                                        layer_stride=page * num_blocks, block_stride=page)],
-                        kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+    cfg = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=page * num_blocks * num_layers,
+                layers=names,
+                layer_stride=page * num_blocks,
+                block_stride=page,
+            )
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
+    )
     layout = CPUAttentionBackend.supported_kv_cache_layouts()[0]
     return allocate_kv_cache(cfg, torch.device("cpu"), layout)
 
@@ -124,21 +139,30 @@ class VLLMStoreHarness(EngineHarness):
 
         lay = spec.layout
         if lay.mla:
-            raise ValueError("the vLLM store connector keeps one copy per TP rank; MLA single-copy layouts "
-                             "are not offered")
+            raise ValueError(
+                "the vLLM store connector keeps one copy per TP rank; MLA single-copy layouts "
+                "are not offered"
+            )
         opts = dict(spec.options)
         self.save_wait_s = float(opts.pop("save_wait_s", 60.0))
-        extra: dict[str, Any] = {"mooncake": {"master_server_address": spec.master}, "segment_size": 0,
-                                 "lookup_timeout_s": 2.0, "retry_after_s": 1.0}
+        extra: dict[str, Any] = {
+            "mooncake": {"master_server_address": spec.master},
+            "segment_size": 0,
+            "lookup_timeout_s": 2.0,
+            "retry_after_s": 1.0,
+        }
         extra.update(opts)
         self.dtype = getattr(torch, lay.dtype)
         self.heads = lay.num_kv_heads // lay.tp_size
-        vllm_config = SimpleNamespace(model_config=SimpleNamespace(model=spec.model, dtype=self.dtype),
-                                      cache_config=SimpleNamespace(block_size=lay.page_size),
-                                      parallel_config=SimpleNamespace(tensor_parallel_size=lay.tp_size))
+        vllm_config = SimpleNamespace(
+            model_config=SimpleNamespace(model=spec.model, dtype=self.dtype),
+            cache_config=SimpleNamespace(block_size=lay.page_size),
+            parallel_config=SimpleNamespace(tensor_parallel_size=lay.tp_size),
+        )
         engine_id = f"conformance-{spec.rank}"
-        self.kv = allocate_cpu_kv_caches(lay.num_layers, lay.num_slots + 1, lay.page_size, self.heads,
-                                         lay.head_dim, self.dtype)
+        self.kv = allocate_cpu_kv_caches(
+            lay.num_layers, lay.num_slots + 1, lay.page_size, self.heads, lay.head_dim, self.dtype
+        )
         self.spare = lay.num_slots  # block of the last prompt token (always computed)
         self.sched = _StoreScheduler(vllm_config, extra, engine_id)
         # In vLLM one scheduler asks for every TP rank's shard of a page (a hit needs all of
@@ -161,16 +185,22 @@ class VLLMStoreHarness(EngineHarness):
     def fill(self, slot: int, seed: int) -> None:
         import torch
 
-        g = torch.Generator().manual_seed((seed * 1_000_003 + self.spec.rank) & 0x7FFF_FFFF_FFFF_FFFF)
+        g = torch.Generator().manual_seed(
+            (seed * 1_000_003 + self.spec.rank) & 0x7FFF_FFFF_FFFF_FFFF
+        )
         for t in self.kv.values():
             page = t[slot]
             data = torch.randint(-(2**15), 2**15, tuple(page.shape), generator=g, dtype=torch.int16)
-            page.copy_(data.view(torch.bfloat16) if self.dtype == torch.bfloat16 else data.to(self.dtype))
+            page.copy_(
+                data.view(torch.bfloat16) if self.dtype == torch.bfloat16 else data.to(self.dtype)
+            )
 
     def read(self, slot: int) -> bytes:
         import torch
 
-        return b"".join(t[slot].contiguous().view(torch.uint8).numpy().tobytes() for t in self.kv.values())
+        return b"".join(
+            t[slot].contiguous().view(torch.uint8).numpy().tobytes() for t in self.kv.values()
+        )
 
     # ------------------------------------------------------------------ helpers
     def _prompt(self, tokens: Sequence[int]) -> list[int]:
@@ -178,8 +208,11 @@ class VLLMStoreHarness(EngineHarness):
         return [int(t) for t in tokens[: n * self.page_size]] + [0]
 
     def _request(self, tokens: Sequence[int]) -> Any:
-        return SimpleNamespace(request_id=f"conf-{self.spec.rank}-{next(_ids)}", prompt_token_ids=self._prompt(tokens),
-                               kv_transfer_params=None)
+        return SimpleNamespace(
+            request_id=f"conf-{self.spec.rank}-{next(_ids)}",
+            prompt_token_ids=self._prompt(tokens),
+            kv_transfer_params=None,
+        )
 
     def _check_slots(self, tokens: Sequence[int], slots: Sequence[int]) -> int:
         n = len(tokens) // self.page_size
@@ -193,9 +226,14 @@ class VLLMStoreHarness(EngineHarness):
     @staticmethod
     def _sched_output(rid: str, blocks: list[int], computed: int, scheduled: int) -> Any:
         new = SimpleNamespace(req_id=rid, block_ids=(list(blocks),), num_computed_tokens=computed)
-        cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set())
-        return SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
-                               num_scheduled_tokens={rid: scheduled})
+        cached = SimpleNamespace(
+            req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set()
+        )
+        return SimpleNamespace(
+            scheduled_new_reqs=[new],
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens={rid: scheduled},
+        )
 
     def _stored_prefix(self, keys: list[list[str]]) -> int:
         flat = [k for page in keys for k in page]
@@ -217,7 +255,9 @@ class VLLMStoreHarness(EngineHarness):
 
         n = len(tokens) // self.page_size
         chain = page_chain(self.sched.seed, [int(t) for t in tokens], self.page_size, n)
-        return [[k for li in range(len(self.kv)) for k in self.worker._keys([p], li)] for p in chain]
+        return [
+            [k for li in range(len(self.kv)) for k in self.worker._keys([p], li)] for p in chain
+        ]
 
     def lookup(self, tokens: Sequence[int]) -> int:
         req = self._request(tokens)
@@ -233,8 +273,9 @@ class VLLMStoreHarness(EngineHarness):
         blocks = [int(s) for s in slots[:n]] + [self.spare]
         self.sched.get_num_new_matched_tokens(req, 0)
         self.sched.update_state_after_alloc(req, _Blocks(blocks), 0)
-        meta = self.sched.build_connector_meta(self._sched_output(req.request_id, blocks, 0,
-                                                                  len(req.prompt_token_ids)))
+        meta = self.sched.build_connector_meta(
+            self._sched_output(req.request_id, blocks, 0, len(req.prompt_token_ids))
+        )
         self.worker.finish_loads()
         self.worker.submit_saves(meta)
         delay, _ = self.sched.request_finished(req, blocks)
@@ -242,7 +283,9 @@ class VLLMStoreHarness(EngineHarness):
             deadline = time.monotonic() + self.save_wait_s
             while req.request_id not in self.worker.finished_saves({req.request_id}):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"save of {req.request_id} did not finish in {self.save_wait_s:.0f} s")
+                    raise TimeoutError(
+                        f"save of {req.request_id} did not finish in {self.save_wait_s:.0f} s"
+                    )
                 time.sleep(0.01)
         return self._stored_prefix(self.page_keys(tokens))
 
@@ -255,7 +298,9 @@ class VLLMStoreHarness(EngineHarness):
         matched, _ = self.sched.get_num_new_matched_tokens(req, 0)
         matched = int(matched or 0)
         self.sched.update_state_after_alloc(req, _Blocks(blocks), matched)
-        meta = self.sched.build_connector_meta(self._sched_output(req.request_id, blocks, matched, 1))
+        meta = self.sched.build_connector_meta(
+            self._sched_output(req.request_id, blocks, matched, 1)
+        )
         self.sched.request_finished(req, blocks)
         self.worker.start_load(meta)
         for name in self.kv:  # the forward waits layer by layer
@@ -268,7 +313,9 @@ class VLLMStoreHarness(EngineHarness):
                 return i
         return hit
 
-    def expected_objects(self, tokens: Sequence[int], slots: Sequence[int]) -> dict[str, bytes] | None:
+    def expected_objects(
+        self, tokens: Sequence[int], slots: Sequence[int]
+    ) -> dict[str, bytes] | None:
         """One object per (page, layer): that layer's block, ``[kv_heads, block_size, K|V]`` bytes."""
         import torch
 
@@ -281,12 +328,16 @@ class VLLMStoreHarness(EngineHarness):
     def bad_inputs(self) -> dict[str, Callable[[], object]]:
         from mooncake_vllm.store_connector import _StoreWorker
 
-        vc = SimpleNamespace(model_config=SimpleNamespace(model=self.spec.model, dtype=self.dtype),
-                             cache_config=SimpleNamespace(block_size=self.page_size),
-                             parallel_config=SimpleNamespace(tensor_parallel_size=self.spec.layout.tp_size))
+        vc = SimpleNamespace(
+            model_config=SimpleNamespace(model=self.spec.model, dtype=self.dtype),
+            cache_config=SimpleNamespace(block_size=self.page_size),
+            parallel_config=SimpleNamespace(tensor_parallel_size=self.spec.layout.tp_size),
+        )
 
         def misspelt() -> object:
-            w = _StoreWorker(vc, {"mooncake": {"master_adress": self.spec.master}}, "bad", self.spec.rank)
+            w = _StoreWorker(
+                vc, {"mooncake": {"master_adress": self.spec.master}}, "bad", self.spec.rank
+            )
             try:
                 w.register_kv_caches({})
             finally:

@@ -25,8 +25,17 @@ from typing import Any
 
 from mooncake_core.config import environment
 
-__all__ = ["build_tiny_llama", "VLLMServer", "free_port", "engine_env", "http_json", "stream_ttft",
-           "read_counters", "pd_transfer_config", "store_transfer_config"]
+__all__ = [
+    "build_tiny_llama",
+    "VLLMServer",
+    "free_port",
+    "engine_env",
+    "http_json",
+    "stream_ttft",
+    "read_counters",
+    "pd_transfer_config",
+    "store_transfer_config",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -49,23 +58,34 @@ def free_port() -> int:
 def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for a vLLM subprocess on this CPU (loopback, offline, no stats)."""
     env = dict(environment())
-    env.update({
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        "VLLM_HOST_IP": "127.0.0.1",
-        "GLOO_SOCKET_IFNAME": "lo",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": env.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
-        "PYTHONUNBUFFERED": "1",
-    })
+    env.update(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "VLLM_HOST_IP": "127.0.0.1",
+            "GLOO_SOCKET_IFNAME": "lo",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": env.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     env.update(extra or {})
     return env
 
 
-def build_tiny_llama(out: str | os.PathLike[str], *, layers: int = 2, hidden: int = 128,
-                     intermediate: int = 256, heads: int = 4, kv_heads: int = 2,
-                     max_positions: int = 4096, vocab_cap: int = 512, seed: int = 0) -> Path:
+def build_tiny_llama(
+    out: str | os.PathLike[str],
+    *,
+    layers: int = 2,
+    hidden: int = 128,
+    intermediate: int = 256,
+    heads: int = 4,
+    kv_heads: int = 2,
+    max_positions: int = 4096,
+    vocab_cap: int = 512,
+    seed: int = 0,
+) -> Path:
     """Write a random-weight Llama and a locally trained BPE tokenizer to ``out``.
 
     Runs in a subprocess so the caller's process never imports torch/transformers
@@ -75,9 +95,19 @@ def build_tiny_llama(out: str | os.PathLike[str], *, layers: int = 2, hidden: in
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    spec = dict(layers=layers, hidden=hidden, intermediate=intermediate, heads=heads, kv_heads=kv_heads,
-                max_positions=max_positions, vocab_cap=vocab_cap, seed=seed, corpus=_CORPUS, out=str(out))
-    code = r'''
+    spec = dict(
+        layers=layers,
+        hidden=hidden,
+        intermediate=intermediate,
+        heads=heads,
+        kv_heads=kv_heads,
+        max_positions=max_positions,
+        vocab_cap=vocab_cap,
+        seed=seed,
+        corpus=_CORPUS,
+        out=str(out),
+    )
+    code = r"""
 import json, sys
 spec = json.loads(sys.argv[1])
 import torch
@@ -102,10 +132,15 @@ cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=spec["hidden"],
 model = LlamaForCausalLM(cfg)
 model.save_pretrained(spec["out"], safe_serialization=True)
 print(tok.get_vocab_size())
-'''
+"""
     env = engine_env({"CUDA_VISIBLE_DEVICES": ""})
-    subprocess.run([sys.executable, "-c", code, json.dumps(spec)], check=True, env=env,
-                   stdout=subprocess.DEVNULL, timeout=600)
+    subprocess.run(
+        [sys.executable, "-c", code, json.dumps(spec)],
+        check=True,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        timeout=600,
+    )
     return out
 
 
@@ -129,19 +164,48 @@ class VLLMServer:
         log_stats: keep vLLM's statistics on (its /metrics counters need them).
     """
 
-    def __init__(self, model: str | os.PathLike[str], *, kv_transfer_config: dict[str, Any] | None = None,
-                 env: dict[str, str] | None = None, log_path: str | os.PathLike[str] | None = None,
-                 block_size: int = 32, kv_cache_bytes: str = "64M", max_model_len: int = 2048,
-                 args: list[str] | None = None, name: str = "vllm", log_stats: bool = False) -> None:
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        *,
+        kv_transfer_config: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        block_size: int = 32,
+        kv_cache_bytes: str = "64M",
+        max_model_len: int = 2048,
+        args: list[str] | None = None,
+        name: str = "vllm",
+        log_stats: bool = False,
+    ) -> None:
         self.model = str(model)
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path) if log_path else Path(f"/tmp/{name}-{self.port}.log")
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-               "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
-               "--dtype", "float32", "--block-size", str(block_size), "--kv-cache-memory-bytes", kv_cache_bytes,
-               "--max-model-len", str(max_model_len), "--seed", "0"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--served-model-name",
+            "tiny",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--block-size",
+            str(block_size),
+            "--kv-cache-memory-bytes",
+            kv_cache_bytes,
+            "--max-model-len",
+            str(max_model_len),
+            "--seed",
+            "0",
+        ]
         if not log_stats:  # stats also feed /metrics (prefix-cache hit counters)
             cmd.append("--disable-log-stats")
         if kv_transfer_config is not None:
@@ -159,8 +223,14 @@ class VLLMServer:
     def start(self) -> VLLMServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         log.close()
         return self
 
@@ -178,13 +248,17 @@ class VLLMServer:
                     self._new_port()
                     self.start()
                     continue
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; log tail:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode}; log tail:\n{self.log_tail()}"
+                )
             try:
                 urllib.request.urlopen(self.url + "/health", timeout=2).close()
                 return self
             except (urllib.error.URLError, OSError):
                 time.sleep(0.5)
-        raise TimeoutError(f"{self.name} not healthy after {timeout:.0f} s; log tail:\n{self.log_tail()}")
+        raise TimeoutError(
+            f"{self.name} not healthy after {timeout:.0f} s; log tail:\n{self.log_tail()}"
+        )
 
     def healthy(self) -> bool:
         try:
@@ -220,8 +294,14 @@ class VLLMServer:
         self.stop(signal.SIGKILL)
 
     def completion(self, prompt: Any, max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, **extra}
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            **extra,
+        }
         out: dict[str, Any] = http_json(self.url + "/v1/completions", body)
         return out
 
@@ -235,7 +315,9 @@ class VLLMServer:
 def stream_ttft(url: str, body: dict[str, Any], timeout: float = 600.0) -> tuple[float, str]:
     """Send a streaming request; return (seconds to the first token, whole text)."""
     body = {**body, "stream": True}
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     t0 = time.perf_counter()
     first = 0.0
     parts: list[str] = []
@@ -271,8 +353,12 @@ def read_counters(stats_dir: str | os.PathLike[str], prefix: str) -> dict[str, f
 
 def pd_transfer_config(role: str, **extra: Any) -> dict[str, Any]:
     """``--kv-transfer-config`` for MooncakeCoreConnector (decode: recompute on failure)."""
-    cfg: dict[str, Any] = {"kv_connector": "MooncakeCoreConnector", "kv_connector_module_path": "mooncake_vllm.connector",
-                           "kv_role": role, "kv_connector_extra_config": dict(extra)}
+    cfg: dict[str, Any] = {
+        "kv_connector": "MooncakeCoreConnector",
+        "kv_connector_module_path": "mooncake_vllm.connector",
+        "kv_role": role,
+        "kv_connector_extra_config": dict(extra),
+    }
     if role == "kv_consumer":
         cfg["kv_load_failure_policy"] = "recompute"
     return cfg
@@ -280,6 +366,10 @@ def pd_transfer_config(role: str, **extra: Any) -> dict[str, Any]:
 
 def store_transfer_config(master: str, **extra: Any) -> dict[str, Any]:
     """``--kv-transfer-config`` for MooncakeCoreStoreConnector against ``master``."""
-    return {"kv_connector": "MooncakeCoreStoreConnector", "kv_connector_module_path": "mooncake_vllm.store_connector",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"mooncake": {"master_server_address": master}, **extra}}
+    return {
+        "kv_connector": "MooncakeCoreStoreConnector",
+        "kv_connector_module_path": "mooncake_vllm.store_connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"mooncake": {"master_server_address": master}, **extra},
+    }
