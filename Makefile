@@ -25,6 +25,7 @@ test-quick: setup
 # lint-imports checks the import layering in .importlinter (no cycles, no adapter in the core).
 lint: setup
 	$(PY) -m ruff check mooncake_core plugins conformance tests benchmarks examples
+	$(PY) -m ruff format --check mooncake_core plugins conformance tests benchmarks examples
 	$(PY) -m mypy
 	.venv/bin/lint-imports --no-cache --no-logo
 
