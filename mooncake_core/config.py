@@ -324,7 +324,8 @@ def _validate(cfg: Any, where: str) -> None:
     elif isinstance(cfg, TransferConfig):
         if not 0 <= cfg.shm_copy_threads <= 64:
             raise ConfigError(
-                f"{where}shm_copy_threads: must be 0..64 (0 = automatic), got {cfg.shm_copy_threads}"
+                f"{where}shm_copy_threads: must be 0..64 (0 = automatic), "
+                f"got {cfg.shm_copy_threads}"
             )
         if cfg.slice_size < 4096:
             raise ConfigError(
@@ -347,7 +348,8 @@ def _validate(cfg: Any, where: str) -> None:
             raise ConfigError(f"{where}replica_num: must be >= 1, got {cfg.replica_num}")
         if not 0 < cfg.eviction_high_watermark <= 1:
             raise ConfigError(
-                f"{where}eviction_high_watermark: must be in (0, 1], got {cfg.eviction_high_watermark}"
+                f"{where}eviction_high_watermark: must be in (0, 1], "
+                f"got {cfg.eviction_high_watermark}"
             )
         if not 0 < cfg.eviction_ratio <= 1:
             raise ConfigError(f"{where}eviction_ratio: must be in (0, 1], got {cfg.eviction_ratio}")

@@ -28,7 +28,8 @@ Upstream-only environment variables honoured here (the one table of them; everyt
 else is configured through our ``MOONCAKE_*`` variables):
 
 =======================  ==========================================================
-``MC_TRANSFER_TIMEOUT``  seconds before a transfer fails as timed out (-> ``transfer.timeout_s``; default 30)
+``MC_TRANSFER_TIMEOUT``  seconds before a transfer fails as timed out (-> ``transfer.timeout_s``;
+                         default 30)
 ``MC_TCP_BIND_ADDRESS``  address the listener binds to (-> ``transfer.listen_host``)
 ``MC_METADATA_SERVER``   used when ``initialize`` is given an empty ``metadata_server``
 =======================  ==========================================================
@@ -290,7 +291,8 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ memory
     def register_memory(self, buffer_addr: int, capacity: int, location: str = "*") -> int:
-        """Register ``[buffer_addr, buffer_addr+capacity)``; -7 if it overlaps a registered range."""
+        """Register ``[buffer_addr, buffer_addr+capacity)``; -7 if it overlaps a registered
+        range."""
         try:
             loc = "cpu:0" if location in ("*", "") else location
             self._engine().register_memory(int(buffer_addr), int(capacity), location=loc)
@@ -341,7 +343,8 @@ class TransferEngine:
         return rc
 
     def allocate_managed_buffer(self, length: int) -> int:
-        """Allocate registered memory (shared with same-host peers); returns its address, 0 on failure."""
+        """Allocate registered memory (shared with same-host peers); returns its address, 0 on
+        failure."""
         try:
             return int(self._engine().allocate(int(length)).addr)
         except MooncakeError as exc:
@@ -410,7 +413,8 @@ class TransferEngine:
     ) -> list[TransferRequest] | None:
         if not (len(buffers) == len(peer_addrs) == len(lengths)) or not buffers:
             logger.error(
-                "%s batch to %r: need equal, non-empty lists (got %d buffers, %d peer addresses, %d lengths)",
+                "%s batch to %r: need equal, non-empty lists "
+                "(got %d buffers, %d peer addresses, %d lengths)",
                 op,
                 target,
                 len(buffers),
@@ -492,7 +496,8 @@ class TransferEngine:
         length: int,
         transport_hint: str = "",
     ) -> int:
-        """Write ``length`` bytes at local ``buffer`` to ``peer_buffer_address`` on the peer; blocks."""
+        """Write ``length`` bytes at local ``buffer`` to ``peer_buffer_address`` on the peer;
+        blocks."""
         return self._sync(
             "write", target_hostname, [buffer], [peer_buffer_address], [length], transport_hint
         )
@@ -505,7 +510,8 @@ class TransferEngine:
         length: int,
         transport_hint: str = "",
     ) -> int:
-        """Read ``length`` bytes at ``peer_buffer_address`` on the peer into local ``buffer``; blocks."""
+        """Read ``length`` bytes at ``peer_buffer_address`` on the peer into local ``buffer``;
+        blocks."""
         return self._sync(
             "read", target_hostname, [buffer], [peer_buffer_address], [length], transport_hint
         )
@@ -622,13 +628,15 @@ class TransferEngine:
         length: int,
         transport_hint: str = "",
     ) -> int:
-        """Start one write; poll it with :meth:`transfer_check_status`. Returns the batch id (0 on failure)."""
+        """Start one write; poll it with :meth:`transfer_check_status`. Returns the batch id
+        (0 on failure)."""
         return self._async(
             "write", target_hostname, [buffer], [peer_buffer_address], [length], transport_hint
         )
 
     def get_batch_transfer_status(self, batch_ids: list[int]) -> int:
-        """Wait for every batch in ``batch_ids``; 0 if all completed, -1 otherwise. Releases the ids."""
+        """Wait for every batch in ``batch_ids``; 0 if all completed, -1 otherwise. Releases the
+        ids."""
         with self._lock:
             batches = [self._batches.pop(int(b), None) for b in batch_ids]
         rc = OK
@@ -660,7 +668,7 @@ class TransferEngine:
             return 1
         return -2 if "timeout" in states else -1
 
-    # ------------------------------------------------------------------ peers, topology, notifications
+    # ------------------------------------------------------------- peers, topology, notifications
     def get_local_topology(self, device_name: str | None = None) -> str:
         """JSON ``{"cpu:<node>": [[preferred NICs], [other NICs]]}`` (the published shape);
         ``device_name`` (comma list) keeps only those NICs."""
@@ -673,7 +681,8 @@ class TransferEngine:
         return json.dumps(matrix, indent=1)
 
     def get_first_buffer_address(self, segment_name: str) -> int:
-        """Lowest registered address of segment ``segment_name`` (this engine's or a peer's); 0 if none."""
+        """Lowest registered address of segment ``segment_name`` (this engine's or a peer's);
+        0 if none."""
         try:
             eng = self._engine()
             if segment_name == eng.name:
@@ -686,7 +695,8 @@ class TransferEngine:
             return 0
 
     def get_notifies(self) -> list[TransferNotify]:
-        """Notifications received since the last call (from peers' ``transfer_sync(..., notify)``)."""
+        """Notifications received since the last call (from peers'
+        ``transfer_sync(..., notify)``)."""
         if self._eng is None:
             return []
         return [TransferNotify(n, m) for n, m in self._eng.get_notifies()]

@@ -153,7 +153,8 @@ class ReplicateConfig:
     def __repr__(self) -> str:
         return (
             f"ReplicateConfig(replica_num={self.replica_num}, with_hard_pin={self.with_hard_pin}, "
-            f"soft_pin_action={self.soft_pin_action.name}, preferred_segment={self.preferred_segment!r})"
+            f"soft_pin_action={self.soft_pin_action.name}, "
+            f"preferred_segment={self.preferred_segment!r})"
         )
 
     def kwargs(self) -> dict[str, Any]:
@@ -462,7 +463,8 @@ class MooncakeDistributedStore:
         return put()
 
     def put_tensor(self, key: str, tensor: Any) -> int:
-        """Store a torch tensor (readable with :meth:`get_tensor` of this module, not the published one)."""
+        """Store a torch tensor (readable with :meth:`get_tensor` of this module, not the
+        published one)."""
         return self._put(f"put_tensor {key!r}", lambda c: c.put_tensor(key, tensor))
 
     def get_tensor(self, key: str) -> Any:
@@ -698,7 +700,8 @@ class MooncakeDistributedStore:
 
 
 def _close_quietly(client: StoreClient) -> None:
-    """Close a client whose owner was garbage-collected (see ``MooncakeDistributedStore.__del__``)."""
+    """Close a client whose owner was garbage-collected (see
+    ``MooncakeDistributedStore.__del__``)."""
     try:
         client.close()
     except Exception as exc:  # nobody is left to tell but the log

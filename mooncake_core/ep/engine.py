@@ -173,7 +173,8 @@ class ElasticEP(EpochChanges):
             if e >= 0 and e not in self.bank.held():
                 if self.store_source is None:
                     raise EPError(
-                        f"seat {self.seat} must hold expert {e} to start; load it or pass store_source"
+                        f"seat {self.seat} must hold expert {e} to start; "
+                        "load it or pass store_source"
                     )
                 self.bank.put(e, self._store_load(e))
         won = self.membership.offer_view(view)
@@ -192,8 +193,8 @@ class ElasticEP(EpochChanges):
                 break
             if time.monotonic() > deadline:
                 raise EPError(
-                    f"seat {self.seat} was not admitted within {timeout_s:.0f}s; are the other ranks "
-                    "still calling forward()/dispatch()?"
+                    f"seat {self.seat} was not admitted within {timeout_s:.0f}s; "
+                    "are the other ranks still calling forward()/dispatch()?"
                 )
             time.sleep(0.01)
         self.round = view.resume_round
@@ -489,19 +490,20 @@ class ElasticEP(EpochChanges):
             raise error
         if bad:
             raise InvalidRouting(
-                f"seat(s) {bad} rejected their input in round {self.round}; the round was aborted on "
-                "every rank (see the error on those ranks)"
+                f"seat(s) {bad} rejected their input in round {self.round}; "
+                "the round was aborted on every rank (see the error on those ranks)"
             )
         rounds = [row[ROUND] for row in hdr]
         if any(r != self.round for r in rounds):
             raise EPError(
-                f"round mismatch in epoch {view.epoch}: members at rounds {rounds}, this seat at {self.round}"
+                f"round mismatch in epoch {view.epoch}: members at rounds {rounds}, "
+                f"this seat at {self.round}"
             )
         hashes = {view.members[i]: row[MASK] for i, row in enumerate(hdr) if row[MASK] != WILDCARD}
         if len(set(hashes.values())) > 1:
             raise InvalidRouting(
-                f"active_ranks differs across ranks in round {self.round} (mask hash per seat: {hashes}); "
-                "pass the same mask on every rank"
+                f"active_ranks differs across ranks in round {self.round} "
+                f"(mask hash per seat: {hashes}); pass the same mask on every rank"
             )
 
     # ------------------------------------------------------------------ internals: epochs

@@ -78,8 +78,8 @@ class EpochChanges:
     def _fail(self, exc: GroupFailure) -> NoReturn:
         self._transition("failure", cause=exc)
         raise RankFailure(
-            f"seat {self.seat}: membership changed during round {self.round}; now epoch {self.epoch} "
-            f"with seats {list(self._require_view().members)}; redo the step"
+            f"seat {self.seat}: membership changed during round {self.round}; "
+            f"now epoch {self.epoch} with seats {list(self._require_view().members)}; redo the step"
         ) from exc
 
     def _transition(
@@ -105,8 +105,8 @@ class EpochChanges:
             if self.seat not in view.members:
                 self.view = None
                 raise Evicted(
-                    f"seat {self.seat} was left out of epoch {view.epoch} (members {list(view.members)}); "
-                    "call join() to come back"
+                    f"seat {self.seat} was left out of epoch {view.epoch} "
+                    f"(members {list(view.members)}); call join() to come back"
                 )
             try:
                 self._install(view)

@@ -99,7 +99,8 @@ def validate_routing(
         raise InvalidRouting(f"topk_idx must be int64 or int32; got {topk_idx.dtype}")
     if topk_weights.shape != topk_idx.shape:
         raise InvalidRouting(
-            f"topk_weights shape {tuple(topk_weights.shape)} != topk_idx shape {tuple(topk_idx.shape)}"
+            f"topk_weights shape {tuple(topk_weights.shape)} "
+            f"!= topk_idx shape {tuple(topk_idx.shape)}"
         )
     if not topk_weights.is_floating_point():
         raise InvalidRouting(f"topk_weights must be floating point; got {topk_weights.dtype}")
@@ -108,7 +109,8 @@ def validate_routing(
         if lo < -1 or hi >= num_experts:
             bad = lo if lo < -1 else hi
             raise InvalidRouting(
-                f"topk_idx contains expert id {bad}; valid ids are 0..{num_experts - 1} (-1 = masked)"
+                f"topk_idx contains expert id {bad}; "
+                f"valid ids are 0..{num_experts - 1} (-1 = masked)"
             )
     if router_logits is not None and tuple(router_logits.shape) != (x.shape[0], num_experts):
         raise InvalidRouting(

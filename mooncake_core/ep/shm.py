@@ -16,8 +16,9 @@ Contract:
   ``c % 2``. A rank writes one row per member, then the slot's sequence word
   (``epoch << 32 | c + 1``); a reader waits until every member's slot shows that word, then
   reads its row. No thread hand-offs and no sockets: the wait spins a few times, then
-  sleeps in 20 us steps (giving the core to the members it waits for). It fails with :class:`MailboxFailure` when a member's slot
-  shows the *abort* word of this epoch (the member left it, see :meth:`abort_slot`), when
+  sleeps in 20 us steps (giving the core to the members it waits for). It fails with
+  :class:`MailboxFailure` when a member's slot shows the *abort* word of this epoch
+  (the member left it, see :meth:`abort_slot`), when
   a member's process is gone (checked in ``/proc`` every few milliseconds; a zombie counts
   as gone), or at the timeout (a hung member). That the rows and data written before the
   sequence word are visible once it is relies on x86-64's total store order; elsewhere

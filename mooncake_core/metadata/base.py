@@ -78,7 +78,8 @@ class KVMetadataBackend(MetadataBackend):
         raw = self.get(f"{self.prefix}/rpc_meta/{name}")
         if raw is None:
             raise MetadataError(
-                f"unknown peer {name!r}: no {self.prefix}/rpc_meta/{name} in the {self.scheme} metadata store"
+                f"unknown peer {name!r}: no {self.prefix}/rpc_meta/{name} "
+                f"in the {self.scheme} metadata store"
             )
         try:
             out: dict[str, Any] = json.loads(raw)

@@ -336,7 +336,7 @@ class StoreClient(ReservationLending, RememberedReads):
             strategy=strategy,
         )
 
-    # ------------------------------------------------------------------ one-RPC puts through reservations
+    # ------------------------------------------------------------ one-RPC puts through reservations
     def _put_local(self, key: str, local: LocalBuffer, cfg: ReplicaCfg) -> None:
         if (
             self.reservations
@@ -648,8 +648,9 @@ class StoreClient(ReservationLending, RememberedReads):
         if done - t0 > ttl:
             return [
                 LeaseExpired(
-                    f"batch get: the reads took longer than the {ttl:.1f}s lease (the master answered "
-                    f"after {answered - t0:.2f}s, the reads took {done - answered:.2f}s); retry"
+                    f"batch get: the reads took longer than the {ttl:.1f}s lease "
+                    f"(the master answered after {answered - t0:.2f}s, "
+                    f"the reads took {done - answered:.2f}s); retry"
                 )
                 if isinstance(x, int)
                 else x

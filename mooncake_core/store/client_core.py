@@ -170,15 +170,15 @@ class ClientCore:
         return reqs
 
     def _batch_write(self, jobs: Sequence[Job], out: list[BaseException | None]) -> set[int]:
-        """Write each job's object ``(i, local, slices)`` in one transfer batch; returns the ``i`` whose
-        bytes did not all land (``out[i]`` gets the first error)."""
+        """Write each job's object ``(i, local, slices)`` in one transfer batch; returns the
+        ``i`` whose bytes did not all land (``out[i]`` gets the first error)."""
         return self._batch_move("write", jobs, out)
 
     def _batch_move(
         self, op: str, jobs: Sequence[Job], out: list[BaseException | None] | None
     ) -> set[int]:
-        """Move each job's object ``(i, local, slices)`` in one transfer batch; returns the ``i`` whose
-        bytes did not all move (``out[i]``, if given, gets the first error)."""
+        """Move each job's object ``(i, local, slices)`` in one transfer batch; returns the
+        ``i`` whose bytes did not all move (``out[i]``, if given, gets the first error)."""
         reqs: list[TransferRequest] = []
         owner: list[int] = []
         for i, local, slices in jobs:

@@ -73,7 +73,8 @@ class EvictionDriver(StateCore):
         return used, sum(s.size for s in self.segments.values())
 
     def evict_for(self, nbytes: int, now: float) -> int:
-        """Free about ``max(nbytes, eviction_ratio * total)`` bytes anywhere; returns bytes freed."""
+        """Free about ``max(nbytes, eviction_ratio * total)`` bytes anywhere; returns bytes
+        freed."""
         _used, total = self.usage()
         goal = max(nbytes, int(self.cfg.eviction_ratio * total))
         return self._evict(goal, now, None)
@@ -114,12 +115,14 @@ class EvictionDriver(StateCore):
             )
         if len(self.objects) >= cap:
             raise NoSpace(
-                f"put {key!r}: the master already tracks {len(self.objects)} objects (store.max_objects = "
-                f"{cap}) and none can be evicted (leased, pinned or in flight); raise max_objects"
+                f"put {key!r}: the master already tracks {len(self.objects)} objects "
+                f"(store.max_objects = {cap}) and none can be evicted "
+                f"(leased, pinned or in flight); raise max_objects"
             )
 
     def _evict(self, goal: int, now: float, segment: str | None) -> int:
-        """Drop (or queue for SSD offload) LRU replicas worth ``goal`` bytes; returns bytes freed now."""
+        """Drop (or queue for SSD offload) LRU replicas worth ``goal`` bytes; returns bytes freed
+        now."""
         freed = 0
 
         def on_seg(key: str, o: Any) -> bool:

@@ -177,13 +177,15 @@ class Snapshots:
 
     def write(self, me: LeaderInfo, seq: int, entries: list[Any]) -> None:
         # Every part is fenced like the ``latest`` switch: a master that lost the leader key
-        # cannot overwrite (or half-overwrite) the parts of the new leader's snapshot at the same seq.
+        # cannot overwrite (or half-overwrite) the parts of the new leader's snapshot at the
+        # same seq.
         etcd = self.etcd
         parts = _chunks(entries)
         for i, body in enumerate(parts):
             if not etcd.fenced_put(me, f"{self.prefix}{seq:016d}/{i:06d}", body):
                 raise MetadataError(
-                    f"snapshot at seq {seq} refused at part {i}: this master is no longer the leader"
+                    f"snapshot at seq {seq} refused at part {i}: "
+                    "this master is no longer the leader"
                 )
         value = msgspec.json.encode({"seq": seq, "parts": len(parts)})
         if not etcd.fenced_put(me, self.prefix + "latest", value):

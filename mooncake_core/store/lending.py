@@ -72,13 +72,15 @@ class ReservationLending(ClientCore):
     _lent_refused: dict[tuple[str, str], float]  # no reservation to ask for before this time
 
     def _slot(self, cfg: ReplicaCfg, size: int, count: int = 0) -> tuple[Lent, int] | None:
-        """A free range of ``size`` bytes in our reservation for ``cfg`` (asking the master for one if
-        needed; ``count``: objects of about ``size`` about to follow, for the size of a new one)."""
+        """A free range of ``size`` bytes in our reservation for ``cfg`` (asking the master for
+        one if needed; ``count``: objects of about ``size`` about to follow, for the size of a
+        new one)."""
         with self._lent_lock:
             return self._slot_locked(cfg, size, count, self.rpc.generation())
 
     def _slots(self, cfg: ReplicaCfg, sizes: Sequence[int]) -> list[tuple[Lent, int]]:
-        """Ranges for objects of ``sizes`` (a batch) while our reservations have room: a prefix of them."""
+        """Ranges for objects of ``sizes`` (a batch) while our reservations have room: a prefix
+        of them."""
         out: list[tuple[Lent, int]] = []
         with self._lent_lock:
             gen = self.rpc.generation()
@@ -92,7 +94,8 @@ class ReservationLending(ClientCore):
     def _slot_locked(
         self, cfg: ReplicaCfg, size: int, count: int, generation: int
     ) -> tuple[Lent, int] | None:
-        """:meth:`_slot` with ``_lent_lock`` held; ``generation``: the master connections' generation now."""
+        """:meth:`_slot` with ``_lent_lock`` held; ``generation``: the master connections'
+        generation now."""
         need = align(size)
         k = (cfg.preferred_segment, cfg.strategy)
         now = time.monotonic()
@@ -148,12 +151,14 @@ class ReservationLending(ClientCore):
         return lent, int(e.offset)
 
     def _retire(self, lent: Lent) -> None:
-        """Stop using a reservation; it goes back to the master once no write into it is in flight."""
+        """Stop using a reservation; it goes back to the master once no write into it is in
+        flight."""
         lent.retired = True
         self._release_if_idle(lent)
 
     def _release_if_idle(self, lent: Lent) -> None:
-        """Queue a retired or dead reservation for release (with the next ``reserve``) when idle; once."""
+        """Queue a retired or dead reservation for release (with the next ``reserve``) when idle;
+        once."""
         if lent.inflight == 0 and (lent.retired or lent.dead) and not lent.released:
             lent.released = True
             self._lent_release.append(lent.rid)
@@ -166,7 +171,8 @@ class ReservationLending(ClientCore):
                 self._release_if_idle(lent)
 
     def _put_reserved(self, key: str, local: LocalBuffer, cfg: ReplicaCfg) -> bool:
-        """Put through a reservation: write, then one ``put_commit``. False: not done, put in two phases."""
+        """Put through a reservation: write, then one ``put_commit``. False: not done, put in two
+        phases."""
         slot = self._slot(cfg, local.length)
         if slot is None:
             return False
@@ -266,7 +272,9 @@ class ReservationLending(ClientCore):
                 if self._committed_at(key, lent.segment, off):
                     return True
                 return False
-        else:  # a slow write: the early commit may be near its timeout, so confirm and wait for the answer
+        else:
+            # a slow write: the early commit may be near its timeout, so confirm and wait for the
+            # answer
             self.rpc.release(pend)
             try:
                 self._call("put_confirm", (self.client_id, key, token, True, True))
@@ -312,8 +320,8 @@ class ReservationLending(ClientCore):
         cfg: ReplicaCfg,
         out: list[BaseException | None],
     ) -> list[int]:
-        """Put ``keys`` into our reservations: one ``batch_put_commit`` (sent before the write when the
-        master takes early commits, then a one-way ``batch_put_confirm``), one transfer batch.
+        """Put ``keys`` into our reservations: one ``batch_put_commit`` (sent before the write when
+        the master takes early commits, then a one-way ``batch_put_confirm``), one transfer batch.
 
         Sets ``out[i]`` for the keys that failed; returns the indexes still to put in two phases.
         """
@@ -435,8 +443,8 @@ class ReservationLending(ClientCore):
     def _batch_confirm(
         self, pend: Pending, keys: list[str], tokens: list[int], ok: list[bool], ttl: float
     ) -> list[BaseException | None]:
-        """Confirm (or drop, for failed writes) the early commits of a batch: one-way on the commit's
-        connection, or with an answer when the write took so long that the commits may have
+        """Confirm (or drop, for failed writes) the early commits of a batch: one-way on the
+        commit's connection, or with an answer when the write took so long that the commits may have
         expired. Per key: None, or the master's refusal (when it answered)."""
         if not keys:
             self.rpc.release(pend)
@@ -445,8 +453,8 @@ class ReservationLending(ClientCore):
         if time.monotonic() - pend.sent < ttl / 2:
             if self.rpc.tell(pend, "batch_put_confirm", (*args, False)):
                 return [None] * len(keys)
-            # we cannot know whether it got through: again, with an answer (a repeat is refused per key,
-            # so a refusal of a key whose object exists means the first one landed)
+            # we cannot know whether it got through: again, with an answer (a repeat is refused
+            # per key, so a refusal of a key whose object exists means the first one landed)
         else:
             self.rpc.release(pend)
         res = self._call("batch_put_confirm", (*args, True))

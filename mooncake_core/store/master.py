@@ -242,7 +242,8 @@ class MasterServer:
             return out
 
         def each_key(name: str, a: Any, fn: Callable[[str, int, bool], None]) -> list[Any]:
-            """Per key of ``a`` (keys, tokens, ok): (0, "") or the error of ``fn(key, token, ok)``."""
+            """Per key of ``a`` (keys, tokens, ok): (0, "") or the error of
+            ``fn(key, token, ok)``."""
             if not len(a.keys) == len(a.tokens) == len(a.ok):
                 raise P.InvalidArgument(f"{name}: keys, tokens and ok must have the same length")
             out: list[Any] = []
@@ -432,7 +433,8 @@ class MasterServer:
             self._unpark_resolved()
 
     def _unpark_resolved(self) -> None:
-        """Serve again the requests that waited for early commits which are now confirmed or dropped."""
+        """Serve again the requests that waited for early commits which are now confirmed or
+        dropped."""
         done = [k for k in self._parked if k not in self.state.early]
         for k in done:
             for conn, req in self._parked.pop(k):

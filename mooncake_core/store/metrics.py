@@ -100,7 +100,8 @@ def render(m: Metrics, state: MasterState, role: str) -> str:
     )
     for s in state.segments.values():
         out.append(
-            f'mooncake_master_segment_used_bytes{{segment="{_esc(s.name)}",client="{_esc(s.client_id)}"}} '
+            f'mooncake_master_segment_used_bytes{{segment="{_esc(s.name)}",'
+            f'client="{_esc(s.client_id)}"}} '
             f"{s.allocator.used}"
         )
     out.append(
@@ -128,7 +129,8 @@ def render(m: Metrics, state: MasterState, role: str) -> str:
         "mooncake_master_bad_frames_total", "malformed RPC frames (connection closed)", m.bad_frames
     )
     out.append(
-        "# HELP mooncake_master_requests_total RPC requests by method\n# TYPE mooncake_master_requests_total counter"
+        "# HELP mooncake_master_requests_total RPC requests by method\n"
+        "# TYPE mooncake_master_requests_total counter"
     )
     for meth, h in sorted(m.ops.items()):
         out.append(f'mooncake_master_requests_total{{method="{meth}"}} {h.n}')

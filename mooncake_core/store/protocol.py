@@ -281,7 +281,8 @@ class ReserveArgs(_A):
     size: int  # typical object size; 0 = only release
     cfg: ReplicaCfg
     release: list[int] = []
-    count: int = 0  # objects of about ``size`` the client is about to put (a batch): room for them if possible
+    # objects of about ``size`` the client is about to put (a batch): room for them if possible
+    count: int = 0
 
 
 class PutCommitArgs(_A):

@@ -40,7 +40,8 @@ class Reservations(StateCore):
         now: float,
         count: int = 0,
     ) -> tuple[int, Extent | list[Any], float]:
-        """Release the client's listed reservations, then lend it an extent for objects of about ``size``.
+        """Release the client's listed reservations, then lend it an extent for objects of about
+        ``size``.
 
         Returns ``(rid, Extent, ttl_s)``, or
         ``(0, [], 0.0)`` when none is granted (the client then puts in two phases): no
@@ -58,7 +59,8 @@ class Reservations(StateCore):
             raise InvalidArgument(f"reserve: size must be 0..{RESERVE_MAX_OBJECT}, got {size}")
         if cfg.replica_num != 1:
             raise InvalidArgument(
-                f"reserve: reservations hold single-replica objects, got replica_num={cfg.replica_num}"
+                f"reserve: reservations hold single-replica objects, "
+                f"got replica_num={cfg.replica_num}"
             )
         strategy = self._strategy(cfg, "reserve")
         if cfg.preferred_segment and cfg.preferred_segment not in self.segments:
@@ -123,7 +125,8 @@ class Reservations(StateCore):
         *,
         early: bool = False,
     ) -> tuple[float, int]:
-        """Commit ``key`` = the ``size`` bytes the client wrote at ``offset`` inside reservation ``rid``.
+        """Commit ``key`` = the ``size`` bytes the client wrote at ``offset`` inside reservation
+        ``rid``.
 
         Returns the reservation's renewed ttl and the object's version token. The range is
         carved out of the reservation and belongs to the object from now on.
@@ -188,7 +191,8 @@ class Reservations(StateCore):
         return self.cfg.put_timeout_s, o.token
 
     def put_confirm(self, client_id: str, key: str, token: int, ok: bool, now: float) -> None:
-        """Complete (``ok``) or drop an early commit of ``key`` once its writer knows how the write went."""
+        """Complete (``ok``) or drop an early commit of ``key`` once its writer knows how the
+        write went."""
         o = self.objects.get(key)
         if o is None or not o.early or o.token != token or o.owner != client_id:
             raise InvalidArgument(
@@ -212,7 +216,8 @@ class Reservations(StateCore):
         self._emit(*self._obj_entry(o))
 
     def _carve(self, r: Reservation, block: int, offset: int, need: int, *, release: bool) -> None:
-        """Take ``[offset, offset+need)`` out of ``r``'s block at ``block`` (an allocated range of its own after)."""
+        """Take ``[offset, offset+need)`` out of ``r``'s block at ``block`` (an allocated range
+        of its own after)."""
         alloc = self.segments[r.segment].allocator
         bsize = r.blocks.pop(block)
         if offset > block:

@@ -324,7 +324,8 @@ class MasterRPC:
 
     @staticmethod
     def _result(resp: P.Response, typ: Any) -> Any:
-        """The decoded result of an answer; raises error answers; ``_RETRY`` for a standby's answer."""
+        """The decoded result of an answer; raises error answers; ``_RETRY`` for a standby's
+        answer."""
         if resp.code == P.Code.OK:
             return msgspec.msgpack.decode(resp.result, type=typ)
         if resp.code == P.Code.NOT_LEADER:
@@ -389,7 +390,8 @@ class MasterRPC:
 
     @staticmethod
     def result(resp: P.Response, typ: Any = Any) -> Any:
-        """The decoded result of ``resp``; raises its error (a standby's answer raises NotLeader)."""
+        """The decoded result of ``resp``; raises its error (a standby's answer raises
+        NotLeader)."""
         value = MasterRPC._result(resp, typ)
         if value is _RETRY:
             raise P.NotLeader(str(msgspec.msgpack.decode(resp.result)))
@@ -413,11 +415,13 @@ class MasterRPC:
         self._release(p.sock)
 
     def abandon(self, p: Pending) -> None:
-        """Give up on a :meth:`start` request (its answer is never read: the connection is closed)."""
+        """Give up on a :meth:`start` request (its answer is never read: the connection is
+        closed)."""
         p.sock.close()
 
     def close(self) -> None:
-        """Close every connection; calls blocked on an answer return at once (the client is closed)."""
+        """Close every connection; calls blocked on an answer return at once (the client is
+        closed)."""
         self._closed = True
         self._drop_all()
         with self._lock:

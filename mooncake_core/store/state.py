@@ -97,7 +97,8 @@ class MasterState(Reservations, EvictionDriver, SsdTiering, Replication):
         self.early: dict[
             str, int
         ] = {}  # key -> token of objects committed early, awaiting put_confirm
-        # tokens double as object versions (see module doc): never reused, even by a restarted master
+        # tokens double as object versions (see module doc): never reused, even by a restarted
+        # master
         self._token = int.from_bytes(os.urandom(5), "big") << 20
         self.offload_pending: dict[str, int] = {}  # segment -> bytes queued for SSD offload
         self.reservations: dict[int, Reservation] = {}
@@ -204,7 +205,8 @@ class MasterState(Reservations, EvictionDriver, SsdTiering, Replication):
             return
         logger.warning("client %s expired: unmounting %d segment(s)", client_id, len(c.segments))
         self.counters["expired_clients"] += 1
-        # its reservations stay until they expire: a client we only thought dead may still be writing
+        # its reservations stay until they expire: a client we only thought dead may still be
+        # writing
         for name in list(c.segments):
             s = self.segments.get(name)
             if s is not None:
@@ -255,7 +257,8 @@ class MasterState(Reservations, EvictionDriver, SsdTiering, Replication):
                 raise RetryLater(f"put {key!r}: waiting for SSD offloads to free memory")
             largest = max(s.allocator.largest_free() for s in self.segments.values())
             raise NoSpace(
-                f"put {key!r} needs {format_size(size)}; largest free extent is {format_size(largest)} "
+                f"put {key!r} needs {format_size(size)}; "
+                f"largest free extent is {format_size(largest)} "
                 f"and nothing more can be evicted (leased or pinned); raise global_segment_size"
             )
         o = Obj(

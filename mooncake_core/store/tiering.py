@@ -69,8 +69,8 @@ class SsdTiering(StateCore):
                     for x in self.objects.values()
                 ):
                     raise RetryLater(
-                        f"get {o.key!r}: waiting for leases to expire or offloads to finish to free "
-                        f"memory for its promotion"
+                        f"get {o.key!r}: waiting for leases to expire or offloads to finish "
+                        f"to free memory for its promotion"
                     )
                 raise NoSpace(
                     f"get {o.key!r}: no memory to promote it from SSD ({format_size(o.size)})"

@@ -151,7 +151,8 @@ class Batch:
 
 
 class _DoneBatch(Batch):
-    """A batch run to completion in the calling thread (no future: nobody waits on another thread)."""
+    """A batch run to completion in the calling thread (no future: nobody waits on another
+    thread)."""
 
     def __init__(self, requests: Sequence[TransferRequest]) -> None:
         self.id = next(Batch._ids)
@@ -310,7 +311,8 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ memory
     def register(self, buf: Any, *, name: str | None = None, location: str = "cpu:0") -> Region:
-        """Register a buffer object (bytearray, numpy array, torch tensor, mmap) for remote access."""
+        """Register a buffer object (bytearray, numpy array, torch tensor, mmap) for remote
+        access."""
         addr, length, kind = buffer_address(buf)
         return self.segments.add(
             Region(
@@ -505,7 +507,8 @@ class TransferEngine:
                 raise InvalidRequest(f"request {i}: offset must not be negative, got {req.offset}")
             if req.transport is not None and req.transport not in self._transports:
                 raise InvalidRequest(
-                    f"request {i}: unknown transport {req.transport!r} (have {', '.join(self._transports)})"
+                    f"request {i}: unknown transport {req.transport!r} "
+                    f"(have {', '.join(self._transports)})"
                 )
             if not isinstance(req.peer, str) or not req.peer:
                 raise InvalidRequest(
@@ -539,7 +542,8 @@ class TransferEngine:
     def submit(
         self, requests: Sequence[TransferRequest] | TransferRequest, *, timeout: float | None = None
     ) -> Batch:
-        """Start a batch and return at once; bad input raises here, transfer failures in ``wait()``."""
+        """Start a batch and return at once; bad input raises here, transfer failures in
+        ``wait()``."""
         reqs = [requests] if isinstance(requests, TransferRequest) else list(requests)
         if not reqs:
             raise InvalidRequest("empty batch: give at least one request")
@@ -842,7 +846,8 @@ class TransferEngine:
                 )
                 if status != Status.OK:
                     raise InvalidRequest(
-                        f"peer {peer!r} refused tensor {key!r}: {body.decode(errors='replace') or status}"
+                        f"peer {peer!r} refused tensor {key!r}: "
+                        f"{body.decode(errors='replace') or status}"
                     )
                 fut.set_result(None)
             except BaseException as exc:

@@ -85,7 +85,8 @@ def buffer_address(obj: Any, *, writable: bool = True) -> tuple[int, int, str]:
         mv = memoryview(obj)
     except TypeError:
         raise SegmentError(
-            f"cannot use {type(obj).__name__} as memory: expected bytearray, memoryview, numpy array, torch tensor or (addr, length)"
+            f"cannot use {type(obj).__name__} as memory: expected bytearray, memoryview, "
+            "numpy array, torch tensor or (addr, length)"
         ) from None
     if not mv.contiguous:
         raise SegmentError("memory must be contiguous")
@@ -94,7 +95,8 @@ def buffer_address(obj: Any, *, writable: bool = True) -> tuple[int, int, str]:
     if mv.readonly:
         if writable:
             raise SegmentError(
-                f"{type(obj).__name__} is read-only; registered memory must be writable (use bytearray)"
+                f"{type(obj).__name__} is read-only; "
+                "registered memory must be writable (use bytearray)"
             )
         # read-only source: copy-free address via a ctypes pointer to the buffer
         import numpy as np
@@ -186,7 +188,8 @@ class SegmentTable:
     def add(self, region: Region) -> Region:
         if region.length <= 0:
             raise SegmentError(
-                f"cannot register {region.length} bytes at 0x{region.addr:x}: length must be positive"
+                f"cannot register {region.length} bytes at 0x{region.addr:x}: "
+                "length must be positive"
             )
         if region.addr <= 0:
             raise SegmentError(f"cannot register address 0x{region.addr:x}")
@@ -200,7 +203,8 @@ class SegmentTable:
                 other = prev if prev is not None and prev.end > region.addr else nxt
                 assert other is not None
                 raise SegmentOverlap(
-                    f"memory 0x{region.addr:x}+{region.length} overlaps registered region {other.name!r} "
+                    f"memory 0x{region.addr:x}+{region.length} "
+                    f"overlaps registered region {other.name!r} "
                     f"(0x{other.addr:x}+{other.length})"
                 )
             if region.name in self._names:

@@ -66,7 +66,8 @@ def rdma_available(device_filter: str = "") -> tuple[bool, str]:
     if not devices:
         return (
             False,
-            "no RDMA device (no /sys/class/infiniband entries; kernel without InfiniBand/rxe support?)",
+            "no RDMA device (no /sys/class/infiniband entries; "
+            "kernel without InfiniBand/rxe support?)",
         )
     if _import_pyverbs() is None:
         return False, "pyverbs is not importable (apt-get install python3-pyverbs)"

@@ -101,7 +101,8 @@ class ShmTransport(Transport):
         self.copy_threads = n if n > 0 else max(1, min(4, os.cpu_count() or 1))
 
     def _copy(self, jobs: list[tuple[int, int, int]]) -> None:
-        """``memmove`` each (dst, src, n); large totals are cut into equal shares run in parallel."""
+        """``memmove`` each (dst, src, n); large totals are cut into equal shares run in
+        parallel."""
         total = sum(j[2] for j in jobs)
         k = min(self.copy_threads, total // _PER_THREAD)
         if k <= 1:
@@ -209,12 +210,14 @@ class ShmTransport(Transport):
             region = peer.find_region(it.remote_addr, it.length)
             if region is None:
                 it.error = InvalidRequest(
-                    f"peer {peer.name!r} has no registered memory at 0x{it.remote_addr:x}+{it.length}"
+                    f"peer {peer.name!r} has no registered memory "
+                    f"at 0x{it.remote_addr:x}+{it.length}"
                 )
                 continue
             if str(region.get("location", "")).startswith("cuda"):
                 raise TransportError(
-                    f"peer {peer.name!r} region {region.get('name')!r} is device memory; not reachable by shm"
+                    f"peer {peer.name!r} region {region.get('name')!r} is device memory; "
+                    "not reachable by shm"
                 )
             if "memfd" in region:
                 base = self._map(peer, region) + (it.remote_addr - int(region["addr"]))
@@ -262,6 +265,8 @@ def mooncake_transports() -> list[TransportInfo]:
             "shm",
             ShmTransport,
             priority=10,
-            description="shared memory on one host: memfd mapping or cross-memory attach, one memcpy",
+            description=(
+                "shared memory on one host: memfd mapping or cross-memory attach, one memcpy"
+            ),
         )
     ]

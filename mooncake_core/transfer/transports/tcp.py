@@ -93,7 +93,8 @@ class TCPConnection:
             status, _ = self.request(Op.HELLO, payload=body)
             if status == Status.AUTH_FAILED:
                 raise AuthError(
-                    f"peer {peer!r} rejected our shared secret (check transfer.secret on both sides)"
+                    f"peer {peer!r} rejected our shared secret "
+                    "(check transfer.secret on both sides)"
                 )
             if status != Status.OK:
                 raise PeerUnreachable(
@@ -394,7 +395,8 @@ class TCPTransport(Transport):
                 raise err
             if isinstance(err, TransferTimeout) or time.monotonic() >= deadline:
                 raise TransferTimeout(
-                    f"transfer to peer {peer.name!r} timed out with {len(pending)} slice(s) outstanding"
+                    f"transfer to peer {peer.name!r} timed out "
+                    f"with {len(pending)} slice(s) outstanding"
                 ) from err
             attempt += 1
             if attempt > self.retry_count:
@@ -421,6 +423,8 @@ def mooncake_transports() -> list[TransportInfo]:
             "tcp",
             TCPTransport,
             priority=30,
-            description="TCP: sliced over several connections per peer, sendmsg/recv_into zero-copy",
+            description=(
+                "TCP: sliced over several connections per peer, sendmsg/recv_into zero-copy"
+            ),
         )
     ]
