@@ -1,4 +1,5 @@
-"""``mooncake-core bench store``: the JSON contract of issue 3, against the published store when its venv exists."""
+"""``mooncake-core bench store``: the JSON contract of issue 3, against the published store when
+its venv exists."""
 
 from __future__ import annotations
 

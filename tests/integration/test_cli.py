@@ -75,7 +75,8 @@ def test_bad_config_is_one_clear_line(tmp_path: object) -> None:
     assert out.returncode == 2
     assert (
         out.stderr.strip().splitlines()[-1]
-        == "mooncake-core: error: transfer.slice_size: cannot parse size 'tiny' (use e.g. 4GB, 512MiB, 1048576)"
+        == "mooncake-core: error: transfer.slice_size: cannot parse size 'tiny' "
+        "(use e.g. 4GB, 512MiB, 1048576)"
     )
 
 

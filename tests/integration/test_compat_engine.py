@@ -63,7 +63,8 @@ SCRIPT = textwrap.dedent(
         body = te.read_bytes_from_buffer(addr + OFF, N)
         print(json.dumps({"sha": hashlib.sha256(body).hexdigest(),
                           "raw_head": te.read_bytes_from_buffer(raw_addr, 16).hex(),
-                          "notifies": sorted([n.name, n.msg] for n in te.get_notifies())}), flush=True)
+                          "notifies": sorted([n.name, n.msg] for n in te.get_notifies())}),
+              flush=True)
         sys.exit(0)
 
     info = json.loads(sys.argv[3])
@@ -90,12 +91,15 @@ SCRIPT = textwrap.dedent(
     bufs = [local + i * n for i in range(k)]
     remote = [rraw + i * n for i in range(k)]
     r["bwrite"] = te.batch_transfer_sync_write(peer, bufs, remote, [n] * k)
-    r["bread"] = te.batch_transfer_sync_read(peer, [local2 + i * n for i in range(k)], remote, [n] * k)
-    r["bexact"] = te.read_bytes_from_buffer(local2, k * n) == te.read_bytes_from_buffer(local, k * n)
+    r["bread"] = te.batch_transfer_sync_read(peer, [local2 + i * n for i in range(k)], remote,
+                                             [n] * k)
+    r["bexact"] = (te.read_bytes_from_buffer(local2, k * n)
+                   == te.read_bytes_from_buffer(local, k * n))
     # async batches, several in flight, then wait for all
     ids = [te.batch_transfer_async_write(peer, [local + OFF], [raddr + OFF], [N]),
            te.batch_transfer_async_read(peer, [local2 + i * n for i in range(k)], remote, [n] * k),
-           te.batch_transfer_async(peer, [local2 + (7 << 20)], [raddr], [4096], TransferOpcode.Read)]
+           te.batch_transfer_async(peer, [local2 + (7 << 20)], [raddr], [4096],
+                                   TransferOpcode.Read)]
     r["async_ids_ok"] = all(isinstance(b, int) and b != 0 for b in ids)
     r["async_status"] = te.get_batch_transfer_status(ids)
     # submit + poll
@@ -105,7 +109,8 @@ SCRIPT = textwrap.dedent(
         time.sleep(0.001)
     r["check_status"] = st
     # transfer_sync with a notification
-    r["notify"] = te.transfer_sync(peer, local, rraw, 16, TransferOpcode.Write, TransferNotify("done", "42"))
+    r["notify"] = te.transfer_sync(peer, local, rraw, 16, TransferOpcode.Write,
+                                   TransferNotify("done", "42"))
     # failures: unregistered local memory, remote address outside registered memory, dead peer
     r["bad_local"] = te.transfer_sync_read(peer, 4096, raddr, 16)
     r["bad_remote"] = te.transfer_sync_read(peer, local, 16, 16)
@@ -148,7 +153,8 @@ def _run_pair(
         assert target.stdout is not None and target.stdin is not None
         line = target.stdout.readline()
         assert line, (
-            f"target printed nothing; stderr: {target.stderr.read()[-3000:] if target.stderr else ''}"
+            "target printed nothing; stderr: "
+            f"{target.stderr.read()[-3000:] if target.stderr else ''}"
         )
         info = json.loads(line)
         init = subprocess.run(
@@ -232,7 +238,7 @@ def test_two_processes_like_mooncake_examples(script: Path, protocol: str) -> No
     assert res["opcodes"] == [0, 1]
 
 
-# ---------------------------------------------------------------------- same script, published wheel
+# --------------------------------------------------------------------- same script, published wheel
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_same_script_against_published_wheel(script: Path) -> None:
@@ -277,7 +283,8 @@ def test_install_provides_mooncake_engine_in_fresh_interpreter() -> None:
         assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
         assert te.get_rpc_port() > 0
         a = te.allocate_managed_buffer(4096)
-        assert te.write_bytes_to_buffer(a, b"xyz", 3) == 0 and te.read_bytes_from_buffer(a, 3) == b"xyz"
+        assert te.write_bytes_to_buffer(a, b"xyz", 3) == 0
+        assert te.read_bytes_from_buffer(a, 3) == b"xyz"
         te.close()
         print("ok")
         """
@@ -315,7 +322,7 @@ def test_install_leaves_a_real_package_alone(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
 
 
-# ---------------------------------------------------------------------- in-process: codes and edge cases
+# ----------------------------------------------------------------- in-process: codes and edge cases
 @pytest.fixture()
 def pair() -> Any:
     a, b = TransferEngine(), TransferEngine()

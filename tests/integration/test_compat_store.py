@@ -47,8 +47,9 @@ SCRIPT = textwrap.dedent(
         sys.exit(0)
 
     r = {}
-    r["setup"] = s.setup({"local_hostname": "127.0.0.1", "metadata_server": metadata, "global_segment_size": 0,
-                          "local_buffer_size": 16 << 20, "protocol": "tcp", "master_server_addr": master})
+    r["setup"] = s.setup({"local_hostname": "127.0.0.1", "metadata_server": metadata,
+                          "global_segment_size": 0, "local_buffer_size": 16 << 20,
+                          "protocol": "tcp", "master_server_addr": master})
     host = s.get_hostname()
     r["hostname_ok"] = isinstance(host, str) and host.startswith("127.0.0.1:")
     r["health"] = s.health_check()
@@ -86,7 +87,8 @@ SCRIPT = textwrap.dedent(
     piece = 65536 + 3
     r["batch_put_from"] = s.batch_put_from(keys, [p + i * piece for i in range(8)], [piece] * 8)
     dst = p + (2 << 20) + 5
-    r["batch_get_into"] = s.batch_get_into(keys + ["nope"], [dst + i * piece for i in range(9)], [piece] * 9)
+    r["batch_get_into"] = s.batch_get_into(keys + ["nope"], [dst + i * piece for i in range(9)],
+                                           [piece] * 9)
     r["batch_exact"] = ctypes.string_at(dst, 8 * piece) == ctypes.string_at(p, 8 * piece)
     h = s.get_buffer("k1")
     r["get_buffer"] = [h.size(), bytes(memoryview(h)).decode()] if h is not None else None

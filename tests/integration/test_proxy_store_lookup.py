@@ -252,7 +252,8 @@ def _upstream(seen: list[dict[str, Any]]) -> web.Application:
 
 
 async def _upstreams(seen: list[dict[str, Any]], n: int) -> tuple[list[web.AppRunner], list[str]]:
-    """``n`` stub instances (see :func:`_upstream`) recording into ``seen``: their runners and URLs."""
+    """``n`` stub instances (see :func:`_upstream`) recording into ``seen``: their runners and
+    URLs."""
     served = [await _serve(_upstream(seen)) for _ in range(n)]
     return [r for r, _ in served], [u for _, u in served]
 
@@ -364,7 +365,8 @@ def test_proxy_counts_store_pages_and_accepts_what_only_the_store_makes_fast(
 
 
 def test_text_prompts_are_tokenized_for_routing() -> None:
-    """Text prompts are hashed over the ids ``/tokenize`` returns (cached); chat falls back to characters."""
+    """Text prompts are hashed over the ids ``/tokenize`` returns (cached); chat falls back to
+    characters."""
 
     async def main() -> None:
         seen: list[dict[str, Any]] = []

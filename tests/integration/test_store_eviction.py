@@ -130,7 +130,8 @@ def _rss_kib(pid: int) -> int:
 
 @pytest.mark.timeout(120)
 def test_object_cap_bounds_master_metadata_under_a_tiny_object_flood(tmp_path: Path) -> None:
-    """64-byte objects would fit by the million in a segment; max_objects bounds the master instead."""
+    """64-byte objects would fit by the million in a segment; max_objects bounds the master
+    instead."""
     cap = 400
     m = Master(
         tmp_path,

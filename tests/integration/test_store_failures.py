@@ -52,7 +52,8 @@ def test_killed_holder_loses_nothing_with_two_replicas(tmp_path: Path) -> None:
         for i, k in enumerate(keys):
             assert reader.call("get", key=k) == {"size": sizes[i % 4], "match": True}, k
         assert reader.call("attr", name="location_hits") - hits == len(keys) - len(remembered_on_h1)
-        # only the first remembered read from the dead holder was tried: it made the reader forget the rest
+        # only the first remembered read from the dead holder was tried: it made the reader
+        # forget the rest
         assert reader.call("attr", name="location_misses") - misses == 1
         assert not [k for k, peers in reader.call("remembered").items() if h1.peer in peers]
         # after the client TTL the master drops the dead segment; objects keep one replica
@@ -152,7 +153,8 @@ def test_a_restarted_master_gets_no_writes_into_extents_it_never_lent(tmp_path: 
             before,
             offsets,
         )  # they overlap a's extent
-        # a remembers where a/0 was; the new master knows another a/0: a must not trust the old place
+        # a remembers where a/0 was; the new master knows another a/0: a must not trust the
+        # old place
         b.call("put", key="a/0", size=5000, salt="v2", preferred_segment=holder.segment)
         hits = a.call("attr", name="location_hits")
         assert a.call("get", key="a/0", salt="v2") == {"size": 5000, "match": True}

@@ -1,4 +1,5 @@
-"""HA: two masters on a real etcd; SIGKILL the leader, the standby takes over, nothing acknowledged is lost."""
+"""HA: two masters on a real etcd; SIGKILL the leader, the standby takes over, nothing
+acknowledged is lost."""
 
 from __future__ import annotations
 

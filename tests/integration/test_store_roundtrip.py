@@ -431,7 +431,8 @@ def test_early_commit_makes_readers_wait_for_the_write_and_a_failed_write_leaves
                 assert exists_out["result"] is True
                 assert _method_count(m, "put_confirm") == confirms + 1
         w._move = real_move  # type: ignore[method-assign]
-        # the client carries on: its next put takes a fresh extent (the failed one may hold a dead holder)
+        # the client carries on: its next put takes a fresh extent (the failed one may hold a
+        # dead holder)
         w.put("early/after", payload("early/after", size), preferred_segment=c.segment)
         assert b.call("get", key="early/after") == {"size": size, "match": True}
 

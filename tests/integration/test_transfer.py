@@ -271,7 +271,8 @@ def test_single_slice_requests_take_the_direct_path_and_keep_retries_errors_and_
     engine: TransferEngine, spawn_peer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One request that fits one slice, to a known peer, skips the batch planner (the store's hot
-    path); it must still retry a broken connection, count bytes and fail exactly like the planner."""
+    path); it must still retry a broken connection, count bytes and fail exactly like the
+    planner."""
     peer = spawn_peer()
     size = 60_001  # one 64 KiB slice
     raddr = peer.call("alloc", size=1 << 20)["addr"]

@@ -44,7 +44,8 @@ def test_least_loaded_rotates_ties_from_start() -> None:
 
 
 def _decode(payload: bytes) -> list[KVEvent]:
-    """A toy engine format: JSON lists of ["stored", hashes, parent, tokens] / ["removed", hashes] / ["cleared"]."""
+    """A toy engine format: JSON lists of ["stored", hashes, parent, tokens] / ["removed", hashes]
+    / ["cleared"]."""
     out: list[KVEvent] = []
     for ev in json.loads(payload):
         if ev[0] == "stored":

@@ -355,8 +355,9 @@ def test_unused_reservations_expire_and_limits_are_kept() -> None:
 
 
 def test_reservations_survive_replay_and_takeover() -> None:
-    """A standby that replayed the log (or a snapshot) knows the extents, so a client can commit into
-    its reservation on the new leader, and the new leader never hands those ranges to anyone else."""
+    """A standby that replayed the log (or a snapshot) knows the extents, so a client can commit
+    into its reservation on the new leader, and the new leader never hands those ranges to anyone
+    else."""
     st, log = _big_state()
     cfg = ReplicaCfg()
     rid, ext, _ = st.reserve("c2", MiB, cfg, [], 1.0)

@@ -2,7 +2,8 @@
 mooncake``) on mooncake_core's compat ``TransferEngine``, run as its own process.
 
     python _sglang_pd_role.py prefill|decode --model DIR --bootstrap-port N --out RESULT.json \
-        --plan '[{"room": 77, "src": [3, 4, 5], "dst": [20, 1, 7], "chunks": 2, "corrupt": false}, ...]'
+        --plan '[{"room": 77, "src": [3, 4, 5], "dst": [20, 1, 7], "chunks": 2,
+                  "corrupt": false}, ...]'
 
 Everything that runs is SGLang's: ``ServerArgs`` published with SGLang's
 ``runtime_context.publish`` and a one-rank gloo world from ``init_distributed_environment``
@@ -335,7 +336,8 @@ def main() -> int:
         "--plan",
         type=json.loads,
         required=True,
-        help='JSON list of {"room", "src": prefill pages, "dst": decode pages, "chunks", "corrupt"}',
+        help='JSON list of {"room", "src": prefill pages, "dst": decode pages, '
+        '"chunks", "corrupt"}',
     )
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--out", required=True)

@@ -1,4 +1,5 @@
-"""SGLang tests: install the inert ``torchvision`` (``torchvision_stand_in.py``) before SGLang's pools load.
+"""SGLang tests: install the inert ``torchvision`` (``torchvision_stand_in.py``) before SGLang's
+pools load.
 
 Only when torchvision is absent (a CPU-only machine: PyPI's builds are CUDA ones), and
 only once a test of this folder runs, so other folders' tests never see it.

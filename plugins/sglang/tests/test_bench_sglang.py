@@ -61,7 +61,8 @@ def test_bench_against_the_published_backend() -> None:
     )
     if chk.returncode != 0:
         pytest.skip(
-            "SGLang is not installed next to the published wheel; run scripts/setup_mooncake_peer.sh --sglang"
+            "SGLang is not installed next to the published wheel; "
+            "run scripts/setup_mooncake_peer.sh --sglang"
         )
     r = _bench("--transport", "tcp", "--compare-mooncake", str(PEER))
     for k in ("set_gbps", "get_gbps", "pages_per_s"):

@@ -114,7 +114,8 @@ def transfer(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 f"{_tail(logs['prefill'])}"
             )
         assert rc == 0, (
-            f"decode exited {rc}; decode log:\n{_tail(logs['decode'])}\nprefill log:\n{_tail(logs['prefill'])}"
+            f"decode exited {rc}; decode log:\n{_tail(logs['decode'])}\n"
+            f"prefill log:\n{_tail(logs['prefill'])}"
         )
         assert outs["prefill"].exists(), (
             f"prefill wrote no result; its log:\n{_tail(logs['prefill'])}"

@@ -344,7 +344,8 @@ def test_text_and_chat_prompts_follow_the_instance_that_holds_their_prefix(
 
 
 def test_store_held_prefix_is_counted_and_served_from_the_store(cluster: Cluster) -> None:
-    """A prefix saved in the store by instance 1 makes a request acceptable that recompute would not be."""
+    """A prefix saved in the store by instance 1 makes a request acceptable that recompute would
+    not be."""
     from mooncake_core.conductor import DEFAULT_PROFILE, CostModel
 
     servers = cluster.servers
@@ -359,7 +360,8 @@ def test_store_held_prefix_is_counted_and_served_from_the_store(cluster: Cluster
     assert fetch < slo < recompute
     prefix = token_prompt(n_prefix * BLOCK, salt=707)
     prompt = prefix + token_prompt(BLOCK, salt=708)
-    # instance 1 computes the prefix for a client that bypasses every proxy; its store connector saves it
+    # instance 1 computes the prefix for a client that bypasses every proxy; its store connector
+    # saves it
     saved = cluster.store_worker(1).get("save_objects", 0)
     direct = servers[1].completion(prompt, max_tokens=4)["choices"][0]["text"]
     wait_for(

@@ -2,7 +2,8 @@
 
 One module-scoped cluster: a monolithic server (the reference), a prefill server
 (``kv_producer``), a decode server (``kv_consumer``, ``kv_load_failure_policy=recompute``,
-with the test-only plugin ``vllm_faults`` that zeroes fetched KV for flagged requests) and ``mooncake-core proxy``.
+with the test-only plugin ``vllm_faults`` that zeroes fetched KV for flagged requests) and
+``mooncake-core proxy``.
 The prefill server is killed by the last test.
 """
 

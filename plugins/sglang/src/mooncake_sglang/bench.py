@@ -357,7 +357,8 @@ def start_ours(side: _Side, transport: str) -> None:
 
 
 def check_published(python: str) -> str:
-    """The absolute path of ``python`` if its venv has the published wheel and SGLang, else RuntimeError."""
+    """The absolute path of ``python`` if its venv has the published wheel and SGLang, else
+    RuntimeError."""
     mooncake_env = published.peer().mooncake_env
 
     py = os.path.abspath(python) if os.sep in python else python
@@ -419,7 +420,8 @@ def start_published(side: _Side, python: str) -> None:
     if line != "ready":
         raise RuntimeError(f"published holder said {line!r}; log:\n{side.log('holder')}")
     logger.info(
-        "published: mooncake_master %s (metadata %s), holder lending %d MiB; starting the two ranks",
+        "published: mooncake_master %s (metadata %s), holder lending %d MiB; "
+        "starting the two ranks",
         master,
         metadata,
         SEGMENT >> 20,
@@ -495,8 +497,8 @@ def main(argv: list[str] | None = None) -> int:
         "--compare-mooncake",
         metavar="PYTHON",
         default=None,
-        help="also run SGLang's built-in MooncakeStore on the published wheel in this Python's venv "
-        "(scripts/setup_mooncake_peer.sh --sglang prints it)",
+        help="also run SGLang's built-in MooncakeStore on the published wheel in this "
+        "Python's venv (scripts/setup_mooncake_peer.sh --sglang prints it)",
     )
     ap.add_argument("--rank", choices=["writer", "reader"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--master", default="", help=argparse.SUPPRESS)
@@ -523,11 +525,12 @@ def main(argv: list[str] | None = None) -> int:
     r = run(args.rounds, args.transport, args.compare_mooncake)
     mib = r["page_bytes"] / (1 << 20)
     print(
-        f"{PAGES} pages x {mib:.2f} MiB a batch (32 layers, 64 tokens, K+V), median of {r['rounds']} rounds; "
-        f"our transport: {r['transport']}"
+        f"{PAGES} pages x {mib:.2f} MiB a batch (32 layers, 64 tokens, K+V), "
+        f"median of {r['rounds']} rounds; our transport: {r['transport']}"
     )
     print(
-        f"{'backend':<22} {'op':<13} {'ms/batch':>9} {'GB/s':>7} {'pages/s':>9} {'ours/published':>15}"
+        f"{'backend':<22} {'op':<13} {'ms/batch':>9} {'GB/s':>7} "
+        f"{'pages/s':>9} {'ours/published':>15}"
     )
     rows = [("ours (mooncake_core)", "")]
     if "mooncake_set_gbps" in r:
@@ -538,7 +541,8 @@ def main(argv: list[str] | None = None) -> int:
             ratio = r.get(f"{k}_gbps_ratio_vs_mooncake") if p == "" else None
             col = f"{ratio:.2f}x" if isinstance(ratio, (int, float)) else ""
             print(
-                f"{name:<22} {op:<13} {r[f'{p}{k}_ms']:>9.1f} {r[f'{p}{k}_gbps']:>7.2f} {pps:>9.0f} {col:>15}"
+                f"{name:<22} {op:<13} {r[f'{p}{k}_ms']:>9.1f} {r[f'{p}{k}_gbps']:>7.2f} "
+                f"{pps:>9.0f} {col:>15}"
             )
     print("(each reader verified every batch: page count and SHA-256 of three pages)")
     if args.json:

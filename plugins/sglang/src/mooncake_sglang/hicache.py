@@ -221,9 +221,9 @@ class MooncakeCoreStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         if str(host_pool_name) == "kv" and host_pool is getattr(self, "mem_pool_host", None):
             return
         raise ConfigError(
-            f"mooncake_core HiCache backend: extra host pool {str(host_pool_name)!r} (hybrid or sidecar "
-            "pools: Mamba, SWA, DSA indexer) is not supported; use SGLang's built-in backends for "
-            "hybrid models"
+            f"mooncake_core HiCache backend: extra host pool {str(host_pool_name)!r} "
+            "(hybrid or sidecar pools: Mamba, SWA, DSA indexer) is not supported; use SGLang's "
+            "built-in backends for hybrid models"
         )
 
     def _require(self) -> tuple[PoolView, KeyScheme]:
@@ -240,7 +240,8 @@ class MooncakeCoreStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         if self._healthy:
             self._healthy = False
             logger.warning(
-                "mooncake_core HiCache backend: %s failed (%s); reporting misses until the store answers",
+                "mooncake_core HiCache backend: %s failed (%s); "
+                "reporting misses until the store answers",
                 what,
                 exc,
             )
@@ -406,8 +407,8 @@ class MooncakeCoreStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
             )
         if target.numel() * target.element_size() != view.page_nbytes or not target.is_contiguous():
             raise ValueError(
-                f"target_location holds {target.numel() * target.element_size()} bytes; a flat page of "
-                f"this pool is {view.page_nbytes} contiguous bytes"
+                f"target_location holds {target.numel() * target.element_size()} bytes; "
+                f"a flat page of this pool is {view.page_nbytes} contiguous bytes"
             )
         return target
 
@@ -435,8 +436,8 @@ class MooncakeCoreStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
             flat = v.detach().contiguous().view(-1)
             if flat.numel() * flat.element_size() != view.page_nbytes:
                 raise ValueError(
-                    f"value for page {key!r} has {flat.numel() * flat.element_size()} bytes; a page of "
-                    f"this pool is {view.page_nbytes} ({nparts} x {view.object_nbytes})"
+                    f"value for page {key!r} has {flat.numel() * flat.element_size()} bytes; "
+                    f"a page of this pool is {view.page_nbytes} ({nparts} x {view.object_nbytes})"
                 )
             raw = flat.view(torch.uint8)
             bufs.extend(
@@ -509,7 +510,8 @@ class MooncakeCoreStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         logger.info("mooncake_core HiCache backend: cleared %d objects under %s", n, scheme.prefix)
 
     def get_stats(self) -> Any:
-        """SGLang's ``StorageMetrics`` since the last call (None if SGLang's metrics module is missing)."""
+        """SGLang's ``StorageMetrics`` since the last call (None if SGLang's metrics module is
+        missing)."""
         try:
             from sglang.srt.observability.metrics_collector import StorageMetrics
         except ImportError:

@@ -88,8 +88,8 @@ class KeyScheme:
     @property
     def geometry(self) -> str:
         text = (
-            f"v1|{'tok' if self.token_major else 'lyr'}|L{self.num_layers}|H{self.heads}|D{self.head_dim}"
-            f"|{self.dtype}|P{self.page_size}|{'mla' if self.mla else 'mha'}"
+            f"v1|{'tok' if self.token_major else 'lyr'}|L{self.num_layers}|H{self.heads}"
+            f"|D{self.head_dim}|{self.dtype}|P{self.page_size}|{'mla' if self.mla else 'mha'}"
         )
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 

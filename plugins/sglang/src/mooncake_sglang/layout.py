@@ -74,8 +74,8 @@ class PoolView:
         if kv.dim() != want:
             kind = "MLA" if mla else "MHA"
             raise ConfigError(
-                f"{kind} host pool with layout {layout!r} should have a {want}-d kv_buffer, got shape "
-                f"{tuple(kv.shape)}; is storage_config.is_mla_model right?"
+                f"{kind} host pool with layout {layout!r} should have a {want}-d kv_buffer, "
+                f"got shape {tuple(kv.shape)}; is storage_config.is_mla_model right?"
             )
         self.parts: list[torch.Tensor] = [kv] if mla else [kv[0], kv[1]]
         self.part_names = ("kv",) if mla else ("k", "v")
@@ -111,7 +111,8 @@ class PoolView:
 
     # ------------------------------------------------------------------ validation
     def page_starts(self, host_indices: Any, npages: int) -> list[int]:
-        """First token index of each page; raises ``ValueError`` on anything SGLang would not send."""
+        """First token index of each page; raises ``ValueError`` on anything SGLang would not
+        send."""
         import torch
 
         if not isinstance(host_indices, torch.Tensor):

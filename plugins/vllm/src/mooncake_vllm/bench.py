@@ -220,7 +220,8 @@ def _store_phase(
             hit_t.append(th)
             miss_t.append(tm)
             log(
-                f"repeat {r}: A computes {ta * 1e3:.0f} ms; B store hit {th * 1e3:.0f} ms; B recompute {tm * 1e3:.0f} ms"
+                f"repeat {r}: A computes {ta * 1e3:.0f} ms; B store hit {th * 1e3:.0f} ms; "
+                f"B recompute {tm * 1e3:.0f} ms"
             )
         sched = read_counters(work / "stats" / "B", "store-sched-")
         out.update(

@@ -61,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     model = build_tiny_llama(work / "tiny-llama")
     print(
-        f"[pd-demo] built a random 2-layer Llama + local tokenizer in {time.monotonic() - t0:.0f} s",
+        "[pd-demo] built a random 2-layer Llama + local tokenizer in "
+        f"{time.monotonic() - t0:.0f} s",
         flush=True,
     )
     prefill = VLLMServer(
@@ -108,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
         ttft_pd: list[float] = []
         ttft_mono: list[float] = []
         print(
-            "\n  #  prompt chars | monolithic answer            | PD answer (prefill -> decode) | same"
+            "\n  #  prompt chars | monolithic answer            "
+            "| PD answer (prefill -> decode) | same"
         )
         for i, prompt in enumerate(PROMPTS):
             tm, want = stream_ttft(mono.url + "/v1/completions", {**body, "prompt": prompt})
@@ -117,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
             ttft_pd.append(tp)
             same += want == got
             print(
-                f"  {i}  {len(prompt):>12} | {want[:28]!r:<30} | {got[:28]!r:<30} | {'yes' if want == got else 'NO'}"
+                f"  {i}  {len(prompt):>12} | {want[:28]!r:<30} | {got[:28]!r:<30} "
+                f"| {'yes' if want == got else 'NO'}"
             )
         chat = {**body, "messages": [{"role": "user", "content": PROMPTS[1]}]}
         want = http_json(mono.url + "/v1/chat/completions", chat)["choices"][0]["message"][
@@ -126,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
         got = http_json(purl + "/v1/chat/completions", chat)["choices"][0]["message"]["content"]
         same += want == got
         print(
-            f"  chat {len(PROMPTS[1]):>10} | {want[:28]!r:<30} | {got[:28]!r:<30} | {'yes' if want == got else 'NO'}"
+            f"  chat {len(PROMPTS[1]):>10} | {want[:28]!r:<30} | {got[:28]!r:<30} "
+            f"| {'yes' if want == got else 'NO'}"
         )
         after = read_counters(stats, "pd-kv_consumer-")
         moved = after.get("recv_bytes", 0) - before.get("recv_bytes", 0)
@@ -136,14 +140,15 @@ def run(args: argparse.Namespace) -> int:
         total = len(PROMPTS) + 1
         print(f"\n[pd-demo] answers identical to the monolithic instance: {same}/{total}")
         print(
-            f"[pd-demo] KV moved prefill -> decode by the transfer engine: {reqs:.0f} requests, {blocks:.0f} blocks, "
-            f"{moved / 1024:.0f} KiB in {secs * 1e3:.1f} ms"
+            f"[pd-demo] KV moved prefill -> decode by the transfer engine: {reqs:.0f} requests, "
+            f"{blocks:.0f} blocks, {moved / 1024:.0f} KiB in {secs * 1e3:.1f} ms"
             + (f" ({moved / secs / 1e9:.2f} GB/s)" if secs > 0 else "")
         )
         print(
             f"[pd-demo] TTFT median: monolithic {statistics.median(ttft_mono) * 1e3:.0f} ms, "
             f"PD via proxy {statistics.median(ttft_pd) * 1e3:.0f} ms "
-            "(tiny model: PD adds a hop; the gain shows with long prompts, see `mooncake-core bench vllm`)"
+            "(tiny model: PD adds a hop; the gain shows with long prompts, "
+            "see `mooncake-core bench vllm`)"
         )
         return 0 if same == total and reqs >= total else 1
     finally:

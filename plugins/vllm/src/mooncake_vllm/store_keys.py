@@ -54,7 +54,8 @@ def rank_dir(rank: int, size: int) -> str:
 
 
 def normalize_dtype(dtype: object) -> str:
-    """``torch.float32`` for ``torch.float32``, ``"float32"``, ``"fp32"``, ``"float"`` (likewise others)."""
+    """``torch.float32`` for ``torch.float32``, ``"float32"``, ``"fp32"``, ``"float"`` (likewise
+    others)."""
     name = str(dtype).strip()
     name = name[6:] if name.startswith("torch.") else name
     return "torch." + _DTYPE_ALIASES.get(name.lower(), name.lower())
@@ -102,7 +103,8 @@ class StoreKeyScheme:
         return page_chain(self.seed, tokens, self.block_size, n)
 
     def lookup_pages(self, tokens: Sequence[int]) -> list[str]:
-        """The pages a lookup asks about: full pages, leaving at least one prompt token to compute."""
+        """The pages a lookup asks about: full pages, leaving at least one prompt token to
+        compute."""
         return self.pages(tokens, max(0, (len(tokens) - 1) // self.block_size))
 
     def layer_keys(self, pages: Sequence[str], rank: int, layer: int) -> list[str]:
@@ -116,7 +118,8 @@ class StoreKeyScheme:
         return [f"{pre}{p}/L0" for p in pages for pre in pres]
 
     def held_pages(self, exists: Sequence[bool]) -> int:
-        """Leading pages whose every rank's shard exists, from a ``batch_exists`` over :meth:`exists_keys`."""
+        """Leading pages whose every rank's shard exists, from a ``batch_exists`` over
+        :meth:`exists_keys`."""
         r = self.tp_size
         n = 0
         while (n + 1) * r <= len(exists) and all(exists[n * r : (n + 1) * r]):

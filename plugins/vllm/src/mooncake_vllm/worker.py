@@ -88,7 +88,8 @@ class PDWorker:
         for name, t in kv_caches.items():
             if not t.is_contiguous():
                 raise ValueError(
-                    f"KV cache of layer {name!r} is not contiguous; the PD connector moves whole blocks"
+                    f"KV cache of layer {name!r} is not contiguous; "
+                    "the PD connector moves whole blocks"
                 )
             self.engine.register(t, name=name)
             self.layers[name] = t
@@ -154,11 +155,13 @@ class PDWorker:
                 )
             if int(info["block_bytes"]) != self.block_bytes:
                 raise ValueError(
-                    f"block size differs: remote {info['block_bytes']} bytes, local {self.block_bytes}"
+                    f"block size differs: remote {info['block_bytes']} bytes, "
+                    f"local {self.block_bytes}"
                 )
             if len(spec.local_block_ids) != len(spec.remote_block_ids):
                 raise ValueError(
-                    f"{len(spec.local_block_ids)} local blocks for {len(spec.remote_block_ids)} remote ones"
+                    f"{len(spec.local_block_ids)} local blocks for "
+                    f"{len(spec.remote_block_ids)} remote ones"
                 )
             remote_layers: dict[str, int] = info["layers"]
             runs = _runs(spec.local_block_ids, spec.remote_block_ids)
@@ -229,7 +232,8 @@ class PDWorker:
             if err is not None:
                 logger.warning(
                     "mooncake_vllm: KV fetch for request %s from prefill %s (%s) failed: %s; "
-                    "vLLM's kv_load_failure_policy decides (recompute: the prompt is computed here)",
+                    "vLLM's kv_load_failure_policy decides "
+                    "(recompute: the prompt is computed here)",
                     rid,
                     f.spec.remote_engine_id,
                     f.peer or "?",

@@ -17,7 +17,8 @@ from vllm_helpers import HAVE_VLLM
 def test_adapter_entry_point_does_not_import_vllm() -> None:
     code = (
         "import sys, mooncake_vllm.adapter as a; info = a.mooncake_adapter_info(); "
-        "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules); print(info.status)"
+        "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules); "
+        "print(info.status)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

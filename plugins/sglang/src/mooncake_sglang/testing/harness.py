@@ -34,7 +34,8 @@ STORAGE_BATCH = 128
 
 
 def import_sglang_pools() -> None:
-    """Import SGLang's host pool modules (without torchvision: install the stand-in first, see module doc)."""
+    """Import SGLang's host pool modules (without torchvision: install the stand-in first, see
+    module doc)."""
     if "sglang.srt.mem_cache.pool_host.mha" in sys.modules:
         return
     import sglang.srt.mem_cache.pool_host.mha  # noqa: F401
@@ -359,5 +360,6 @@ class SGLangHarness(EngineHarness):
 
 
 def make_harness(spec: HarnessSpec) -> SGLangHarness:
-    """Harness factory for ``HarnessSpec.factory = "mooncake_sglang.testing.harness:make_harness"``."""
+    """Harness factory for
+    ``HarnessSpec.factory = "mooncake_sglang.testing.harness:make_harness"``."""
     return SGLangHarness(spec)

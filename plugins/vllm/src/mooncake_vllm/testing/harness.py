@@ -316,7 +316,8 @@ class VLLMStoreHarness(EngineHarness):
     def expected_objects(
         self, tokens: Sequence[int], slots: Sequence[int]
     ) -> dict[str, bytes] | None:
-        """One object per (page, layer): that layer's block, ``[kv_heads, block_size, K|V]`` bytes."""
+        """One object per (page, layer): that layer's block, ``[kv_heads, block_size, K|V]``
+        bytes."""
         import torch
 
         out: dict[str, bytes] = {}
@@ -352,5 +353,6 @@ class VLLMStoreHarness(EngineHarness):
 
 
 def make_harness(spec: HarnessSpec) -> VLLMStoreHarness:
-    """Harness factory for ``HarnessSpec.factory = "mooncake_vllm.testing.harness:make_harness"``."""
+    """Harness factory for
+    ``HarnessSpec.factory = "mooncake_vllm.testing.harness:make_harness"``."""
     return VLLMStoreHarness(spec)

@@ -119,7 +119,8 @@ tok.decoder = decoders.ByteLevel()
 trainer = trainers.BpeTrainer(vocab_size=spec["vocab_cap"], special_tokens=["<s>", "</s>", "<unk>"],
                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
 tok.train_from_iterator(spec["corpus"] * 4, trainer)
-fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                               unk_token="<unk>")
 fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                       "{% if add_generation_prompt %}assistant:{% endif %}")
 fast.save_pretrained(spec["out"])
