@@ -99,7 +99,8 @@ def main() -> int:
                 continue
             _, seat, step, epoch, members, err, dt = msg
             print(
-                f"seat {seat} step {step:3d} epoch {epoch} members {members} max|y-ref| {err:.2e} ({dt * 1e3:.0f} ms)"
+                f"seat {seat} step {step:3d} epoch {epoch} members {members} "
+                f"max|y-ref| {err:.2e} ({dt * 1e3:.0f} ms)"
             )
             if killed_at is None and seat == 0 and step == 5:
                 os.kill(procs[3].pid or 0, signal.SIGKILL)

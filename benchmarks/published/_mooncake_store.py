@@ -5,8 +5,10 @@ interpreter of a venv holding ``mooncake-transfer-engine-non-cuda``; a
 ``mooncake_master`` with its embedded HTTP metadata server must already listen. It
 imports nothing from ``mooncake_core``.
 
-    python _mooncake_store.py holder MASTER METADATA_URL SEGMENT_BYTES   # prints "ready"; serves until stdin closes
-    python _mooncake_store.py reader MASTER METADATA_URL [--quick]       # last stdout line: results JSON
+    python _mooncake_store.py holder MASTER METADATA_URL SEGMENT_BYTES
+        # prints "ready"; serves until stdin closes
+    python _mooncake_store.py reader MASTER METADATA_URL [--quick]
+        # last stdout line: results JSON
 
 The holder contributes the memory; the reader contributes none, so every put and get
 crosses processes (protocol tcp, ``MC_TCP_BIND_ADDRESS=127.0.0.1``).

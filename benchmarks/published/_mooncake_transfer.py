@@ -4,8 +4,10 @@ Executed by ``run_mooncake_transfer_bench`` (``mooncake_peer.py`` next to this f
 the interpreter of a venv holding ``mooncake-transfer-engine-non-cuda`` (see
 scripts/setup_mooncake_peer.sh); it imports nothing from ``mooncake_core``.
 
-    python _mooncake_transfer.py target          # prints {"name", "addr"}; serves until stdin closes
-    python _mooncake_transfer.py initiator JSON [--quick]   # last stdout line: results JSON
+    python _mooncake_transfer.py target
+        # prints {"name", "addr"}; serves until stdin closes
+    python _mooncake_transfer.py initiator JSON [--quick]
+        # last stdout line: results JSON
 
 Both use metadata ``P2PHANDSHAKE`` and protocol ``tcp`` on 127.0.0.1 (set
 ``MC_TCP_BIND_ADDRESS=127.0.0.1``). Pages are touched before timing.

@@ -14,8 +14,8 @@
 inside that venv is in ``_mooncake_transfer.py`` / ``_mooncake_store.py`` next to this
 file; it imports nothing from ``mooncake_core``. This module runs in our venv: the core's
 benchmarks load it by path (:func:`mooncake_core.bench.published.peer`), as it lives in
-the checkout's ``benchmarks/published/``, not in the runtime package. Every process started here is stopped
-before the function returns, also on failure.
+the checkout's ``benchmarks/published/``, not in the runtime package. Every process started
+here is stopped before the function returns, also on failure.
 
 Blocking: each function runs for seconds (quick) to tens of seconds. Raises
 :class:`~mooncake_core.errors.MooncakeError` with the tail of the failing process's
@@ -56,7 +56,8 @@ HOLDER_SEGMENT = 512 << 20
 
 
 def default_peer_python() -> str | None:
-    """The scratch venv's python (``$MOONCAKE_PEER_VENV`` or ``<repo>/.scratch/mooncake-venv``) if it exists."""
+    """The scratch venv's python (``$MOONCAKE_PEER_VENV`` or ``<repo>/.scratch/mooncake-venv``)
+    if it exists."""
     venv = config.env_str("MOONCAKE_PEER_VENV") or str(
         _HERE.parent.parent / ".scratch" / "mooncake-venv"
     )
@@ -179,7 +180,8 @@ def _result(p: subprocess.Popen[str], procs: _Procs, name: str, timeout: float) 
 def _check_python(python: str) -> None:
     if not Path(python).is_file():
         raise MooncakeError(
-            f"no Python at {python!r}; run scripts/setup_mooncake_peer.sh and pass the path it prints"
+            f"no Python at {python!r}; run scripts/setup_mooncake_peer.sh and pass the path "
+            "it prints"
         )
 
 
@@ -227,7 +229,8 @@ def run_mooncake_store_bench(python: str, quick: bool) -> dict[str, Any]:
     master_bin = Path(python).parent / "mooncake_master"
     if not master_bin.is_file():
         raise MooncakeError(
-            f"{master_bin} not found; the venv of {python!r} lacks mooncake-transfer-engine-non-cuda"
+            f"{master_bin} not found; the venv of {python!r} lacks "
+            "mooncake-transfer-engine-non-cuda"
         )
     t0 = time.monotonic()
     rpc, http, metrics = free_port(), free_port(), free_port()
@@ -277,7 +280,8 @@ def run_mooncake_store_bench(python: str, quick: bool) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python benchmarks/published/mooncake_peer.py [transfer|store|all] [--quick] [--python PY]``."""
+    """``python benchmarks/published/mooncake_peer.py [transfer|store|all] [--quick]
+    [--python PY]``."""
     import argparse
 
     ap = argparse.ArgumentParser(description=main.__doc__)

@@ -46,7 +46,8 @@ def script(name: str) -> Path:
 
 
 def load(name: str) -> ModuleType:
-    """Import ``benchmarks/published/<name>.py`` by path, once (module ``mooncake_published_<name>``)."""
+    """Import ``benchmarks/published/<name>.py`` by path, once (module
+    ``mooncake_published_<name>``)."""
     modname = f"mooncake_published_{name.lstrip('_')}"
     mod = sys.modules.get(modname)
     if mod is not None:

@@ -20,11 +20,12 @@ the same bytes in the same pattern (as many distinct 16 MiB sources, read as oft
 ``--compare-mooncake PYTHON`` uses the hook :func:`run_mooncake`, which runs the same
 workload on the published Mooncake store through
 ``run_mooncake_store_bench(python, quick)`` of ``benchmarks/published/mooncake_peer.py``
-(:mod:`mooncake_core.bench.published`; needs the source checkout); ours and theirs alternate round by round, and the JSON adds
-``mooncake_<key>`` and ``<key>_ratio_vs_mooncake`` (ours / theirs; for the latency keys
-lower is better) for each figure both report, and ``raw_tcp_<key>_ratio_vs_mooncake``: the
-raw-TCP reference (a bare Python socket, no store) against the published store, i.e. the
-ceiling any store reaching the holder through Python sockets could score in that run.
+(:mod:`mooncake_core.bench.published`; needs the source checkout); ours and theirs alternate
+round by round, and the JSON adds ``mooncake_<key>`` and ``<key>_ratio_vs_mooncake`` (ours /
+theirs; for the latency keys lower is better) for each figure both report, and
+``raw_tcp_<key>_ratio_vs_mooncake``: the raw-TCP reference (a bare Python socket, no store)
+against the published store, i.e. the ceiling any store reaching the holder through Python
+sockets could score in that run.
 Comparisons should use ``--transport tcp``.
 """
 
@@ -79,7 +80,8 @@ def _holder(master: str, segment_size: int, ready: str) -> int:
 
 # ---------------------------------------------------------------------- references
 def _rotating_memcpy(big: np.ndarray, dst: np.ndarray, sources: int, copies: int) -> float:
-    """GB/s of ``copies`` 16 MiB copies into ``dst`` from ``sources`` distinct 16 MiB chunks of ``big``, in turn."""
+    """GB/s of ``copies`` 16 MiB copies into ``dst`` from ``sources`` distinct 16 MiB chunks of
+    ``big``, in turn."""
     n = 16 << 20
     sources = min(sources, len(big) // n)
     t0 = time.perf_counter()
@@ -89,7 +91,8 @@ def _rotating_memcpy(big: np.ndarray, dst: np.ndarray, sources: int, copies: int
 
 
 def _cold_memcpy(big: np.ndarray, dst: np.ndarray) -> float:
-    """memcpy of 16 MiB chunks rotating over a 256 MiB source (cache-cold, like reading many objects)."""
+    """memcpy of 16 MiB chunks rotating over a 256 MiB source (cache-cold, like reading many
+    objects)."""
     chunks = len(big) // (16 << 20)
     return _rotating_memcpy(big, dst, chunks, 2 * chunks)
 
@@ -213,9 +216,10 @@ def run_mooncake(python: str, quick: bool) -> dict[str, Any]:
     """HOOK for ``--compare-mooncake PYTHON``: one run of the same workload on the published store.
 
     Calls ``run_mooncake_store_bench(python, quick)`` of ``benchmarks/published/mooncake_peer.py``
-    (found by :func:`mooncake_core.bench.published.peer`; it starts the published ``mooncake_master`` with its embedded
-    HTTP metadata server, a holder and a reader over TCP) and returns its figures, which
-    use our key names. On failure returns ``{"mooncake_error": "..."}``.
+    (found by :func:`mooncake_core.bench.published.peer`; it starts the published
+    ``mooncake_master`` with its embedded HTTP metadata server, a holder and a reader over TCP)
+    and returns its figures, which use our key names. On failure returns
+    ``{"mooncake_error": "..."}``.
     """
     from mooncake_core.bench.published import peer
     from mooncake_core.errors import ConfigError
@@ -236,7 +240,8 @@ def run_mooncake(python: str, quick: bool) -> dict[str, Any]:
 
 
 def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
-    """``mooncake_<key>`` and ``<key>_ratio_vs_mooncake`` (ours / theirs; lower is better for latencies)."""
+    """``mooncake_<key>`` and ``<key>_ratio_vs_mooncake`` (ours / theirs; lower is better for
+    latencies)."""
     out: dict[str, Any] = {}
     for k, v in theirs.items():
         out[f"mooncake_{k}"] = v
@@ -252,7 +257,8 @@ def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
             out["get_uncached_gbps_1m_ratio_vs_mooncake"] = round(
                 ours["get_uncached_gbps_1m"] / v, 3
             )
-        # the ceiling: what a bare Python socket (no store at all) scores against the published store
+        # the ceiling: what a bare Python socket (no store at all) scores against the published
+        # store
         raw = ours.get(f"raw_tcp_{k}")
         if isinstance(raw, (int, float)) and isinstance(v, (int, float)) and v:
             out[f"raw_tcp_{k}_ratio_vs_mooncake"] = round(raw / v, 3)
@@ -372,8 +378,9 @@ def run_bench(quick: bool, transport: str, rounds: int) -> dict[str, Any]:
             k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]
         }
         result.update({k: round(v, 1) for k, v in meta.items()})
-        # the shm target's reference: a memcpy of the same bytes in the same pattern (n distinct 16 MiB
-        # sources, each read as often as the gets read them); hot = one source again and again (cache-resident)
+        # the shm target's reference: a memcpy of the same bytes in the same pattern (n distinct
+        # 16 MiB sources, each read as often as the gets read them); hot = one source again and
+        # again (cache-resident)
         result["get_vs_memcpy_16m"] = round(
             result["get_gbps_16m"] / result["memcpy_pattern_gbps_16m"], 3
         )
@@ -416,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
         "--compare-mooncake",
         metavar="PYTHON",
         default=None,
-        help="a Python with mooncake-transfer-engine-non-cuda installed: also run the published store",
+        help="a Python with mooncake-transfer-engine-non-cuda installed: also run the published "
+        "store",
     )
     ap.add_argument("--role", default="reader", help=argparse.SUPPRESS)
     ap.add_argument("--master", default="", help=argparse.SUPPRESS)
@@ -444,22 +452,26 @@ def main(argv: list[str] | None = None) -> int:
             theirs[0] if "mooncake_error" in theirs[0] else ratios(res, _median_dicts(theirs))
         )
     print(
-        f"store bench ({res['transport']}, reader and holder in separate processes, median of {rounds} rounds)"
+        f"store bench ({res['transport']}, reader and holder in separate processes, "
+        f"median of {rounds} rounds)"
     )
     for size in SIZES:
         lb = _label(size)
         print(
-            f"  {lb:>4}: put {res[f'put_gbps_{lb}']:7.2f} GB/s   get {res[f'get_gbps_{lb}']:7.2f} GB/s"
+            f"  {lb:>4}: put {res[f'put_gbps_{lb}']:7.2f} GB/s   "
+            f"get {res[f'get_gbps_{lb}']:7.2f} GB/s"
         )
     print(
-        f"  batch 32x1m: put {res['batch_put_gbps_32x1m']:.2f} GB/s   get {res['batch_get_gbps_32x1m']:.2f} GB/s"
+        f"  batch 32x1m: put {res['batch_put_gbps_32x1m']:.2f} GB/s   "
+        f"get {res['batch_get_gbps_32x1m']:.2f} GB/s"
     )
     print(
         f"  get 64k: p50 {res['get64k_p50_us']:.0f} us  p99 {res['get64k_p99_us']:.0f} us  "
         f"({res['get64k_ops_per_s']:.0f} ops/s)"
     )
     print(
-        f"  exists: {res['meta_ops_per_s']:.0f} keys/s batched, {res['meta_single_ops_per_s']:.0f} ops/s single"
+        f"  exists: {res['meta_ops_per_s']:.0f} keys/s batched, "
+        f"{res['meta_single_ops_per_s']:.0f} ops/s single"
     )
     print(
         f"  references: raw TCP get 16m {res['raw_tcp_get_gbps_16m']:.2f} GB/s, put 16m "
@@ -467,13 +479,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"  get 16m vs memcpy {res['get_vs_memcpy_16m']:.2f}x (same pattern: "
-        f"{res['memcpy_pattern_gbps_16m']:.2f} GB/s), {res['get_vs_memcpy_hot_16m']:.2f}x (one cache-resident "
-        f"buffer), {res['get_vs_memcpy_cold_16m']:.2f}x (cold: {res['memcpy_cold_gbps_16m']:.2f} GB/s); "
+        f"{res['memcpy_pattern_gbps_16m']:.2f} GB/s), "
+        f"{res['get_vs_memcpy_hot_16m']:.2f}x (one cache-resident buffer), "
+        f"{res['get_vs_memcpy_cold_16m']:.2f}x (cold: {res['memcpy_cold_gbps_16m']:.2f} GB/s); "
         f"vs raw TCP {res['get_vs_raw_tcp_16m']:.2f}x"
     )
     if "get_uncached_gbps_1m" in res:
         print(
-            f"  get 1m by a client that remembers no locations: {res['get_uncached_gbps_1m']:.2f} GB/s"
+            "  get 1m by a client that remembers no locations: "
+            f"{res['get_uncached_gbps_1m']:.2f} GB/s"
         )
     if "raw_tcp_put_gbps_1m_ratio_vs_mooncake" in res:
         print(
@@ -485,7 +499,8 @@ def main(argv: list[str] | None = None) -> int:
                 for op in ("put", "get")
             )
             + (
-                f"; get 1m, no remembered locations {res['get_uncached_gbps_1m_ratio_vs_mooncake']:.2f}x"
+                "; get 1m, no remembered locations "
+                f"{res['get_uncached_gbps_1m_ratio_vs_mooncake']:.2f}x"
                 if "get_uncached_gbps_1m_ratio_vs_mooncake" in res
                 else ""
             )

@@ -184,21 +184,25 @@ def _measure(info: dict[str, Any], quick: bool) -> dict[str, Any]:
 
 def print_table(r: dict[str, Any]) -> None:
     print(
-        f"{'size':>6} | {'raw w':>7} {'raw r':>7} | {'tcp w':>7} {'tcp r':>7} | {'shm w':>7} {'shm r':>7}   (GB/s, median)"
+        f"{'size':>6} | {'raw w':>7} {'raw r':>7} | {'tcp w':>7} {'tcp r':>7} | "
+        f"{'shm w':>7} {'shm r':>7}   (GB/s, median)"
     )
     for n in SIZES:
         lb = _label(n)
         print(
-            f"{lb:>6} | {r[f'raw_write_{lb}']:7.2f} {r[f'raw_read_{lb}']:7.2f} | {r[f'tcp_write_{lb}']:7.2f} "
-            f"{r[f'tcp_read_{lb}']:7.2f} | {r[f'shm_write_{lb}']:7.2f} {r[f'shm_read_{lb}']:7.2f}"
+            f"{lb:>6} | {r[f'raw_write_{lb}']:7.2f} {r[f'raw_read_{lb}']:7.2f} | "
+            f"{r[f'tcp_write_{lb}']:7.2f} {r[f'tcp_read_{lb}']:7.2f} | "
+            f"{r[f'shm_write_{lb}']:7.2f} {r[f'shm_read_{lb}']:7.2f}"
         )
     print(
-        f"batch 32 x 1 MiB: tcp write {r['tcp_batch_write_32x1m']:.2f} read {r['tcp_batch_read_32x1m']:.2f} | "
+        f"batch 32 x 1 MiB: tcp write {r['tcp_batch_write_32x1m']:.2f} "
+        f"read {r['tcp_batch_read_32x1m']:.2f} | "
         f"shm write {r['shm_batch_write_32x1m']:.2f} read {r['shm_batch_read_32x1m']:.2f} GB/s"
     )
     print(f"memcpy (numpy copy, 256 MiB): {r['memcpy_gbps']:.2f} GB/s")
     print(
-        f"64 KiB read latency: tcp p50 {r['lat64k_p50_us']:.0f} us p99 {r['lat64k_p99_us']:.0f} us | "
+        f"64 KiB read latency: tcp p50 {r['lat64k_p50_us']:.0f} us "
+        f"p99 {r['lat64k_p99_us']:.0f} us | "
         f"shm p50 {r['shm_lat64k_p50_us']:.0f} us p99 {r['shm_lat64k_p99_us']:.0f} us"
     )
     print(
@@ -219,8 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         "--compare-mooncake",
         metavar="PYTHON",
         default=None,
-        help="also run the published Mooncake engine with this Python (scripts/setup_mooncake_peer.sh "
-        "makes one) and add <key>_ratio_vs_mooncake figures",
+        help="also run the published Mooncake engine with this Python "
+        "(scripts/setup_mooncake_peer.sh makes one) and add <key>_ratio_vs_mooncake figures",
     )
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

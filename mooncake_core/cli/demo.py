@@ -126,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
         line = proc.stdout.readline()
         if not line:
             print(
-                "mooncake-core: error: the demo's receiver process failed to start (see its log above)",
+                "mooncake-core: error: the demo's receiver process failed to start "
+                "(see its log above)",
                 file=sys.stderr,
             )
             return 1
@@ -134,8 +135,9 @@ def run(args: argparse.Namespace) -> int:
         peer, base = info["name"], int(info["addr"])
         print(f"receiver process pid {proc.pid} listening as {peer}; sender pid {os.getpid()}")
         print(
-            f"KV cache: {args.layers} layers x (K,V) x {args.blocks} blocks x {BLOCK_TOKENS} tokens x "
-            f"{KV_HEADS} heads x {HEAD_DIM} dims, {getattr(kv, 'dtype', 'float32')} = {format_size(nbytes)}"
+            f"KV cache: {args.layers} layers x (K,V) x {args.blocks} blocks x "
+            f"{BLOCK_TOKENS} tokens x {KV_HEADS} heads x {HEAD_DIM} dims, "
+            f"{getattr(kv, 'dtype', 'float32')} = {format_size(nbytes)}"
         )
         with TransferEngine(protocol="tcp") as eng:
             local = eng.allocate(nbytes, prefault=True)
@@ -198,7 +200,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{'what':<34} {'transport':<9} {'bytes':>10} {'time':>9} {'GB/s':>7}  verified")
         for what, tr, n, dt, ok in rows:
             print(
-                f"{what:<34} {tr:<9} {format_size(n):>10} {dt * 1e3:7.1f}ms {n / dt / 1e9:7.2f}  {'yes' if ok else 'NO'}"
+                f"{what:<34} {tr:<9} {format_size(n):>10} {dt * 1e3:7.1f}ms "
+                f"{n / dt / 1e9:7.2f}  {'yes' if ok else 'NO'}"
             )
         proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
         proc.stdin.flush()

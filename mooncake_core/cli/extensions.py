@@ -1,4 +1,5 @@
-"""Commands that installed packages add to ``mooncake-core`` (entry-point group ``mooncake_core.cli``).
+"""Commands that installed packages add to ``mooncake-core`` (entry-point group
+``mooncake_core.cli``).
 
 An engine adapter registers its demos and benchmarks here, so the core names no engine:
 

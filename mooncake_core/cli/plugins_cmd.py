@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     for a in ad:
         inst = "installed" if a.engine_installed else "not installed"
         print(
-            f"  {a.name:<9} {a.package:<18} engine {a.engine} ({inst}); conformance: {a.conformance}; {a.status}"
+            f"  {a.name:<9} {a.package:<18} engine {a.engine} ({inst}); "
+            f"conformance: {a.conformance}; {a.status}"
         )
     return 0

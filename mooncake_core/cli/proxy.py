@@ -45,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--engine",
         default=DEFAULT_ENGINE,
         metavar="NAME",
-        help=f"the engine the instances run; an installed adapter serves it (default {DEFAULT_ENGINE})",
+        help="the engine the instances run; an installed adapter serves it "
+        f"(default {DEFAULT_ENGINE})",
     )
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="listen port (default 8000; 0 = any)")
@@ -80,7 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--profile",
         default=None,
         metavar="FILE",
-        help="cost-model profile JSON from 'mooncake-core conductor fit' (default: shipped profile)",
+        help="cost-model profile JSON from 'mooncake-core conductor fit' "
+        "(default: shipped profile)",
     )
     g.add_argument(
         "--block-tokens",
@@ -93,16 +95,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         metavar="ENDPOINT",
-        help="one ZMQ endpoint per prefill instance, e.g. tcp://127.0.0.1:5557, bound here; start each "
-        'instance publishing its KV events there (vLLM: --kv-events-config \'{"enable_kv_cache_events":true,"publisher":"zmq",'
+        help="one ZMQ endpoint per prefill instance, e.g. tcp://127.0.0.1:5557, bound here; "
+        "start each instance publishing its KV events there (vLLM: --kv-events-config "
+        '\'{"enable_kv_cache_events":true,"publisher":"zmq",'
         '"endpoint":"<its ENDPOINT>"}\')',
     )
     g.add_argument(
         "--tokenize",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="token ids of text prompts from the prefill instances' tokenizer, so they match KV events "
-        "and store keys (default on)",
+        help="token ids of text prompts from the prefill instances' tokenizer, so they match "
+        "KV events and store keys (default on)",
     )
     g.add_argument(
         "--store-master",

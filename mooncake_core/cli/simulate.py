@@ -78,7 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--threshold",
         type=int,
         default=2,
-        help="fetch a remote prefix only if longer than the local one by more than this many blocks",
+        help="fetch a remote prefix only if longer than the local one by more than this many "
+        "blocks",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random policy")
     parser.add_argument(
@@ -159,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(
             f"trace {args.trace}: {len(reqs)} requests, speedup {args.speedup:g}, "
-            f"{args.prefill} prefill + {args.decode} decode, SLO TTFT {args.slo_ttft:g} s / TBT {args.slo_tbt:g} s"
+            f"{args.prefill} prefill + {args.decode} decode, "
+            f"SLO TTFT {args.slo_ttft:g} s / TBT {args.slo_tbt:g} s"
         )
         print(format_table(rows))
     return 0

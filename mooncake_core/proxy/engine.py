@@ -130,7 +130,8 @@ class ProxyEngine(Protocol):
         """The tokenizer request for ``body``, or None when it has no single text prompt."""
 
     def token_ids(self, answer: Any) -> list[int]:
-        """Token ids in a tokenizer answer; raises ValueError, KeyError or TypeError if malformed."""
+        """Token ids in a tokenizer answer; raises ValueError, KeyError or TypeError if
+        malformed."""
 
     def model_path(self, models: Any) -> str | None:
         """The model path in an instance's ``GET /v1/models`` answer (None: not there)."""

@@ -89,7 +89,8 @@ class Job:
 
     Attributes:
         rid: proxy-local request number.
-        prompt_tokens: prompt length (exact for token ids, also for text the proxy tokenized; else estimated).
+        prompt_tokens: prompt length (exact for token ids, also for text the proxy tokenized;
+            else estimated).
         prompt_key: the prompt's token ids (given, or from the instances' ``/tokenize`` when the
             policy asks for them), else its text; for cache-aware policies.
         max_tokens: tokens to generate.
@@ -138,7 +139,8 @@ class RoutingPolicy(ABC):
         self.engine: ProxyEngine | None = None
 
     async def prepare(self, job: Job) -> None:
-        """Gather what :meth:`choose` needs that takes I/O (called just before it; must not raise)."""
+        """Gather what :meth:`choose` needs that takes I/O (called just before it; must not
+        raise)."""
         return None
 
     @abstractmethod
@@ -211,9 +213,9 @@ class RequestRejected(ProxyError):
 class GlobalCachePolicy(RoutingPolicy):
     """The conductor's KV-cache-aware choice (``global-cache``), fed by the proxy.
 
-    Prompt blocks are hashed by :func:`~mooncake_core.conductor.policy.prefix_blocks` (over token ids: given ones, or text
-    prompts tokenized by the instances' ``/tokenize``); after a prefill the instance is
-    recorded as holding them, so later requests sharing the prefix go where it lies
+    Prompt blocks are hashed by :func:`~mooncake_core.conductor.policy.prefix_blocks` (over token
+    ids: given ones, or text prompts tokenized by the instances' ``/tokenize``); after a prefill
+    the instance is recorded as holding them, so later requests sharing the prefix go where it lies
     (unless the predicted TTFT says another instance is better). With ``reject`` the
     conductor's early rejection is on: :meth:`choose` raises :class:`RequestRejected`.
 
@@ -339,8 +341,8 @@ class GlobalCachePolicy(RoutingPolicy):
         root = await model_root([i.url for i in self.prefill], self.store.engine)
         if root is None:
             logger.warning(
-                "no prefill instance listed its model (GET /v1/models); store lookups start once one "
-                "does (or pass --store-model)"
+                "no prefill instance listed its model (GET /v1/models); store lookups start "
+                "once one does (or pass --store-model)"
             )
             return False
         self.store.set_model(root)
@@ -378,7 +380,8 @@ class GlobalCachePolicy(RoutingPolicy):
                 self.conductor.store_removed(held)
         if d.rejected:
             raise RequestRejected(
-                f"rejected early: {d.reason} (predicted TTFT {d.ttft_s:.2f} s, TBT {d.tbt_s * 1e3:.0f} ms)"
+                f"rejected early: {d.reason} "
+                f"(predicted TTFT {d.ttft_s:.2f} s, TBT {d.tbt_s * 1e3:.0f} ms)"
             )
         dec = d.decode if 0 <= d.decode < len(self.decode) else 0
         if d.fetch_blocks and d.fetch_source == len(self.prefill):
@@ -390,7 +393,8 @@ class GlobalCachePolicy(RoutingPolicy):
             source = "none"
         self.counters["fetched_blocks"] += d.fetch_blocks
         info = (
-            f"cached_blocks={d.cached_blocks}; fetch_blocks={d.fetch_blocks}; fetch_source={source}; "
+            f"cached_blocks={d.cached_blocks}; fetch_blocks={d.fetch_blocks}; "
+            f"fetch_source={source}; "
             f"store_blocks={'-' if job.store_blocks is None else job.store_blocks}; "
             f"predicted_ttft_ms={d.ttft_s * 1e3:.1f}"
         )
@@ -470,7 +474,8 @@ POLICIES: dict[str, str] = {
 def make_policy(
     name: str, prefill: Sequence[Instance], decode: Sequence[Instance], **options: Any
 ) -> RoutingPolicy:
-    """Build the policy called ``name`` with ``options``; bad names or options raise :class:`ConfigError`."""
+    """Build the policy called ``name`` with ``options``; bad names or options raise
+    :class:`ConfigError`."""
     target = POLICIES.get(name)
     if target is None:
         raise ConfigError(

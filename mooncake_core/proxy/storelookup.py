@@ -41,7 +41,8 @@ _HOSTPORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 
 
 def parse_master_address(addr: str, what: str = "--store-master") -> str:
-    """Check ``HOST:PORT`` (or ``etcd://HOST:PORT[,HOST:PORT...]``); raise a one-line :class:`ConfigError`."""
+    """Check ``HOST:PORT`` (or ``etcd://HOST:PORT[,HOST:PORT...]``); raise a one-line
+    :class:`ConfigError`."""
     text = (addr or "").strip()
     parts = text[len("etcd://") :].split(",") if text.startswith("etcd://") else [text]
     for part in parts:
@@ -118,7 +119,8 @@ class StoreLookup:
         self.master = parse_master_address(master)
         if block_tokens <= 0 or tp_size <= 0:
             raise ConfigError(
-                f"store lookup needs a positive block size and TP size, got {block_tokens}, {tp_size}"
+                "store lookup needs a positive block size and TP size, "
+                f"got {block_tokens}, {tp_size}"
             )
         if not dtype:
             raise ConfigError(
@@ -147,7 +149,8 @@ class StoreLookup:
             self.set_model(model)
 
     def set_model(self, model: str) -> None:
-        """Fix the model path (builds the key scheme; :class:`ConfigError` when no adapter serves the engine)."""
+        """Fix the model path (builds the key scheme; :class:`ConfigError` when no adapter serves
+        the engine)."""
         if self.engine is None:
             self.engine = proxy_engine()
         try:
@@ -202,7 +205,8 @@ class StoreLookup:
             logger.info("store master %s answers again; store holdings count again", self.master)
 
     def held_pages(self, tokens: Sequence[int]) -> int:
-        """Leading pages of ``tokens`` the store holds (0 without a scheme or while the master is down).
+        """Leading pages of ``tokens`` the store holds (0 without a scheme or while the master is
+        down).
 
         Blocking (one RPC); call from a thread, e.g. through :meth:`aheld_pages`.
         """

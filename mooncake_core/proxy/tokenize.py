@@ -87,7 +87,8 @@ class RemoteTokenizer:
     async def token_ids(
         self, session: aiohttp.ClientSession, body: dict[str, Any], chat: bool
     ) -> list[int] | None:
-        """Token ids the engine would compute for ``body``'s prompt, or None (not a text prompt, or no answer)."""
+        """Token ids the engine would compute for ``body``'s prompt, or None (not a text prompt, or
+        no answer)."""
         req = self.engine.tokenize_body(body, chat)
         if req is None:
             return None

@@ -201,7 +201,8 @@ class AdapterContract:
     def test_keys_differ_across_models_and_ranks(
         self, base_layout: KVLayout, make_harness: MakeHarness, rng: random.Random
     ) -> None:
-        """Keys are disjoint across models (and MHA ranks); data saved under one never shows under another."""
+        """Keys are disjoint across models (and MHA ranks); data saved under one never shows
+        under another."""
         a = make_harness(model="conformance/model-a")
         b = make_harness(model="conformance/model-b")
         tokens = _tokens(rng, a)
@@ -230,7 +231,8 @@ class AdapterContract:
         spawn_worker: SpawnWorker,
         rng: random.Random,
     ) -> None:
-        """A process saves and exits; a new process computes the same keys and reads the same bytes."""
+        """A process saves and exits; a new process computes the same keys and reads the same
+        bytes."""
         spec = make_spec()
         here = make_harness()
         tokens = _tokens(rng, here)

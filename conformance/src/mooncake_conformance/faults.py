@@ -151,7 +151,8 @@ def entry_point_dir(
     entry_points: Mapping[str, Mapping[str, str]],
     dist: str = "mooncake-test-faults",
 ) -> Path:
-    """Write ``<directory>/<dist>-0.0.0.dist-info`` declaring ``entry_points`` and return ``directory``.
+    """Write ``<directory>/<dist>-0.0.0.dist-info`` declaring ``entry_points`` and return
+    ``directory``.
 
     Args:
         directory: a directory for this child only (a test's temporary directory).

@@ -153,7 +153,8 @@ class AdapterFixtures:
 
     @pytest.fixture
     def make_harness(self, make_spec: Callable[..., HarnessSpec]) -> Iterator[MakeHarness]:
-        """Build in-process engine ranks (same arguments as ``make_spec``); closed after the check."""
+        """Build in-process engine ranks (same arguments as ``make_spec``); closed after the
+        check."""
         built: list[EngineHarness] = []
 
         def make(*args: Any, **kw: Any) -> EngineHarness:

@@ -29,7 +29,8 @@ __all__ = [
 
 
 def page_seed(model: str, tokens: Sequence[int], page: int, page_size: int) -> int:
-    """Content seed of page ``page``: a digest of the model and ``tokens[: (page + 1) * page_size]``."""
+    """Content seed of page ``page``: a digest of the model and
+    ``tokens[: (page + 1) * page_size]``."""
     h = hashlib.sha256(model.encode())
     end = (page + 1) * page_size
     h.update(struct.pack(f"<{end}I", *(t & 0xFFFFFFFF for t in tokens[:end])))

@@ -148,9 +148,15 @@ def describe(adapter: str, module: str = "") -> str:
     skipped = [c for c in ran if checks[c] == "skipped"]
     day = str(data.get("when", ""))[:10]
     if failed:
-        text = f"FAILED {len(failed)} of {len(known)} checks ({', '.join(failed[:3])}{', ...' if len(failed) > 3 else ''})"
+        text = (
+            f"FAILED {len(failed)} of {len(known)} checks "
+            f"({', '.join(failed[:3])}{', ...' if len(failed) > 3 else ''})"
+        )
     elif len(ran) < len(known):
-        text = f"incomplete: {len(passed)} of {len(known)} checks passed, {len(known) - len(ran)} not run"
+        text = (
+            f"incomplete: {len(passed)} of {len(known)} checks passed, "
+            f"{len(known) - len(ran)} not run"
+        )
     else:
         text = f"passed {len(passed)} of {len(known)} checks"
     if skipped:

@@ -131,7 +131,8 @@ class Worker:
         return resp
 
     def call(self, op: str, timeout: float = 120.0, **kw: Any) -> Any:
-        """Send one request; returns its result or raises ``RuntimeError`` with the worker's error."""
+        """Send one request; returns its result or raises ``RuntimeError`` with the worker's
+        error."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
         self.proc.stdin.flush()
