@@ -42,6 +42,7 @@ __all__ = [
     "load_config",
     "parse_size",
     "format_size",
+    "parse_bool",
     "env_flag",
     "env_str",
     "env_list",
@@ -76,6 +77,23 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
 
 
+def parse_bool(value: object, key: str) -> bool:
+    """The one boolean parser: ``True``/``False``, 1/true/yes/on or 0/false/no/off (any case).
+
+    Raises:
+        ConfigError: anything else; the message names ``key``.
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, str)):
+        word = str(value).strip().lower()
+        if word in _TRUE:
+            return True
+        if word in _FALSE and word:
+            return False
+    raise ConfigError(f"{key}: expected true/false (1/yes/on or 0/no/off), got {value!r}")
+
+
 def environment(environ: Mapping[str, str] | None = None) -> Mapping[str, str]:
     """The environment to read: ``environ`` when given, else the process's.
 
@@ -98,14 +116,9 @@ def env_flag(name: str, default: bool = False, environ: Mapping[str, str] | None
         ConfigError: the value is none of those; the message names the variable.
     """
     raw = environment(environ).get(name)
-    if raw is None:
+    if raw is None or not raw.strip():
         return default
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False if value else default
-    raise ConfigError(f"{name}: expected 1/true/yes/on or 0/false/no/off, got {raw!r}")
+    return parse_bool(raw, name)
 
 
 def env_list(name: str, sep: str = ",", environ: Mapping[str, str] | None = None) -> list[str]:
@@ -252,18 +265,7 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
     if typ is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, (int, str)) and str(value).strip().lower() in {
-            "1",
-            "true",
-            "yes",
-            "on",
-            "0",
-            "false",
-            "no",
-            "off",
-        }:
-            return str(value).strip().lower() in {"1", "true", "yes", "on"}
-        raise ConfigError(f"{key}: expected true/false, got {value!r}")
+        return parse_bool(value, key)
     if typ is int:
         if isinstance(value, bool):
             raise ConfigError(f"{key}: expected an integer, got {value!r}")

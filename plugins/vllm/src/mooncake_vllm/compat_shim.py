@@ -21,7 +21,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from mooncake_core.config import env_str
+from mooncake_core.config import env_str, parse_bool
+from mooncake_core.errors import ConfigError
 
 __all__ = ["ENV", "CPU_SHIM_ENV", "compat_mode", "install_compat", "install_cpu_workarounds"]
 
@@ -30,20 +31,25 @@ logger = logging.getLogger(__name__)
 #: the switch (see the module docstring)
 ENV = "MOONCAKE_CORE_COMPAT"
 
-_TRUE = ("1", "true", "yes", "on", "force")
-_FALSE = ("0", "false", "no", "off")
+
+def _switch(name: str, environ: Mapping[str, str] | None) -> bool | None:
+    """A yes/no switch (``force`` means yes); None when unset or not understood."""
+    value = env_str(name, "", environ)
+    if not value:
+        return None
+    if value.lower() == "force":
+        return True
+    try:
+        return parse_bool(value, name)
+    except ConfigError:
+        logger.warning("%s=%r is not understood (use 1 or 0); treating it as unset", name, value)
+        return None
 
 
 def compat_mode(environ: Mapping[str, str] | None = None) -> str:
     """``"force"``, ``"off"`` or ``"auto"`` from ``MOONCAKE_CORE_COMPAT``."""
-    value = env_str(ENV, "", environ).lower()
-    if value in _TRUE:
-        return "force"
-    if value in _FALSE:
-        return "off"
-    if value:
-        logger.warning("%s=%r is not understood (use 1 or 0); treating it as unset", ENV, value)
-    return "auto"
+    on = _switch(ENV, environ)
+    return "auto" if on is None else ("force" if on else "off")
 
 
 def install_compat(environ: Mapping[str, str] | None = None) -> bool:
@@ -93,8 +99,7 @@ def install_cpu_workarounds(environ: Mapping[str, str] | None = None) -> list[st
     Off by default: unmodified, ``MooncakeConnector`` stops with exactly that error on CPU.
     Returns the names patched (empty when off, already patched, or an accelerator exists).
     """
-    value = env_str(CPU_SHIM_ENV, "", environ).lower()
-    if value not in _TRUE:
+    if not _switch(CPU_SHIM_ENV, environ):
         return []
     try:
         import torch
