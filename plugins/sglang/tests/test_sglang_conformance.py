@@ -7,6 +7,8 @@ SGLang server is involved (see docs/sglang.md).
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -43,7 +45,15 @@ class SGLangFixtures(AdapterFixtures):
 
     @pytest.fixture
     def harness_factory(self) -> str:
-        return "mooncake_sglang.testing.harness:make_harness"
+        # mooncake_sglang.testing.harness:make_harness, after the inert torchvision is in
+        # place (worker processes do not run conftest.py)
+        return "sglang_worker_harness:make_harness"
+
+    @pytest.fixture
+    def worker_env(self) -> dict[str, str]:
+        here = str(Path(__file__).resolve().parent)
+        path = os.environ.get("PYTHONPATH", "")
+        return {"PYTHONPATH": here + (os.pathsep + path if path else "")}
 
     @pytest.fixture(params=LAYOUTS, ids=[lay.label for lay in LAYOUTS])
     def kv_layout(self, request: pytest.FixtureRequest) -> KVLayout:
