@@ -303,15 +303,15 @@ def test_text_and_chat_prompts_follow_the_instance_that_holds_their_prefix(
 ) -> None:
     """KV events name blocks by token ids; the proxy tokenizes text prompts to match them."""
     servers, proxy = cluster.servers, cluster.proxy
-    for target in (
-        servers[1],
-        servers[0],
-    ):  # both orders: characters alone would always pick instance 0
-        text = _text(300, salt=target.port % 89)
+    # both orders: characters alone would always pick instance 0. Salts are fixed and distinct
+    # modulo len(_WORDS): salts taken from the ports could coincide, making two prompts equal
+    # (the second one then came from the proxy's tokenizer cache and the call count fell short)
+    for idx, target in enumerate((servers[1], servers[0])):
+        text = _text(300, salt=1 + idx)
         _post(
             target.url + "/v1/completions", {"model": "tiny", "prompt": text, "max_tokens": 1}
         )  # bypasses the proxy
-        msgs = [{"role": "user", "content": _text(300, salt=target.port % 83 + 1)}]
+        msgs = [{"role": "user", "content": _text(300, salt=3 + idx)}]
         _post(
             target.url + "/v1/chat/completions",
             {"model": "tiny", "messages": msgs, "max_tokens": 1},
