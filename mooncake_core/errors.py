@@ -134,3 +134,34 @@ class SegmentOverlap(SegmentError):
 
 
 __all__ += ["SegmentOverlap"]
+
+
+class MissingDependency(ConfigError, ImportError):
+    """An optional package is not installed; the message names it and the extra to install.
+
+    Args:
+        module: the top-level module that could not be imported (``zmq``, ``torch``, ...).
+        needed_for: what needs it (``proxy --kv-events``, ``bench ep``), for the message.
+    """
+
+    # importable module -> (package on PyPI, extra of mooncake-core that brings it)
+    EXTRAS: dict[str, tuple[str, str]] = {
+        "zmq": ("pyzmq", "proxy"),
+        "torch": ("torch", "ep"),
+        "aetcd": ("aetcd", "etcd"),
+        "matplotlib": ("matplotlib", "plot"),
+        "uvloop": ("uvloop", "uvloop"),
+    }
+
+    def __init__(self, module: str, needed_for: str = "") -> None:
+        top = module.split(".", 1)[0]
+        package, extra = self.EXTRAS.get(top, (top, ""))
+        self.module = top
+        self.package = package
+        self.extra = extra
+        what = f"{needed_for} needs" if needed_for else "missing"
+        fix = f"pip install 'mooncake-core[{extra}]'" if extra else f"pip install {package}"
+        super().__init__(f"{what} the optional package {package}, which is not installed: {fix}")
+
+
+__all__ += ["MissingDependency"]

@@ -7,13 +7,15 @@ a lease disappear when the writer dies (the lease is kept alive by a refresh thr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
+import time
 import urllib.parse
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from mooncake_core.errors import ConfigError, MetadataError
+from mooncake_core.errors import ConfigError, MetadataError, MissingDependency
 
 __all__ = ["EtcdClient", "parse_etcd_url"]
 
@@ -22,17 +24,46 @@ T = TypeVar("T")
 
 
 def parse_etcd_url(url: str) -> list[tuple[str, int]]:
-    """``etcd://h1:p1,h2:p2`` (or bare ``h:p``) -> endpoints."""
-    rest = url[len("etcd://") :] if url.startswith("etcd://") else url
+    """``etcd://h1:p1,h2:p2`` (or bare ``h:p``; the port defaults to 2379) -> endpoints.
+
+    Raises:
+        ConfigError: one line naming the malformed item (another scheme, an empty item, a
+            port that is not a number in 1..65535, a path, no host).
+    """
+    text = url.strip()
+    rest = text[len("etcd://") :] if text.startswith("etcd://") else text
+    hint = "use etcd://host:port[,host:port...]"
+    if "://" in rest:
+        scheme = rest.split("://", 1)[0]
+        raise ConfigError(
+            f"etcd address {url!r}: scheme {scheme + '://'!r} is not etcd:// ({hint})"
+        )
     out = []
-    for item in rest.strip("/").split(","):
-        u = urllib.parse.urlsplit("//" + item.strip())
-        if not u.hostname:
+    for item in rest.rstrip("/").split(","):
+        item = item.strip()
+        bad = f"etcd address {url!r}: endpoint {item!r}"
+        if not item:
+            raise ConfigError(f"etcd address {url!r}: an empty endpoint in the list ({hint})")
+        u = urllib.parse.urlsplit("//" + item)
+        if u.path or u.query or u.fragment or u.username is not None:
+            raise ConfigError(f"{bad} is not host:port ({hint})")
+        try:
+            port = u.port
+        except ValueError:
+            port_text = item.rsplit(":", 1)[-1]
             raise ConfigError(
-                f"etcd address {url!r}: cannot parse endpoint {item!r} (use etcd://host:port)"
-            )
-        out.append((u.hostname, u.port or 2379))
+                f"{bad}: port {port_text!r} is not a number in 1..65535 ({hint})"
+            ) from None
+        if not u.hostname:
+            raise ConfigError(f"{bad} has no host ({hint})")
+        if port == 0:
+            raise ConfigError(f"{bad}: port 0 is not a number in 1..65535 ({hint})")
+        out.append((u.hostname, port or 2379))
     return out
+
+
+def _endpoints_text(endpoints: list[tuple[str, int]]) -> str:
+    return ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in endpoints)
 
 
 class EtcdClient:
@@ -47,9 +78,7 @@ class EtcdClient:
         try:
             import aetcd
         except ImportError as exc:
-            raise ConfigError(
-                "etcd metadata needs the aetcd package: pip install 'mooncake-core[etcd]'"
-            ) from exc
+            raise MissingDependency("aetcd", f"etcd ({url})") from exc
         self._aetcd = aetcd
         self.endpoints = parse_etcd_url(url)
         self.timeout = timeout
@@ -76,21 +105,39 @@ class EtcdClient:
             raise MetadataError(f"etcd at {self.endpoints}: {type(exc).__name__}: {exc}") from exc
 
     def _connect(self) -> None:
+        """Try every endpoint, round after round, for at most ``timeout`` seconds."""
+        deadline = time.monotonic() + self.timeout
         last: BaseException | None = None
-        for host, port in self.endpoints:
+        while True:
+            for host, port in self.endpoints:
 
-            async def mk(h: str = host, p: int = port) -> Any:
-                c = self._aetcd.Client(host=h, port=p, timeout=int(max(1, self.timeout)))
-                await c.connect()
-                await c.get(b"mooncake/__probe__")
-                return c
+                async def mk(h: str = host, p: int = port) -> Any:
+                    c = self._aetcd.Client(host=h, port=p, timeout=int(max(1, self.timeout)))
+                    try:
+                        await c.connect()
+                        await c.get(b"mooncake/__probe__")
+                    except BaseException:
+                        with contextlib.suppress(Exception):
+                            await c.close()
+                        raise
+                    return c
 
-            try:
-                self._client = self._run(mk())
-                return
-            except MetadataError as exc:
-                last = exc
-        raise MetadataError(f"cannot reach etcd at {self.endpoints}: {last}")
+                try:
+                    left = max(0.5, deadline - time.monotonic())
+                    self._client = self._run(mk(), timeout=left)
+                    return
+                except MetadataError as exc:
+                    last = exc.__cause__ or exc
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        why = f"{type(last).__name__}: {last}" if last is not None else "no endpoint"
+        if isinstance(last, TimeoutError):
+            why = "no answer"
+        raise MetadataError(
+            f"cannot reach etcd at {_endpoints_text(self.endpoints)} within "
+            f"{self.timeout:.0f}s ({why}); is etcd running there?"
+        )
 
     # ------------------------------------------------------------------ kv
     def get(self, key: str) -> bytes | None:

@@ -7,19 +7,26 @@ commands through the entry-point group ``mooncake_core.cli``
 and benchmarks (``bench vllm``, ``bench sglang``) that way.
 
 ``--log-level`` (before or after the command) defaults to the config's ``log.level``
-(``MOONCAKE_LOG_LEVEL``).
+(``MOONCAKE_LOG_LEVEL``); ``--version`` (before or after the command) prints the version.
+
+What goes wrong in a command ends as one line on stderr, never a traceback: a
+:class:`~mooncake_core.errors.MooncakeError`, a port already in use (exit status 2 for
+both) and a missing optional package (naming the extra that brings it).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
+import re
 import sys
 from collections.abc import Sequence
 
+from mooncake_core import __version__
 from mooncake_core.cli import extensions
-from mooncake_core.errors import MooncakeError
+from mooncake_core.errors import ConfigError, MissingDependency, MooncakeError
 
 __all__ = ["main", "COMMANDS"]
 
@@ -49,6 +56,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 _LOG_HELP = "logging level (default: the config's log.level, MOONCAKE_LOG_LEVEL, else INFO)"
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_VERSION = f"mooncake-core {__version__}"
+_VERSION_HELP = "print the version and exit"
+_BIND_ADDRESS = re.compile(r"address \('?([^',]*)'?, (\d+)\)")
+
+
+def _check_level(level: str, where: str) -> str:
+    if level.upper() not in _LEVELS:
+        raise ConfigError(f"{where}: unknown log level {level!r} (use one of {', '.join(_LEVELS)})")
+    return level.upper()
 
 
 def _setup_logging(level: str) -> None:
@@ -72,14 +89,49 @@ def _command_word(args: Sequence[str]) -> str | None:
     return None
 
 
+def _wants_version(args: Sequence[str]) -> bool:
+    """``--version`` anywhere before a ``--`` (before or after the command)."""
+    for a in args:
+        if a == "--":
+            return False
+        if a == "--version":
+            return True
+    return False
+
+
+def _error(message: str) -> int:
+    print(f"mooncake-core: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _port_in_use(exc: OSError, command: str, args: argparse.Namespace) -> str:
+    """One line for EADDRINUSE: the port (from the bind error, else the command's options)."""
+    m = _BIND_ADDRESS.search(str(exc))
+    if m:
+        host, port = m.group(1), m.group(2)
+        where = f"port {port} on {host}" if host else f"port {port}"
+    else:
+        ports = [
+            f"--{k.replace('_', '-')} {v}"
+            for k, v in sorted(vars(args).items())
+            if k.endswith("port") and isinstance(v, int) and v > 0
+        ]
+        where = "a port it listens on" + (f" ({', '.join(ports)})" if ports else "")
+    return f"{command}: {where} is already in use; stop what holds it or choose another port"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status."""
     parser = argparse.ArgumentParser(
         prog="mooncake-core", description=__doc__.splitlines()[0] if __doc__ else None
     )
     parser.add_argument("--log-level", default=None, help=_LOG_HELP)
+    parser.add_argument("--version", action="version", version=_VERSION, help=_VERSION_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     args_list = list(sys.argv[1:] if argv is None else argv)
+    if _wants_version(args_list):  # every command, before its own (maybe required) options
+        print(_VERSION)
+        return 0
     table: dict[str, tuple[str, str | None]] = dict(COMMANDS)
     for name, modpath in extensions.commands().items():
         table.setdefault(name, (modpath, None))
@@ -100,20 +152,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 mod = importlib.import_module(modpath)
             except ModuleNotFoundError as exc:
-                print(
-                    f"mooncake-core: error: command {name!r} is not available ({exc})",
-                    file=sys.stderr,
-                )
-                return 2
+                return _error(str(MissingDependency(exc.name or str(exc), f"command {name!r}")))
             mod.add_arguments(p)
             p.set_defaults(_run=mod.run)
             if "--log-level" not in p._option_string_actions:
                 p.add_argument("--log-level", default=argparse.SUPPRESS, help=_LOG_HELP)
+            if "--version" not in p._option_string_actions:
+                p.add_argument("--version", action="version", version=_VERSION, help=_VERSION_HELP)
     args = parser.parse_args(args_list)
     if not getattr(args, "_run", None):
         parser.print_help()
         return 0 if args.command is None else 2
+    command = str(args.command)
     try:
+        if args.log_level is not None:
+            _check_level(args.log_level, "--log-level")
         from mooncake_core.config import load_config
 
         cfg = (
@@ -122,7 +175,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         _setup_logging(args.log_level or cfg.log.level)
         return int(args._run(args) or 0)
     except MooncakeError as exc:
-        print(f"mooncake-core: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(str(exc))
+    except ModuleNotFoundError as exc:  # an optional package the command needs
+        return _error(str(MissingDependency(exc.name or str(exc), command)))
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        return _error(_port_in_use(exc, command, args))
     except KeyboardInterrupt:
         return 130

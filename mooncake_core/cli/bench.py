@@ -12,7 +12,7 @@ import argparse
 import importlib
 
 from mooncake_core.cli import extensions
-from mooncake_core.errors import ConfigError
+from mooncake_core.errors import ConfigError, MissingDependency
 
 __all__ = ["BENCHES", "add_arguments", "available", "run"]
 
@@ -49,6 +49,9 @@ def run(args: argparse.Namespace) -> int:
         )
     try:
         mod = importlib.import_module(table[args.name])
-    except ModuleNotFoundError as exc:
-        raise ConfigError(f"benchmark {args.name!r} is not available ({exc})") from None
-    return int(mod.main(list(args.rest)) or 0)
+    except ModuleNotFoundError as exc:  # an optional package (torch for ep), named with its extra
+        raise MissingDependency(exc.name or str(exc), f"bench {args.name}") from None
+    try:
+        return int(mod.main(list(args.rest)) or 0)
+    except ModuleNotFoundError as exc:  # imported late by the benchmark
+        raise MissingDependency(exc.name or str(exc), f"bench {args.name}") from None

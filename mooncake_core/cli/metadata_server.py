@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import signal
 
 from aiohttp import web
 
@@ -30,6 +32,22 @@ def run(args: argparse.Namespace) -> int:
         return web.Response(text="ok\n")
 
     app.router.add_get("/health", health)
-    logger.info("metadata server on http://%s:%d%s", args.host, args.port, args.path)
-    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    asyncio.run(_serve(app, args.host, args.port, args.path))
     return 0
+
+
+async def _serve(app: web.Application, host: str, port: int, path: str) -> None:
+    """Bind (a port in use fails here, before anything is logged), then serve until a signal."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        logger.info("metadata server on http://%s:%d%s", host, port, path)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()

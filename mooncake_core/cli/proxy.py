@@ -20,6 +20,7 @@ from typing import Any
 from mooncake_core.errors import ConfigError
 from mooncake_core.proxy import DEFAULT_ENGINE, POLICIES, ProxyConfig, ProxyServer
 from mooncake_core.proxy.storelookup import parse_master_address
+from mooncake_core.proxy.upstreams import check_url, wait_for_upstreams
 
 __all__ = ["add_arguments", "run"]
 
@@ -154,9 +155,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--connect-timeout", type=float, default=5.0, help="connect timeout to an instance, seconds"
     )
+    p.add_argument(
+        "--wait-upstreams",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="at start, wait this long for every instance to answer GET /health or /v1/models, "
+        "else fail naming the unreachable ones (default 30; 0 = start without waiting, for "
+        "instances that start later)",
+    )
 
 
-async def _serve(cfg: ProxyConfig) -> None:
+async def _serve(cfg: ProxyConfig, wait_upstreams_s: float = 0.0) -> None:
+    upstreams = [("prefill", u) for u in cfg.prefill] + [("decode", u) for u in cfg.decode]
+    await wait_for_upstreams(upstreams, wait_upstreams_s, probe_timeout_s=cfg.connect_timeout_s)
     server = ProxyServer(cfg)
     url = await server.start()
     print(f"proxy listening on {url}", flush=True)
@@ -171,6 +183,8 @@ async def _serve(cfg: ProxyConfig) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    prefill = [check_url(u, "--prefill") for u in args.prefill]
+    decode = [check_url(u, "--decode") for u in args.decode]
     opts: dict[str, Any] = {}
     store = args.store_master
     if args.policy == "global-cache":
@@ -214,8 +228,8 @@ def run(args: argparse.Namespace) -> int:
             f"(got --policy {args.policy})"
         )
     cfg = ProxyConfig(
-        prefill=tuple(args.prefill),
-        decode=tuple(args.decode),
+        prefill=tuple(prefill),
+        decode=tuple(decode),
         host=args.host,
         port=args.port,
         policy=args.policy,
@@ -225,5 +239,5 @@ def run(args: argparse.Namespace) -> int:
         read_timeout_s=args.read_timeout,
         engine=args.engine,
     )
-    asyncio.run(_serve(cfg))
+    asyncio.run(_serve(cfg, args.wait_upstreams))
     return 0

@@ -22,6 +22,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from mooncake_core.conductor.policy import chain_block, token_chunk
+from mooncake_core.errors import MissingDependency
 from mooncake_core.proxy.engine import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent
 
 __all__ = ["KVEventListener", "BlockChain"]
@@ -109,7 +110,10 @@ class KVEventListener:
         loop: asyncio.AbstractEventLoop,
         decode: Callable[[bytes], list[KVEvent]],
     ) -> None:
-        import zmq
+        try:
+            import zmq
+        except ImportError as exc:
+            raise MissingDependency("zmq", "the proxy's --kv-events") from exc
 
         self._zmq = zmq
         self._ctx: Any = zmq.Context.instance()
