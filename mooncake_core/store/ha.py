@@ -18,18 +18,23 @@ Layout under ``mooncake-store/<cluster_id>/``:
   ``snapshot_every`` batches the leader writes its state and trims the log below it.
 
 Clients configured with ``master_server_address = "etcd://host:port"`` read ``leader``
-to find the RPC address and re-read it when the connection fails.
+to find the RPC address and re-read it when the connection fails, so the address a master
+publishes must be one other hosts reach: :func:`check_listen` refuses a wildcard listen
+address (``0.0.0.0``) without ``--advertise``, and :func:`leader_addresses` warns when a
+loopback address is published to an etcd on another host.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
 
-from mooncake_core.errors import MetadataError
+from mooncake_core.errors import ConfigError, MetadataError
 from mooncake_core.etcd import EtcdClient
 
 __all__ = [
@@ -39,6 +44,8 @@ __all__ = [
     "prefix_for",
     "resolve_leader",
     "MAX_BATCH_BYTES",
+    "check_listen",
+    "leader_addresses",
 ]
 
 logger = logging.getLogger(__name__)
@@ -241,3 +248,66 @@ def resolve_leader(
 
 def leader_json(info: LeaderInfo | None) -> str:
     return json.dumps(None if info is None else {"id": info.id, "rpc": info.rpc, "http": info.http})
+
+
+_WILDCARDS = ("", "0.0.0.0", "::", "[::]")
+
+
+def _split_host(address: str) -> str:
+    host, sep, port = address.rpartition(":")
+    return (host if sep and port.isdigit() else address).strip("[]")
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_listen(host: str, advertise: str, ha_url: str) -> None:
+    """Refuse an HA master whose published address other hosts could not use.
+
+    Raises ConfigError when the RPC listen address is a wildcard and no ``advertise``
+    address is given (``0.0.0.0`` would be published as the leader), or when ``advertise``
+    is a wildcard itself.
+    """
+    if advertise and _split_host(advertise) in _WILDCARDS:
+        raise ConfigError(
+            f"--advertise {advertise}: give the address other hosts reach this master at, "
+            "not a wildcard"
+        )
+    if host in _WILDCARDS and not advertise:
+        raise ConfigError(
+            f"master --ha {ha_url}: the RPC address {host or '(all)'} is a wildcard and would be "
+            "published as the leader; add --advertise HOST:PORT (this host's address) or "
+            "listen on that address with --rpc-address"
+        )
+
+
+def leader_addresses(
+    host: str, rpc_port: int, http_host: str, http_port: int, advertise: str, ha_url: str
+) -> tuple[str, str]:
+    """The RPC and HTTP addresses an HA master publishes in its leader record.
+
+    RPC: ``advertise`` or ``host:rpc_port``. HTTP: ``http_host:http_port``, with the
+    advertised host in place of a wildcard ``http_host``. Logs a warning when the RPC
+    address is loopback while etcd is on another host (clients there cannot connect).
+    """
+    rpc = advertise or f"{host}:{rpc_port}"
+    rpc_host = _split_host(rpc)
+    http = f"{rpc_host if http_host in _WILDCARDS else http_host}:{http_port}"
+    etcd_hosts = [
+        urlsplit(u if "://" in u else f"etcd://{u}").hostname or ""
+        for u in ha_url.split(",")
+        if u.strip()
+    ]
+    if _loopback(rpc_host) and any(h and not _loopback(h) for h in etcd_hosts):
+        logger.warning(
+            "store master publishes %s as its address, a loopback one, in an etcd on another "
+            "host: clients on other hosts cannot reach it (use --rpc-address or --advertise)",
+            rpc,
+        )
+    return rpc, http

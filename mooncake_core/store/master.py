@@ -720,6 +720,10 @@ class MasterServer:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
+        if self.ha_url:  # refuse, before binding, a leader address other hosts cannot use
+            from mooncake_core.store.ha import check_listen
+
+            check_listen(self.host, self.advertise, self.ha_url)
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._stopped = asyncio.Event()
@@ -738,10 +742,18 @@ class MasterServer:
         rpc = self.advertise or f"{self.host}:{self.rpc_port}"
         self._tasks.append(asyncio.ensure_future(self._ticker()))
         if self.ha_url:
-            from mooncake_core.store.ha import LeaderInfo, StoreEtcd
+            from mooncake_core.store.ha import LeaderInfo, StoreEtcd, leader_addresses
 
+            rpc, http = leader_addresses(
+                self.host,
+                self.rpc_port,
+                self.http_host,
+                self.http_port,
+                self.advertise,
+                self.ha_url,
+            )
             self._etcd = await loop.run_in_executor(None, StoreEtcd, self.ha_url, self.cluster_id)
-            self._me = LeaderInfo(self.id, rpc, f"{self.http_host}:{self.http_port}")
+            self._me = LeaderInfo(self.id, rpc, http)
             self.role = "standby"
             self.state.on_change = self._log.append
             self._tasks.append(asyncio.ensure_future(self._flusher()))

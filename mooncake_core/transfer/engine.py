@@ -13,6 +13,11 @@ it (shared memory on the same host, RDMA when both ends have a device, else TCP;
 request may name its transport). When a transport fails, the items still outstanding
 fail over to the next transport; a batch reports success only when every byte moved.
 
+Where it listens: ``transfer.listen_host`` when set, else the address ``local_hostname``
+names when it is this host's (an IP literal, or a name resolving to one), else 127.0.0.1;
+see :func:`~mooncake_core.transfer.topology.plan_listen`. A setting other hosts cannot
+reach is logged as a warning; an address that is not this host's is refused.
+
 Neighbours: the value types and the narrow interfaces that transports and the listener
 see of the engine are in :mod:`~mooncake_core.transfer.types`; control messages (tensors,
 notifications) arrive in a :class:`~mooncake_core.transfer.control.ControlInbox`.
@@ -46,7 +51,7 @@ from mooncake_core.transfer.memory import ManagedBuffer, Region, SegmentTable, b
 from mooncake_core.transfer.protocol import Op, Status
 from mooncake_core.transfer.server import TransferServer
 from mooncake_core.transfer.tensors import encode_tensor
-from mooncake_core.transfer.topology import host_identity, resolve_interfaces
+from mooncake_core.transfer.topology import host_identity, plan_listen, resolve_interfaces
 from mooncake_core.transfer.transports.base import Transport
 from mooncake_core.transfer.types import READ, WRITE, PeerInfo, TransportHost, WorkItem
 
@@ -215,14 +220,20 @@ class TransferEngine:
         host_part, sep, port_part = cfg.local_hostname.rpartition(":")
         advertised = host_part if sep and port_part.isdigit() else cfg.local_hostname
         port = int(port_part) if sep and port_part.isdigit() else cfg.transfer.port
-        listen = [cfg.transfer.listen_host]
         if cfg.transfer.interfaces:
             listen = resolve_interfaces(cfg.transfer.interfaces)
             if cfg.transfer.stripe_interfaces:
                 self.source_addresses = list(listen)
+            advertise = list(listen)
+        else:
+            # listen where local_hostname says peers connect (loopback by default)
+            plan = plan_listen(advertised, cfg.transfer.listen_host)
+            for why in plan.warnings:
+                logger.warning("transfer engine: %s", why)
+            listen, advertise = plan.listen, plan.advertise
         self._server = TransferServer(self, listen, port, cfg.transfer.secret)
         self.port = self._server.port
-        self._advertise = listen if listen != ["0.0.0.0"] else [advertised]
+        self._advertise = advertise
         p2p = cfg.metadata_server.strip().upper() == "P2PHANDSHAKE"
         # P2P handshake: the name is how peers reach us; with a metadata service it is
         # local_hostname as given (resolved through rpc_meta).
