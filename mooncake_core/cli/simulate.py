@@ -17,7 +17,7 @@ from mooncake_core.conductor.policy import POLICIES
 from mooncake_core.conductor.scheduler import DEFAULT_SLO_TBT_S, DEFAULT_SLO_TTFT_S, ConductorConfig
 from mooncake_core.conductor.simulator import DEFAULT_CLUSTER, SimResult, simulate
 from mooncake_core.conductor.trace import load_trace
-from mooncake_core.errors import ConfigError
+from mooncake_core.errors import ConfigError, MissingDependency
 
 __all__ = ["add_arguments", "run", "format_table"]
 
@@ -134,6 +134,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     names = _policies(args.policy)
+    if args.plot:  # fail before the simulation, not after it
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as exc:
+            raise MissingDependency("matplotlib", "simulate --plot") from exc
     profile = load_profile(args.profile)
     reqs = load_trace(args.trace, speedup=args.speedup, limit=args.limit)
     results: list[SimResult] = []

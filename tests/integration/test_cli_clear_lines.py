@@ -156,7 +156,10 @@ def _without(tmp_path: Path, *modules: str) -> dict[str, str]:
 
 
 def test_missing_optional_packages_name_the_extra(tmp_path: Path) -> None:
-    env = _without(tmp_path, "zmq", "torch", "aetcd")
+    env = _without(tmp_path, "zmq", "torch", "aetcd", "matplotlib")
+    trace = Path(__file__).resolve().parents[1] / "data" / "conversation_excerpt.jsonl"
+    out = mc("simulate", "--trace", str(trace), "--limit", "20", "--plot", str(tmp_path), env=env)
+    one_line(out, "matplotlib", "pip install 'mooncake-core[plot]'")
     one_line(mc("bench", "ep", "--quick", env=env), "torch", "pip install 'mooncake-core[ep]'")
     out = mc(
         "proxy",
