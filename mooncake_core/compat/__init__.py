@@ -21,9 +21,12 @@ The upstream-only environment variables we honour are listed in
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import logging
 import sys
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -48,6 +51,37 @@ _MODULES = {
     "mooncake.engine": "mooncake_core.compat.engine",
     "mooncake.store": "mooncake_core.compat.store",
 }
+
+#: further upstream modules, imported when first asked for (``import mooncake.X``).
+LAZY_MODULES: dict[str, str] = {}
+
+
+class _AliasLoader(importlib.abc.Loader):
+    """Loads ``mooncake.X`` as the already importable ``mooncake_core.compat.X``."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        return importlib.import_module(self.target)
+
+    def exec_module(self, module: ModuleType) -> None:
+        """Nothing to run: the target module executed when it was imported."""
+
+
+class _AliasFinder(importlib.abc.MetaPathFinder):
+    """Finds the :data:`LAZY_MODULES` while :func:`install` is in effect."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        ours = LAZY_MODULES.get(fullname)
+        if ours is None or not installed():
+            return None
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(ours))
+
+
+_FINDER = _AliasFinder()
 
 
 def __getattr__(name: str) -> Any:
@@ -98,13 +132,17 @@ def install(*, force: bool = False) -> bool:
     for key in [k for k in sys.modules if k == "mooncake" or k.startswith("mooncake.")]:
         del sys.modules[key]  # with force: drop the real package's modules
     sys.modules.update(modules)
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
     logger.info("installed mooncake_core.compat as %s", ", ".join(sorted(modules)))
     return True
 
 
 def uninstall() -> None:
     """Undo :func:`install` (for tests)."""
-    for upstream in _MODULES:
+    if _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)
+    for upstream in [*_MODULES, *LAZY_MODULES]:
         mod = sys.modules.get(upstream)
         if mod is not None and mod.__name__.startswith("mooncake_core.compat"):
             del sys.modules[upstream]

@@ -134,6 +134,8 @@ Write = TransferOpcode.Write
 class TransferNotify:
     """A (name, msg) notification delivered to the peer after a transfer."""
 
+    __slots__ = ("name", "msg")
+
     def __init__(self, name: str = "", msg: str = "") -> None:
         self.name = name
         self.msg = msg
@@ -721,6 +723,10 @@ class TransferEngine:
         except MooncakeError:
             return ERR_INVALID_ARGUMENT
         return OK
+
+
+# published alias: ``TransferEngine.TransferOpcode.Write``
+TransferEngine.TransferOpcode = TransferOpcode  # type: ignore[attr-defined]
 
 
 def _op(opcode: TransferOpcode | int) -> str:

@@ -28,9 +28,12 @@ from __future__ import annotations
 import ctypes
 import enum
 import logging
+import numbers
+import operator
+import random
 import socket
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from mooncake_core.compat import engine as _compat_engine
@@ -126,8 +129,118 @@ class ObjectDataType(enum.IntEnum):
     GENERAL = 9
 
 
+# The published module exports the ObjectDataType members at module level too.
+UNKNOWN = ObjectDataType.UNKNOWN
+KVCACHE = ObjectDataType.KVCACHE
+TENSOR = ObjectDataType.TENSOR
+WEIGHT = ObjectDataType.WEIGHT
+SAMPLE = ObjectDataType.SAMPLE
+ACTIVATION = ObjectDataType.ACTIVATION
+GRADIENT = ObjectDataType.GRADIENT
+OPTIMIZER_STATE = ObjectDataType.OPTIMIZER_STATE
+METADATA = ObjectDataType.METADATA
+GENERAL = ObjectDataType.GENERAL
+
+
+def _size_t(name: str, value: Any) -> int:
+    """An unsigned 64-bit integer as pybind11 accepts it (ints, bools, enums; not floats)."""
+    try:
+        n = operator.index(value)
+    except TypeError:
+        n = -1
+    if not 0 <= n < 1 << 64:
+        raise TypeError(
+            f"ReplicateConfig.{name}: expected a non-negative int, got {type(value).__name__}"
+            f" {value!r}"
+        )
+    return n
+
+
+def _opt_size_t(name: str, value: Any) -> int | None:
+    return None if value is None else _size_t(name, value)
+
+
+def _flag(name: str, value: Any) -> bool:
+    if value is None:
+        return False
+    if isinstance(value, numbers.Number) and not isinstance(value, enum.Enum):
+        return bool(value)
+    raise TypeError(f"ReplicateConfig.{name}: expected a bool, got {type(value).__name__}")
+
+
+def _text(name: str, value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        return value.decode()
+    raise TypeError(f"ReplicateConfig.{name}: expected a str, got {type(value).__name__}")
+
+
+def _texts(name: str, value: Any) -> list[str]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(
+            f"ReplicateConfig.{name}: expected a list of str, got {type(value).__name__}"
+        )
+    return [_text(name, v) for v in value]
+
+
+def _opt_texts(name: str, value: Any) -> list[str] | None:
+    return None if value is None else _texts(name, value)
+
+
+def _member_of(kind: type[enum.Enum]) -> Callable[[str, Any], Any]:
+    def convert(name: str, value: Any) -> Any:
+        if not isinstance(value, kind):
+            raise TypeError(
+                f"ReplicateConfig.{name}: expected a {kind.__name__}, got {type(value).__name__}"
+            )
+        return value
+
+    return convert
+
+
+class _Typed:
+    """A ``ReplicateConfig`` attribute that converts (or refuses, with ``TypeError``) what
+    is assigned, as the published pybind11 class does."""
+
+    def __init__(self, convert: Callable[[str, Any], Any], default: Callable[[], Any]) -> None:
+        self.convert = convert
+        self.default = default
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        return getattr(obj, "_v_" + self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        object.__setattr__(obj, "_v_" + self.name, self.convert(self.name, value))
+
+
+_FIELDS = (
+    "replica_num",
+    "nof_replica_num",
+    "dfs_replica_num",
+    "soft_pin_action",
+    "soft_pin_ttl_ms",
+    "with_hard_pin",
+    "preferred_segment",
+    "preferred_segments",
+    "preferred_nof_segments",
+    "prefer_alloc_in_same_node",
+    "data_type",
+    "group_ids",
+)
+
+
 class ReplicateConfig:
-    """Per-put placement options (attribute names and defaults of the published class).
+    """Per-put placement options (attribute names, types and defaults of the published class).
+
+    Assigning a value of the wrong type raises ``TypeError`` as the published class does;
+    unknown attributes raise ``AttributeError``.
 
     Used here: ``replica_num``, ``with_hard_pin``, ``soft_pin_action`` (ENABLE pins softly
     for ``soft_pin_ttl_ms``, default 30 min), ``preferred_segment`` (else the first of
@@ -136,19 +249,25 @@ class ReplicateConfig:
     ``preferred_nof_segments``, ``data_type``, ``group_ids``.
     """
 
+    __slots__ = tuple("_v_" + f for f in _FIELDS)
+
+    replica_num = _Typed(_size_t, lambda: 1)
+    nof_replica_num = _Typed(_size_t, lambda: 0)
+    dfs_replica_num = _Typed(_size_t, lambda: 0)
+    soft_pin_action = _Typed(_member_of(SoftPinAction), lambda: SoftPinAction.PRESERVE)
+    soft_pin_ttl_ms = _Typed(_opt_size_t, lambda: None)
+    with_hard_pin = _Typed(_flag, lambda: False)
+    preferred_segment = _Typed(_text, lambda: "")
+    preferred_segments = _Typed(_texts, list)
+    preferred_nof_segments = _Typed(_texts, list)
+    prefer_alloc_in_same_node = _Typed(_flag, lambda: False)
+    data_type = _Typed(_member_of(ObjectDataType), lambda: ObjectDataType.UNKNOWN)
+    group_ids = _Typed(_opt_texts, lambda: None)
+
     def __init__(self) -> None:
-        self.replica_num: int = 1
-        self.nof_replica_num: int = 0
-        self.dfs_replica_num: int = 0
-        self.soft_pin_action: SoftPinAction = SoftPinAction.PRESERVE
-        self.soft_pin_ttl_ms: int | None = None
-        self.with_hard_pin: bool = False
-        self.preferred_segment: str = ""
-        self.preferred_segments: list[str] = []
-        self.preferred_nof_segments: list[str] = []
-        self.prefer_alloc_in_same_node: bool = False
-        self.data_type: ObjectDataType = ObjectDataType.UNKNOWN
-        self.group_ids: list[str] | None = None
+        for name in _FIELDS:
+            field: _Typed = type(self).__dict__[name]
+            object.__setattr__(self, "_v_" + name, field.default())
 
     def __repr__(self) -> str:
         return (
@@ -156,6 +275,28 @@ class ReplicateConfig:
             f"soft_pin_action={self.soft_pin_action.name}, "
             f"preferred_segment={self.preferred_segment!r})"
         )
+
+    def __str__(self) -> str:
+        ttl = "default" if self.soft_pin_ttl_ms is None else str(self.soft_pin_ttl_ms)
+        return (
+            f"ReplicateConfig: {{ replica_num: {self.replica_num}, "
+            f"nof_replica_num: {self.nof_replica_num}, dfs_replica_num: {self.dfs_replica_num}, "
+            f"soft_pin_action: {self.soft_pin_action.name}, soft_pin_ttl_ms: {ttl}, "
+            f"with_hard_pin: {int(self.with_hard_pin)}, "
+            f"preferred_segments: [{', '.join(self.preferred_segments)}], "
+            f"preferred_nof_segments: [{', '.join(self.preferred_nof_segments)}], "
+            f"prefer_alloc_in_same_node: {int(self.prefer_alloc_in_same_node)}, "
+            f"data_type: {self.data_type.name} }}"
+        )
+
+    def problem(self) -> str | None:
+        """Why a put with this config is refused (-600 in the published store), or None."""
+        if self.soft_pin_ttl_ms is not None and self.soft_pin_action != SoftPinAction.ENABLE:
+            return (
+                f"soft_pin_ttl_ms={self.soft_pin_ttl_ms} needs soft_pin_action ENABLE"
+                f" (it is {self.soft_pin_action.name})"
+            )
+        return None
 
     def kwargs(self) -> dict[str, Any]:
         """The matching :class:`StoreClient` put keywords."""
@@ -187,9 +328,22 @@ class BufferHandle(bytearray):
         return len(self)
 
 
-def _free_port(host: str) -> int:
+#: The published client picks its port in this range (12300-14300), as observed on the wheel.
+CLIENT_PORT_RANGE = (12300, 14300)
+
+
+def _free_port(host: str, lo: int = CLIENT_PORT_RANGE[0], hi: int = CLIENT_PORT_RANGE[1]) -> int:
+    """A port in ``[lo, hi)`` free on ``host`` now (random tries; an ephemeral one if none)."""
+    addr = host if host not in ("", "localhost") else "127.0.0.1"
+    for port in random.sample(range(lo, hi), min(64, hi - lo)):
+        with socket.socket() as s:
+            try:
+                s.bind((addr, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
-        s.bind((host if host not in ("", "localhost") else "127.0.0.1", 0))
+        s.bind((addr, 0))
         return int(s.getsockname()[1])
 
 
@@ -199,6 +353,7 @@ class MooncakeDistributedStore:
     def __init__(self) -> None:
         self._client: StoreClient | None = None
         self._closed = False
+        self._local_buffer_size = 0
 
     # ------------------------------------------------------------------ setup / teardown
     def setup(self, *args: Any, **kwargs: Any) -> int:
@@ -271,9 +426,9 @@ class MooncakeDistributedStore:
         meta = metadata_server.strip() or "P2PHANDSHAKE"
         host = local_hostname.strip() or "127.0.0.1"
         bare, sep, port = host.rpartition(":")
-        if not (sep and port.isdigit()) and meta.upper() != "P2PHANDSHAKE":
-            # With a metadata service the segment name is local_hostname; give each client
-            # its own port, as the published client does.
+        if not (sep and port.isdigit()) and engine is None:
+            # The segment name is host:port; give each client its own port from the range
+            # the published client uses (with P2P handshake our listener binds it).
             host = f"{host}:{_free_port(host)}"
         proto = {"rdma": "rdma", "efa": "rdma", "barex": "rdma", "shm": "shm"}.get(
             protocol.strip().lower(), "tcp"
@@ -316,6 +471,7 @@ class MooncakeDistributedStore:
             return _code(exc)
         self._client = client
         self._closed = False
+        self._local_buffer_size = local_buffer_size
         return 0
 
     def close(self) -> int:
@@ -371,19 +527,32 @@ class MooncakeDistributedStore:
     def _kw(config: ReplicateConfig | None) -> dict[str, Any]:
         return (config or ReplicateConfig()).kwargs()
 
+    def _refused(self, what: str, config: ReplicateConfig | None, staged: bool) -> bool:
+        """True (after logging why) when the published store refuses this call with -600:
+        a config it rejects, or a bytes call (``staged``) on a store set up with
+        ``local_buffer_size=0`` (the published client stages such values in that buffer)."""
+        why = config.problem() if config is not None else None
+        if why is None and staged and self._client is not None and not self._local_buffer_size:
+            why = "the store was set up with local_buffer_size=0 (use put_from / get_into)"
+        if why is not None:
+            logger.error("%s: %s", what, why)
+        return why is not None
+
     # ------------------------------------------------------------------ bytes
     def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
+        if self._refused(f"put {key!r}", config, staged=True):
+            return INVALID_PARAMS
         return self._put(f"put {key!r}", lambda c: c.put(key, value, **self._kw(config)))
 
     def put_parts(self, key: str, *args: Any, config: ReplicateConfig | None = None) -> int:
-        kw = self._kw(config)
-
         def run(c: StoreClient) -> None:
             data = b"".join(bytes(memoryview(p).cast("B")) for p in args)
-            c.put(key, data, **kw)
+            c.put(key, data, **self._kw(config))
 
         if not args:
             logger.error("put_parts %r: no parts", key)
+            return INVALID_PARAMS
+        if self._refused(f"put_parts {key!r}", config, staged=True):
             return INVALID_PARAMS
         return self._put(f"put_parts {key!r}", run)
 
@@ -393,6 +562,8 @@ class MooncakeDistributedStore:
         """0 if every key was stored (or already existed), else the first failure's code."""
         if len(keys) != len(values):
             logger.error("put_batch: %d keys but %d values", len(keys), len(values))
+            return INVALID_PARAMS
+        if self._refused("put_batch", config, staged=True):
             return INVALID_PARAMS
         res = self._run("put_batch", lambda c: c.put_batch(keys, values, **self._kw(config)))
         if isinstance(res, int):
@@ -404,20 +575,28 @@ class MooncakeDistributedStore:
 
     def get(self, key: str) -> bytes:
         """The object's bytes; ``b""`` if it is missing or the read failed."""
+        if self._refused(f"get {key!r}", None, staged=True):
+            return b""
         res = self._run(f"get {key!r}", lambda c: c.get(key))
         return res if isinstance(res, bytes) else b""
 
     def get_batch(self, keys: list[str]) -> list[bytes]:
+        if self._refused("get_batch", None, staged=True):
+            return [b""] * len(keys)
         res = self._run("get_batch", lambda c: c.get_batch(keys))
         if isinstance(res, int):
             return [b""] * len(keys)
         return [b if b is not None else b"" for b in res]
 
     def get_buffer(self, key: str) -> BufferHandle | None:
+        if self._refused(f"get_buffer {key!r}", None, staged=True):
+            return None
         data = self._run(f"get_buffer {key!r}", lambda c: c.get(key))
         return BufferHandle(data) if isinstance(data, bytes) else None
 
     def batch_get_buffer(self, keys: list[str]) -> list[BufferHandle | None]:
+        if self._refused("batch_get_buffer", None, staged=True):
+            return [None] * len(keys)
         res = self._run("batch_get_buffer", lambda c: c.get_batch(keys))
         if isinstance(res, int):
             return [None] * len(keys)
@@ -425,19 +604,27 @@ class MooncakeDistributedStore:
 
     def upsert(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
         """Insert or replace (remove, then put: not atomic)."""
+        if self._refused(f"upsert {key!r}", config, staged=True):
+            return INVALID_PARAMS
         return self._upsert(key, lambda: self.put(key, value, config))
 
     def upsert_parts(self, key: str, *args: Any, config: ReplicateConfig | None = None) -> int:
+        if self._refused(f"upsert_parts {key!r}", config, staged=True):
+            return INVALID_PARAMS
         return self._upsert(key, lambda: self.put_parts(key, *args, config=config))
 
     def upsert_from(
         self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None
     ) -> int:
+        if self._refused(f"upsert_from {key!r}", config, staged=False):
+            return INVALID_PARAMS
         return self._upsert(key, lambda: self.put_from(key, buffer_ptr, size, config))
 
     def upsert_batch(
         self, keys: list[str], values: list[Any], config: ReplicateConfig | None = None
     ) -> int:
+        if self._refused("upsert_batch", config, staged=True):
+            return INVALID_PARAMS
         for k in keys:
             rc = self.remove(k, True)
             if rc not in (0, OBJECT_NOT_FOUND):
@@ -451,6 +638,8 @@ class MooncakeDistributedStore:
         sizes: list[int],
         config: ReplicateConfig | None = None,
     ) -> list[int]:
+        if self._refused("batch_upsert_from", config, staged=False):
+            return [INVALID_PARAMS] * len(keys)
         return [
             self.upsert_from(k, p, n, config)
             for k, p, n in zip(keys, buffer_ptrs, sizes, strict=False)
@@ -485,6 +674,8 @@ class MooncakeDistributedStore:
     def put_from(
         self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None
     ) -> int:
+        if self._refused(f"put_from {key!r}", config, staged=False):
+            return INVALID_PARAMS
         return self._put(
             f"put_from {key!r}",
             lambda c: c.put_from(key, int(buffer_ptr), int(size), **self._kw(config)),
@@ -505,6 +696,8 @@ class MooncakeDistributedStore:
     ) -> list[int]:
         if not (len(keys) == len(buffer_ptrs) == len(sizes)):
             logger.error("batch_put_from: keys, buffer_ptrs and sizes differ in length")
+            return [INVALID_PARAMS] * len(keys)
+        if self._refused("batch_put_from", config, staged=False):
             return [INVALID_PARAMS] * len(keys)
         res = self._run(
             "batch_put_from",
@@ -552,6 +745,8 @@ class MooncakeDistributedStore:
             logger.error(
                 "batch_put_from_multi_buffers: the store is not set up (call setup() first)"
             )
+            return [INVALID_PARAMS] * len(keys)
+        if self._refused("batch_put_from_multi_buffers", config, staged=False):
             return [INVALID_PARAMS] * len(keys)
         out: list[int] = [0] * len(keys)
         todo_keys: list[str] = []

@@ -335,12 +335,20 @@ def test_setup_with_shared_engine_and_p2p_metadata() -> None:
     try:
         assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
         assert (
-            holder.setup("127.0.0.1", "P2PHANDSHAKE", 32 << 20, 0, "tcp", "", master.address) == 0
+            holder.setup("127.0.0.1", "P2PHANDSHAKE", 32 << 20, 1 << 20, "tcp", "", master.address)
+            == 0
         )
         # the published pattern: hand the engine to the store
         assert (
             reader.setup(
-                "127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", master.address, engine=te.get_engine()
+                "127.0.0.1",
+                "P2PHANDSHAKE",
+                0,
+                1 << 20,  # bytes put/get need a local buffer, as in the published store
+                "tcp",
+                "",
+                master.address,
+                engine=te.get_engine(),
             )
             == 0
         )
@@ -375,7 +383,10 @@ def test_an_abandoned_store_closes_without_blocking_the_thread_that_collects_it(
     master = MasterServer(rpc_port=0, http_port=-1).start_in_thread()
     store = MooncakeDistributedStore()
     try:
-        assert store.setup("127.0.0.1", "P2PHANDSHAKE", 8 << 20, 0, "tcp", "", master.address) == 0
+        assert (
+            store.setup("127.0.0.1", "P2PHANDSHAKE", 8 << 20, 1 << 20, "tcp", "", master.address)
+            == 0
+        )
         assert store.put("k", b"v" * 70_000) == 0
         inner = store.get_client()
         assert inner is not None and inner._poller is not None

@@ -1,0 +1,294 @@
+"""The published ``mooncake`` package's public surface, and what we deliberately leave out.
+
+:func:`surface` lists, for a module name, its public names: classes with their public
+members, functions, constants and enum members. The same function lists the published
+wheel (run as a script in its venv, ``python inventory.py mooncake``: this module
+imports only the standard library so that it runs there) and ours (after
+:func:`mooncake_core.compat.install`), so both sides are described by the same rules.
+``tests/integration/test_compat_inventory.py`` compares them: every published name must
+be provided by us or listed in :data:`NOT_PROVIDED` with the reason, and nothing listed
+there may be provided (so the list stays honest). docs/compat.md mirrors the table.
+
+Names: ``"mooncake.store"`` (a whole module), ``"mooncake.store:EngramStore"`` (a
+module-level name), ``"mooncake.store:MooncakeDistributedStore.pub_tensor"`` (a class
+member). A key may hold :mod:`fnmatch` wildcards (``*_session_*``).
+"""
+
+from __future__ import annotations
+import __future__
+
+import ast
+import fnmatch
+import importlib
+import inspect
+import json
+import logging
+import pkgutil
+import sys
+import typing
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+__all__ = ["NOT_PROVIDED", "Surface", "is_exempt", "published_modules", "surface"]
+
+#: A module's public names: ``{name: None}`` for functions and constants,
+#: ``{name: [members]}`` for classes.
+Surface = dict[str, "list[str] | None"]
+
+_CUDA = "needs CUDA / torch.distributed GPU kernels; the non-CUDA wheel cannot run it either"
+_TORCH_DIST = "a torch.distributed backend (process groups over the transfer engine): out of scope"
+_SSD = "remote SSD provisioning over SSH (paramiko, SPDK targets): an operator tool, out of scope"
+_NOF = "NVMe-over-Fabrics segments: needs NoF hardware and the published master's NoF RPCs"
+_MASTER_RPC = "needs a published-master RPC our master does not have"
+_SESSION = "session transfers are a published-master protocol feature our master does not have"
+_PARALLEL = "tensor-parallel layouts beyond plain TP splits (ParallelAxis): not implemented yet"
+_CUDA_T = "CUDA tensors; the non-CUDA wheel refuses them too"
+_PUB = "pub/sub tensors (published master's publication RPCs): not implemented"
+_POOL = "C++ buffer pools over the wheel's allocator: not implemented yet"
+_ENGRAM = "Engram embedding tables (a research feature of the wheel): out of scope"
+_DATAPROTO = "verl DataProto catalogs and bundles (RL training data plane): out of scope"
+_RPC = "the wheel's coroutine RPC channel (send_data/send_tensor): not implemented"
+_RESHARD = "weight resharding manifests (RL weight sync): out of scope"
+_CLI = "the published command-line tools; ours is `mooncake-core` (docs/store.md)"
+_SEG = "segment mounting at run time: our clients mount at setup only"
+_TASKS = "replica copy/move tasks are published-master RPCs our master does not have"
+_TOPO = "the published engine's topology dump tool; ours: TransferEngine.get_local_topology()"
+_FABRIC = "probes the wheel's .so for fabric allocators (CUDA/NVLink): out of scope"
+_SAFETENSORS = "safetensors files: not implemented yet"
+_VLLM = "the published vLLM connector and proxy; ours live in the mooncake_vllm adapter"
+
+#: Published names we do not provide, with the reason (mirrored in docs/compat.md).
+NOT_PROVIDED: dict[str, str] = {
+    # whole modules
+    "mooncake.ep": _CUDA,
+    "mooncake.mooncake_ep_buffer": _CUDA,
+    "mooncake.mooncake_elastic_buffer": _CUDA,
+    "mooncake.shared_segment": _CUDA,
+    "mooncake.pg": _TORCH_DIST,
+    "mooncake.fabric_allocator_utils": _FABRIC,
+    "mooncake.mooncake_ssd_register": _SSD,
+    "mooncake.mooncake_ssd_unregister": _SSD,
+    "mooncake.spdk_tgt_create": _SSD,
+    "mooncake.mooncake_connector_v1": _VLLM,
+    "mooncake.vllm_v1_proxy_server": _VLLM,
+    "mooncake.cli": _CLI,
+    "mooncake.cli_bench": _CLI,
+    "mooncake.cli_client": _CLI,
+    "mooncake.transfer_engine_topology_dump": _TOPO,
+    "mooncake.dataproto_catalog": _DATAPROTO,
+    "mooncake.structured_object_store": _DATAPROTO,
+    "mooncake.reshard": _RESHARD,
+    "mooncake.mooncake_store_service": "the published store's HTTP service; ours: `mooncake-core`",
+    "mooncake.async_store": "asyncio wrappers of the store: not implemented yet",
+    "mooncake._fast_copy": "a private C helper of the wheel",
+    "mooncake.buffer_pool": _POOL,
+    # mooncake
+    "mooncake:BufferPool": _POOL,
+    "mooncake:RegisteredBufferPool": _POOL,
+    # mooncake.engine
+    "mooncake.engine:InnerTransferEngine": "the C++ engine type; get_engine() returns ours",
+    "mooncake.engine:RpcInterface": _RPC,
+    "mooncake.engine:CoroRPCInterface": _RPC,
+    "mooncake.engine:ReceivedData": _RPC,
+    "mooncake.engine:ReceivedTensor": _RPC,
+    "mooncake.engine:create_rpc_client": _RPC,
+    "mooncake.engine:create_rpc_server": _RPC,
+    "mooncake.engine:SharedSegment": _CUDA,
+    # mooncake.store: types
+    "mooncake.store:BufferPool": _POOL,
+    "mooncake.store:RegisteredBufferPool": _POOL,
+    "mooncake.store:BufferLease": _POOL,
+    "mooncake.store:BufferLeaseView": _POOL,
+    "mooncake.store:RegisteredBufferLease": _POOL,
+    "mooncake.store:RegisteredBufferLeaseView": _POOL,
+    "mooncake.store:MooncakeHostMemAllocator": _POOL,
+    "mooncake.store:get_alloc_func_addr": _POOL,
+    "mooncake.store:get_free_func_addr": _POOL,
+    "mooncake.store:bind_to_numa_node": "NUMA binding of the wheel's allocator threads",
+    "mooncake.store:EngramStore": _ENGRAM,
+    "mooncake.store:EngramStoreConfig": _ENGRAM,
+    "mooncake.store:MooncakeDistributedNoFRegister": _NOF,
+    "mooncake.store:Descriptor": _MASTER_RPC + " (replica descriptors)",
+    "mooncake.store:DiskDescriptor": _MASTER_RPC + " (replica descriptors)",
+    "mooncake.store:MemoryDescriptor": _MASTER_RPC + " (replica descriptors)",
+    "mooncake.store:ReplicaDescriptor": _MASTER_RPC + " (replica descriptors)",
+    "mooncake.store:ReplicaStatus": _MASTER_RPC + " (replica descriptors)",
+    "mooncake.store:UNDEFINED": _MASTER_RPC + " (ReplicaStatus)",
+    "mooncake.store:INITIALIZED": _MASTER_RPC + " (ReplicaStatus)",
+    "mooncake.store:COMPLETE": _MASTER_RPC + " (ReplicaStatus)",
+    "mooncake.store:REMOVED": _MASTER_RPC + " (ReplicaStatus)",
+    "mooncake.store:QueryTaskResponse": _TASKS,
+    "mooncake.store:TaskStatus": _TASKS,
+    "mooncake.store:TaskType": _TASKS,
+    "mooncake.store:PENDING": _TASKS,
+    "mooncake.store:PROCESSING": _TASKS,
+    "mooncake.store:SUCCESS": _TASKS,
+    "mooncake.store:FAILED": _TASKS,
+    "mooncake.store:REPLICA_COPY": _TASKS,
+    "mooncake.store:REPLICA_MOVE": _TASKS,
+    "mooncake.store:ParallelAxis": _PARALLEL,
+    "mooncake.store:TensorParallelism": _PARALLEL,
+    "mooncake.store:ReadTarget": _PARALLEL,
+    # mooncake.store: MooncakeDistributedStore members
+    "mooncake.store:MooncakeDistributedStore.setup_dummy": "a dummy client over a shared-memory"
+    " standalone store (ipc_socket_path): not implemented",
+    "mooncake.store:MooncakeDistributedStore.init_all": "the published all-in-one"
+    " init: use setup()",
+    "mooncake.store:MooncakeDistributedStore.alloc_from_mem_pool": _POOL,
+    "mooncake.store:MooncakeDistributedStore.*_session_*": _SESSION,
+    "mooncake.store:MooncakeDistributedStore.batch_*_multi_buffer_ranges": "ranges over several"
+    " buffers per key: not implemented yet",
+    "mooncake.store:MooncakeDistributedStore.put_from_with_metadata": "not implemented yet",
+    "mooncake.store:MooncakeDistributedStore.get_into_ranges": "not implemented yet",
+    "mooncake.store:MooncakeDistributedStore.*get_replica_desc": _MASTER_RPC,
+    "mooncake.store:MooncakeDistributedStore.batch_replica_clear": _MASTER_RPC,
+    "mooncake.store:MooncakeDistributedStore.get_offload_rpc_read_count": _MASTER_RPC,
+    "mooncake.store:MooncakeDistributedStore.create_*_task": _TASKS,
+    "mooncake.store:MooncakeDistributedStore.query_task": _TASKS,
+    "mooncake.store:MooncakeDistributedStore.*mount*": _SEG,
+    "mooncake.store:MooncakeDistributedStore.*_cuda": _CUDA_T,
+    "mooncake.store:MooncakeDistributedStore.*pub_tensor*": _PUB,
+    "mooncake.store:MooncakeDistributedStore.*_with_parallelism*": _PARALLEL,
+    "mooncake.store:MooncakeDistributedStore.*_safetensor": _SAFETENSORS,
+    "mooncake.store:MooncakeDistributedStore.batch_get_tensor_into": "not implemented yet",
+    "mooncake.store:MooncakeDistributedStore.*_tensor_from": "not implemented yet",
+    "mooncake.store:MooncakeDistributedStore.*_tensor_with_tp*": "not implemented yet",
+    "mooncake.store:MooncakeDistributedStore.*upsert_tensor*": "not implemented yet",
+    "mooncake.store:MooncakeDistributedStore.batch_put_tensor": "not implemented yet",
+    "mooncake.store:MooncakeDistributedStore.batch_get_tensor": "not implemented yet",
+    "mooncake.store:MooncakeDistributedStore.get_tensor_into": "not implemented yet",
+    # mooncake.http_metadata_server / mooncake.mooncake_config
+    "mooncake.http_metadata_server": "not implemented yet (ours: `mooncake-core metadata`)",
+    "mooncake.mooncake_config": "not implemented yet",
+}
+
+logger = logging.getLogger(__name__)
+
+# Values that are public by name but not API: loggers, ``from __future__`` flags,
+# typing helpers.
+_NOT_API = (ModuleType, logging.Logger, __future__._Feature, typing.TypeVar)
+_FOREIGN_BASES = ("builtins", "enum", "abc", "typing", "pybind11_builtins")
+
+
+def _class_members(cls: type) -> list[str]:
+    enum_like = hasattr(cls, "__members__")
+    out = []
+    for name in dir(cls):
+        if name.startswith("_") or (enum_like and name in ("name", "value")):
+            continue
+        owner = next((k for k in cls.__mro__ if name in vars(k)), None)
+        if owner is not None and owner.__module__ in _FOREIGN_BASES:
+            continue
+        out.append(name)
+    return sorted(out)
+
+
+def _is_ours(value: Any, package: str) -> bool:
+    mod = getattr(value, "__module__", None)
+    if not isinstance(mod, str):
+        return True
+    # the published extension modules report themselves as ``engine`` / ``store``
+    return mod.split(".")[0] in (package, "engine", "store", "mooncake_core")
+
+
+def _from_import(mod: ModuleType, package: str) -> Surface:
+    out: Surface = {}
+    for name in dir(mod):
+        if name.startswith("_"):
+            continue
+        value = getattr(mod, name)
+        if isinstance(value, _NOT_API) or typing.get_origin(value) is not None:
+            continue
+        if inspect.isclass(value):
+            if _is_ours(value, package):
+                out[name] = _class_members(value)
+        elif callable(value):
+            if _is_ours(value, package) and not str(type(value)).startswith("<class 'typing."):
+                out[name] = None
+        else:
+            out[name] = None
+    return out
+
+
+def _from_source(path: Path) -> Surface:
+    """Public names from the source of a module that does not import here (no torch)."""
+    out: Surface = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out[node.name] = None
+        elif isinstance(node, ast.ClassDef):
+            members: list[str] = []
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    members.append(item.name)
+                elif isinstance(item, ast.Assign):
+                    members += [t.id for t in item.targets if isinstance(t, ast.Name)]
+                elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    if item.value is not None:
+                        members.append(item.target.id)
+            out[node.name] = sorted(m for m in set(members) if not m.startswith("_"))
+        elif isinstance(node, ast.Assign):
+            for t in node.targets:
+                if isinstance(t, ast.Name) and t.id.isupper():
+                    out[t.id] = None
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if node.target.id.isupper():
+                out[node.target.id] = None
+    return {k: v for k, v in out.items() if not k.startswith("_") or k == "_fast_copy"}
+
+
+def published_modules(package: str = "mooncake") -> list[str]:
+    """The package and every module in it (pkgutil over its directory), importable or not."""
+    pkg = importlib.import_module(package)
+    names = [package]
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if info.name.startswith("lib"):  # bundled shared libraries (libasio.so, ...)
+            continue
+        names.append(f"{package}.{info.name}")
+    return sorted(names)
+
+
+def surface(module: str) -> Surface | str:
+    """The public names of ``module``, or a one-line reason why it cannot be listed."""
+    package = module.split(".")[0]
+    try:
+        mod = importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - any import failure is reported, not raised
+        pkg = sys.modules.get(package)
+        base = Path(next(iter(getattr(pkg, "__path__", [])), "")) if pkg else None
+        src = base / (module.split(".", 1)[1] + ".py") if base and "." in module else None
+        if src is not None and src.is_file():
+            return _from_source(src)
+        return f"{type(exc).__name__}: {exc}"
+    return _from_import(mod, package)
+
+
+def is_exempt(key: str) -> str | None:
+    """The reason ``key`` (``module``, ``module:Name`` or ``module:Class.member``) is not
+    provided, or None. A whole module or class listed covers what is inside it."""
+    mod, _, rest = key.partition(":")
+    probes = [mod]
+    if rest:
+        probes.append(f"{mod}:{rest.split('.')[0]}")
+        if "." in rest:
+            probes.append(key)
+    for probe in probes:
+        for pattern, reason in NOT_PROVIDED.items():
+            if fnmatch.fnmatchcase(probe, pattern):
+                return reason
+    return None
+
+
+def main(argv: list[str]) -> int:
+    """``python inventory.py PACKAGE``: print ``{module: surface}`` as JSON."""
+    package = argv[0] if argv else "mooncake"
+    out = {m: surface(m) for m in published_modules(package)}
+    sys.stdout.write(json.dumps(out, sort_keys=True) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    # run as a script: keep our sibling modules (engine.py, store.py) off the path
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent]
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,150 @@
+"""Every public name of the published ``mooncake`` wheel is ours, or listed as left out.
+
+The published side is listed by running ``mooncake_core/compat/inventory.py`` in the
+scratch venv (scripts/setup_mooncake_peer.sh; skipped with a reason when absent): pkgutil
+over the package directory, then per module its classes with their public members,
+functions, constants and enum members. Our side is listed by the same function after
+``mooncake_core.compat.install(force=True)``. A published name neither provided nor in
+``inventory.NOT_PROVIDED`` fails, and so does a listed name that we do provide.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mooncake_core.bench.published import peer
+from mooncake_core.compat import inventory
+
+ROOT = Path(__file__).resolve().parents[2]
+INVENTORY = ROOT / "mooncake_core" / "compat" / "inventory.py"
+
+OURS = textwrap.dedent(
+    """
+    import json, sys
+    import mooncake_core.compat
+    from mooncake_core.compat import inventory
+    assert mooncake_core.compat.install(force=True)
+    print(json.dumps({m: inventory.surface(m) for m in json.loads(sys.argv[1])}))
+    """
+)
+
+
+def _published() -> dict[str, Any]:
+    real = os.environ.get("MOONCAKE_PEER_PYTHON") or peer().default_peer_python()
+    if real is None:
+        pytest.skip(
+            "no scratch venv with the published wheel; run scripts/setup_mooncake_peer.sh "
+            "(or set MOONCAKE_PEER_PYTHON)"
+        )
+    env = dict(peer().mooncake_env(), GLOG_minloglevel="2")
+    out = subprocess.run(
+        [real, str(INVENTORY), "mooncake"], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    data: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return data
+
+
+def _ours(modules: list[str]) -> dict[str, Any]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run(
+        [sys.executable, "-c", OURS, json.dumps(modules)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    data: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return data
+
+
+def compare(theirs: dict[str, Any], ours: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(published names we lack and do not list, listed names we provide)."""
+    missing: list[str] = []
+    dishonest: list[str] = []
+
+    def check(key: str, provided: bool) -> None:
+        exempt = inventory.is_exempt(key)
+        if provided and exempt is not None and _listed_exactly(key):
+            dishonest.append(key)
+        elif not provided and exempt is None:
+            missing.append(key)
+
+    for mod, names in sorted(theirs.items()):
+        mine = ours.get(mod)
+        check(mod, isinstance(mine, dict))
+        if not isinstance(mine, dict) or not isinstance(names, dict):
+            continue
+        for name, members in sorted(names.items()):
+            check(f"{mod}:{name}", name in mine)
+            if name not in mine or members is None:
+                continue
+            have = set(mine[name] or [])
+            for member in members:
+                check(f"{mod}:{name}.{member}", member in have)
+    return missing, dishonest
+
+
+def _listed_exactly(key: str) -> bool:
+    """True if a NOT_PROVIDED key names ``key`` itself (not an enclosing module/class)."""
+    import fnmatch
+
+    return any(fnmatch.fnmatchcase(key, pattern) for pattern in inventory.NOT_PROVIDED)
+
+
+@pytest.fixture(scope="module")
+def surfaces() -> tuple[dict[str, Any], dict[str, Any]]:
+    theirs = _published()
+    return theirs, _ours(sorted(theirs))
+
+
+@pytest.mark.timeout(240)
+def test_every_published_name_is_provided_or_listed_with_a_reason(
+    surfaces: tuple[dict[str, Any], dict[str, Any]],
+) -> None:
+    theirs, ours = surfaces
+    assert "mooncake.store" in theirs and "MooncakeDistributedStore" in theirs["mooncake.store"]
+    missing, dishonest = compare(theirs, ours)
+    assert missing == [], "published names we neither provide nor list in NOT_PROVIDED"
+    assert dishonest == [], "names listed in NOT_PROVIDED that we do provide"
+
+
+@pytest.mark.timeout(240)
+def test_every_not_provided_entry_matches_a_published_name(
+    surfaces: tuple[dict[str, Any], dict[str, Any]],
+) -> None:
+    theirs, _ = surfaces
+    keys = set(theirs)
+    for mod, names in theirs.items():
+        for name, members in (names if isinstance(names, dict) else {}).items():
+            keys.add(f"{mod}:{name}")
+            keys.update(f"{mod}:{name}.{m}" for m in members or [])
+    import fnmatch
+
+    stale = [p for p in inventory.NOT_PROVIDED if not fnmatch.filter(keys, p)]
+    assert stale == [], "NOT_PROVIDED entries that name nothing the wheel publishes"
+
+
+def test_the_comparison_catches_a_missing_and_a_dishonest_name() -> None:
+    theirs = {"mooncake.store": {"MooncakeDistributedStore": ["put", "brand_new", "pub_tensor"]}}
+    ours = {"mooncake.store": {"MooncakeDistributedStore": ["put", "pub_tensor"]}}
+    missing, dishonest = compare(theirs, ours)
+    assert missing == ["mooncake.store:MooncakeDistributedStore.brand_new"]
+    assert dishonest == ["mooncake.store:MooncakeDistributedStore.pub_tensor"]
+
+
+def test_docs_mirror_the_not_provided_table() -> None:
+    text = (ROOT / "docs" / "compat.md").read_text()
+    section = text.split("<!-- NOT_PROVIDED begin -->")[1].split("<!-- NOT_PROVIDED end -->")[0]
+    rows = {k.replace("\\*", "*") for k in re.findall(r"^\| `([^`]+)` \|", section, flags=re.M)}
+    assert rows == set(inventory.NOT_PROVIDED)
