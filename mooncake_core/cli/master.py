@@ -1,8 +1,23 @@
 """``mooncake-core master``: run a store master (RPC + HTTP metrics/metadata), optionally HA.
 
-Flags mirror ``mooncake_master`` where they exist (``--rpc-port 50051``,
-``--http-port 9003`` = metrics port, ``--default-kv-lease-ttl``, watermarks, ...); the
-rest comes from the ``store`` section of mooncake.json / ``MOONCAKE_STORE_*``.
+Two spellings of the same options:
+
+- ours, dashed (``--rpc-port 50051``, ``--http-port 9003`` = metrics port,
+  ``--default-kv-lease-ttl`` in seconds, ...); the rest comes from the ``store`` section of
+  mooncake.json / ``MOONCAKE_STORE_*``;
+- the published ``mooncake_master`` command line, unchanged (gflags spellings, units and
+  defaults: ``--rpc_port=50051 --enable_http_metadata_server --http_metadata_server_port
+  8080 --default_kv_lease_ttl=5s``, ``--config_path master.json``, ``--flagfile``, ...;
+  the table is :data:`mooncake_core.cli.gflags.MASTER_FLAGS`). A published flag of a
+  feature we lack is refused with one line naming it; a tuning flag with no effect here
+  is accepted with one warning line.
+
+With published spellings (or through the ``mooncake_master`` console script) the
+published defaults apply: no HTTP metadata server unless ``--enable_http_metadata_server``
+(then on its own port, 8080 by default, not on the metrics port), ``--client_ttl`` 10 s,
+``--allocation_strategy random``, ``--cluster_id mooncake_cluster``. One difference on
+purpose: every server binds loopback unless an address is given (the published master
+binds 0.0.0.0).
 """
 
 from __future__ import annotations
@@ -14,20 +29,49 @@ import json
 import logging
 import os
 import signal
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
+from mooncake_core import __version__
+from mooncake_core.cli import gflags
 from mooncake_core.config import load_config
+from mooncake_core.errors import ConfigError
 from mooncake_core.store.master import MasterServer, install_uvloop
+
+__all__ = [
+    "add_arguments",
+    "run",
+    "resolve_published",
+    "published_from_args",
+    "Published",
+    "published_main",
+]
 
 logger = logging.getLogger(__name__)
 
+VERSION = f"mooncake_master (mooncake-core {__version__}; published flags of Mooncake 0.3.13)"
+
+_WILDCARD = {"0.0.0.0", "::", ""}
+_STRATEGIES = {
+    "random": "random",
+    "free_ratio_first": "free-ratio-first",
+    "local_first": "local-first",
+}
+#: other published spellings of config-file keys
+_FILE_ALIASES = {"client_live_ttl_sec": "client_ttl"}
+_GLOG_LEVELS = {0: "INFO", 1: "WARNING", 2: "ERROR", 3: "CRITICAL"}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.usage = "%(prog)s [options] (ours dashed, or the published mooncake_master flags)"
     parser.add_argument("--config", help="mooncake.json (default $MOONCAKE_CONFIG_PATH)")
     parser.add_argument(
-        "--rpc-address", "--host", dest="host", default="127.0.0.1", help="RPC listen address"
+        "--rpc-address", "--host", dest="host", default=None, help="RPC listen address"
     )
     parser.add_argument(
-        "--rpc-port", "--port", dest="rpc_port", type=int, default=50051, help="RPC port (0 = any)"
+        "--rpc-port", "--port", dest="rpc_port", type=int, default=None, help="RPC port (0 = any)"
     )
     parser.add_argument(
         "--http-host", default=None, help="HTTP listen address (default: the RPC address)"
@@ -37,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--metrics-port",
         dest="http_port",
         type=int,
-        default=9003,
+        default=None,
         help="HTTP port for /metrics, /health, /query_key and /metadata (0 = any, -1 = off)",
     )
     parser.add_argument("--no-metadata-server", action="store_true", help="do not serve /metadata")
@@ -51,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="etcd://host:port: run with leader election and the replicated oplog",
     )
-    parser.add_argument("--cluster-id", default="default", help="HA namespace in etcd")
+    parser.add_argument("--cluster-id", default=None, help="HA namespace in etcd")
     parser.add_argument(
         "--ha-lease-ttl", type=float, default=2.0, help="leader lease in seconds (failover time)"
     )
@@ -92,11 +136,169 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--placement", choices=["random", "free-ratio-first", "local-first"], default=None
     )
     parser.add_argument(
-        "--ready-file", default=None, help="write {rpc_port, http_port, pid} here once listening"
+        "--ready-file",
+        default=None,
+        help="write {rpc_port, http_port, metadata_port, pid} here once listening",
     )
+    parser.add_argument(
+        "--published-defaults",
+        action="store_true",
+        help=argparse.SUPPRESS,  # set by the mooncake_master console script
+    )
+    gflags.add_gflags(parser, gflags.MASTER_FLAGS, VERSION)
+
+
+@dataclass
+class Published:
+    """What a published ``mooncake_master`` command line asks for, in our terms.
+
+    ``None`` means "not given": the caller's (dashed or default) value stands.
+    """
+
+    host: str | None = None
+    rpc_port: int | None = None
+    http_host: str | None = None
+    http_port: int | None = None
+    metadata: bool = False
+    metadata_host: str | None = None
+    metadata_port: int = 8080
+    ha_url: str | None = None
+    cluster_id: str | None = None
+    store: dict[str, Any] = field(default_factory=dict)
+    log_level: str | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+def _interface_address(name: str) -> str:
+    from mooncake_core.transfer.topology import interface_ipv4
+
+    ip = interface_ipv4(name)
+    if not ip:
+        raise ConfigError(f"--rpc_interface: interface {name!r} has no IPv4 address")
+    return ip
+
+
+def resolve_published(
+    given: Mapping[str, str], config_path_values: Mapping[str, Any] | None = None
+) -> Published:
+    """Turn published flags into our settings (command line over the ``--config_path`` file).
+
+    Args:
+        given: flag name -> raw value, from the command line (and flagfiles, env).
+        config_path_values: flag name -> value from the published master.json.
+
+    Raises:
+        ConfigError: a bad value, or a flag of a feature we lack; one line naming the flag.
+    """
+    flags = {f.name: f for f in gflags.MASTER_FLAGS}
+    raw: dict[str, Any] = dict(config_path_values or {})
+    raw.update(given)
+    values: dict[str, Any] = {}
+    for name, value in raw.items():
+        flag = flags[name]
+        values[name] = gflags.parse_value(flag, value)
+    out = Published()
+    for name, value in values.items():
+        flag = flags[name]
+        default = gflags.parse_value(flag, flag.default)
+        if flag.kind == "off" and value != default:
+            raise ConfigError(
+                f"--{name}={raw[name]}: not supported by mooncake-core ({flag.note}); "
+                f"remove it or leave it at {flag.default!r}"
+            )
+        if flag.kind == "noop" and value != default:
+            out.warnings.append(
+                f"--{name}: accepted for compatibility, no effect here ({flag.note})"
+            )
+    v = values.get
+    if v("rpc_interface"):
+        out.host = _interface_address(str(v("rpc_interface")))
+    elif "rpc_address" in values:
+        out.host = str(v("rpc_address"))
+    rpc_port = v("rpc_port", 0) or v("port")
+    if rpc_port is not None:
+        if not 0 < int(rpc_port) <= 65535:
+            raise ConfigError(f"--rpc_port: must be 1..65535, got {rpc_port}")
+        out.rpc_port = int(rpc_port)
+    if "metrics_port" in values:
+        out.http_port = int(values["metrics_port"])
+    if "metrics_host" in values:
+        out.http_host = str(values["metrics_host"])
+    out.metadata = bool(v("enable_http_metadata_server", False))
+    if "http_metadata_server_host" in values:
+        out.metadata_host = str(values["http_metadata_server_host"])
+    out.metadata_port = int(v("http_metadata_server_port", 8080))
+    for port_flag in ("metrics_port", "http_metadata_server_port"):
+        if port_flag in values and not 0 <= int(values[port_flag]) <= 65535:
+            raise ConfigError(f"--{port_flag}: must be 0..65535, got {values[port_flag]}")
+    if "cluster_id" in values:
+        out.cluster_id = str(values["cluster_id"])
+    backend = str(v("ha_backend_type", "etcd")).lower()
+    endpoints = str(v("ha_backend_connstring", "") or v("etcd_endpoints", "") or "")
+    if v("enable_ha", False):
+        if backend != "etcd":
+            raise ConfigError(
+                f"--ha_backend_type={backend}: not supported by mooncake-core (etcd only)"
+            )
+        items = [e.strip() for e in endpoints.replace(",", ";").split(";") if e.strip()]
+        if not items:
+            raise ConfigError("--enable_ha: needs --etcd_endpoints (host:port;host:port)")
+        items = [e[len("etcd://") :] if e.startswith("etcd://") else e for e in items]
+        out.ha_url = "etcd://" + ",".join(items)
+    elif endpoints:
+        out.warnings.append("--etcd_endpoints: no effect without --enable_ha")
+    store: dict[str, Any] = {}
+    if "default_kv_lease_ttl" in values:
+        store["lease_ttl_s"] = float(values["default_kv_lease_ttl"]) / 1000.0
+    if "eviction_high_watermark_ratio" in values:
+        store["eviction_high_watermark"] = values["eviction_high_watermark_ratio"]
+    if "eviction_ratio" in values:
+        store["eviction_ratio"] = values["eviction_ratio"]
+    if "client_ttl" in values:
+        if values["client_ttl"] <= 0:
+            raise ConfigError(f"--client_ttl: must be positive, got {values['client_ttl']}")
+        store["client_ttl_s"] = float(values["client_ttl"])
+    if "put_start_discard_timeout_sec" in values:
+        store["put_timeout_s"] = float(values["put_start_discard_timeout_sec"])
+    if "allocation_strategy" in values:
+        strategy = str(values["allocation_strategy"])
+        if strategy not in _STRATEGIES:
+            raise ConfigError(
+                f"--allocation_strategy={strategy}: not supported by mooncake-core "
+                f"(use one of {', '.join(sorted(_STRATEGIES))})"
+            )
+        store["placement"] = _STRATEGIES[strategy]
+    out.store = store
+    if "minloglevel" in values:
+        out.log_level = _GLOG_LEVELS.get(min(max(int(values["minloglevel"]), 0), 3), "INFO")
+    if int(v("v", 0) or 0) > 0:
+        out.log_level = "DEBUG"
+    return out
+
+
+def published_from_args(args: argparse.Namespace) -> tuple[Published, bool]:
+    """The published flags of ``args`` resolved, and whether published defaults apply."""
+    given = gflags.given_flags(args)
+    expanded: dict[str, str] = {}
+    for name, value in given.items():
+        if name in ("fromenv", "tryfromenv"):
+            for n, val in gflags.from_env(value, required=name == "fromenv"):
+                expanded[n] = val
+        else:
+            expanded[name] = value
+    path = expanded.get("config_path", "")
+    file_values = gflags.read_config_file(path, _FILE_ALIASES) if path else {}
+    file_values.pop("config_path", None)
+    published = resolve_published(expanded, file_values)
+    return published, bool(given) or bool(args.published_defaults)
 
 
 def run(args: argparse.Namespace) -> int:
+    pub, published_mode = published_from_args(args)
+    for line in pub.warnings:
+        logger.warning("%s", line)
+    if pub.log_level:
+        logging.getLogger().setLevel(pub.log_level)
     store: dict[str, object] = {}
     for flag, key in (
         ("lease_ttl", "lease_ttl_s"),
@@ -110,46 +312,109 @@ def run(args: argparse.Namespace) -> int:
         v = getattr(args, flag)
         if v is not None:
             store[key] = v
-    cfg = load_config(args.config, store=store or None)
+    store = {**pub.store, **store}
+    # published defaults sit below the environment and mooncake.json, above ours
+    defaults = {"store": {"client_ttl_s": 10.0, "placement": "random"}} if published_mode else None
+    cfg = load_config(args.config, defaults=defaults, store=store or None)
+    host = args.host or pub.host or "127.0.0.1"
+    rpc_port = args.rpc_port if args.rpc_port is not None else (pub.rpc_port or 50051)
+    http_port = args.http_port if args.http_port is not None else pub.http_port
+    http_host = args.http_host or pub.http_host or host
+    # published: metadata only with --enable_http_metadata_server, on its own port
+    separate_metadata = pub.metadata
+    serve_metadata = not args.no_metadata_server and not published_mode
+    cluster_id = args.cluster_id or pub.cluster_id
+    if cluster_id is None:
+        cluster_id = "mooncake_cluster" if published_mode else "default"
+    if (pub.ha_url or args.ha_url) and host in _WILDCARD and not args.advertise:
+        logger.warning("HA with a wildcard RPC address: set --rpc_address to this host's address")
     install_uvloop()
     server = MasterServer(
         cfg.store,
-        host=args.host,
-        rpc_port=args.rpc_port,
-        http_host=args.http_host or args.host,
-        http_port=args.http_port,
-        ha_url=args.ha_url,
-        cluster_id=args.cluster_id,
+        host=host,
+        rpc_port=rpc_port,
+        http_host=http_host,
+        http_port=9003 if http_port is None else http_port,
+        ha_url=args.ha_url or pub.ha_url,
+        cluster_id=cluster_id,
         advertise=args.advertise,
-        serve_metadata=not args.no_metadata_server,
+        serve_metadata=serve_metadata,
         ha_lease_ttl_s=args.ha_lease_ttl,
         snapshot_every=args.ha_snapshot_every,
     )
+    metadata_host = pub.metadata_host or host
+    metadata_port = pub.metadata_port
 
     async def main() -> None:
         await server.start()
-        if args.ready_file:
-            tmp = args.ready_file + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(
-                    {
-                        "rpc_port": server.rpc_port,
-                        "http_port": server.http_port,
-                        "pid": os.getpid(),
-                        "id": server.id,
-                    },
-                    f,
-                )
-            os.replace(tmp, args.ready_file)
-        loop = asyncio.get_running_loop()
-        assert server._stopped is not None
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, server._stopped.set)
+        runner = None
+        bound_metadata = -1
         try:
+            if separate_metadata:
+                runner, bound_metadata = await _start_metadata(metadata_host, metadata_port)
+            if args.ready_file:
+                _write_ready(args.ready_file, server, bound_metadata)
+            loop = asyncio.get_running_loop()
+            assert server._stopped is not None
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                with contextlib.suppress(NotImplementedError):
+                    loop.add_signal_handler(sig, server._stopped.set)
             await server._stopped.wait()
         finally:
+            if runner is not None:
+                await runner.cleanup()
             await server.stop()
 
     asyncio.run(main())
     return 0 if server.role != "deposed" else 3
+
+
+async def _start_metadata(host: str, port: int) -> tuple[Any, int]:
+    """The HTTP metadata server on its own port (published ``--enable_http_metadata_server``)."""
+    from aiohttp import web
+
+    from mooncake_core.metadata.http import MAX_VALUE, add_metadata_routes
+
+    app = web.Application(client_max_size=MAX_VALUE)
+    add_metadata_routes(app)
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    srv: Any = site._server
+    bound = int(srv.sockets[0].getsockname()[1])
+    logger.info("HTTP metadata server on http://%s:%d/metadata", host, bound)
+    return runner, bound
+
+
+def _write_ready(path: str, server: MasterServer, metadata_port: int) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(
+            {
+                "rpc_port": server.rpc_port,
+                "http_port": server.http_port,
+                "metadata_port": metadata_port,
+                "pid": os.getpid(),
+                "id": server.id,
+            },
+            f,
+        )
+    os.replace(tmp, path)
+
+
+def published_main(argv: Sequence[str] | None = None) -> int:
+    """The ``mooncake_master`` console script: ours, with the published command line."""
+    from mooncake_core.cli import main
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    return main(["master", "--published-defaults", *args])
