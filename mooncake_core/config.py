@@ -9,6 +9,13 @@ Sources, highest precedence first:
 3. a Mooncake-style JSON file named by ``MOONCAKE_CONFIG_PATH`` (or ``path=``),
 4. defaults.
 
+The published package's environment names work too (:data:`PUBLISHED_ENV`):
+``MOONCAKE_MASTER``, ``MOONCAKE_TE_META_DATA_SERVER``, ``MOONCAKE_DEVICE``, the offload
+pair, and the ``MC_*`` variables its docs list. Each is either honoured (mapped onto a
+key, below our own ``MOONCAKE_<KEY>`` name) or refused with one warning line naming it;
+none is silently ignored. Published protocol names we have no transport for (``efa``,
+``nvlink``, ...) are mapped, with a warning, onto one we have.
+
 Top-level keys mirror the published ``mooncake.json``: ``local_hostname``,
 ``metadata_server``, ``protocol``, ``device_name``, ``master_server_address``,
 ``global_segment_size``, ``local_buffer_size``. Sizes may be ints or strings such as
@@ -22,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import logging
 import os
 import re
 import types
@@ -47,7 +55,12 @@ __all__ = [
     "env_str",
     "env_list",
     "environment",
+    "PUBLISHED_ENV",
+    "published_env",
+    "normalize_protocol",
 ]
+
+logger = logging.getLogger(__name__)
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
@@ -299,6 +312,8 @@ def _build(cls: Any, data: Mapping[str, Any], where: str) -> Any:
         typ = hints[key]
         if isinstance(typ, types.UnionType):  # pragma: no cover - not used yet
             typ = typing.get_args(typ)[0]
+        if cls is MooncakeConfig and key == "protocol" and isinstance(value, str):
+            value = normalize_protocol(value)
         if dataclasses.is_dataclass(typ):
             if dataclasses.is_dataclass(value) and not isinstance(value, type):
                 value = dataclasses.asdict(value)
@@ -368,6 +383,222 @@ def _validate(cfg: Any, where: str) -> None:
             raise ConfigError(f"{where}level: unknown log level {cfg.level!r}")
 
 
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning("%s", message)
+
+
+# Published protocol names without a transport of the same name here -> ours.
+_PROTOCOL_ALIASES = {
+    "efa": "rdma",
+    "barex": "rdma",
+    "erdma": "rdma",
+    "nvlink": "auto",
+    "nvlink_intra": "auto",
+    "mnnvl": "auto",
+    "hip": "auto",
+    "musa": "auto",
+    "ascend": "auto",
+    "ubshmem": "auto",
+    "cxl": "auto",
+    "nvmeof": "auto",
+}
+
+
+def normalize_protocol(value: str) -> str:
+    """A protocol name, published spellings mapped onto ours (one warning line each).
+
+    ``efa``/``barex``/``erdma`` run on our RDMA transport; GPU-interconnect and device
+    protocols (``nvlink``, ``hip``, ``ascend``, ...) on ``auto`` (shared memory, RDMA or
+    TCP, whichever reaches the peer). Unknown names are left for validation to refuse.
+    """
+    word = value.strip().lower()
+    ours = _PROTOCOL_ALIASES.get(word)
+    if ours is None:
+        return word if word in _PROTOCOLS else value
+    _warn_once(f"protocol {value!r}: mooncake-core has no such transport; using {ours!r} instead")
+    return ours
+
+
+_RDMA_TUNING = "our RDMA transport sizes its queues itself"
+_NOT_HERE = "not supported by mooncake-core"
+
+#: Published environment variable -> (our config key, or "" when refused; meaning/reason).
+#: Honoured ones sit below our own ``MOONCAKE_<KEY>`` names.
+PUBLISHED_ENV: Mapping[str, tuple[str, str]] = {
+    "MOONCAKE_MASTER": ("master_server_address", "master address (host:port or etcd://...)"),
+    "MOONCAKE_TE_META_DATA_SERVER": ("metadata_server", "metadata server URL or P2PHANDSHAKE"),
+    "MOONCAKE_DEVICE": ("device_name", "RDMA device names"),
+    "MOONCAKE_OFFLOAD_ENABLED": ("store.ssd_path", "with the path below: the client SSD tier"),
+    "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": ("store.ssd_path", "directory of the client SSD tier"),
+    "MC_METADATA_SERVER": ("metadata_server", "metadata server (below the two names above)"),
+    "MC_TRANSFER_TIMEOUT": ("transfer.timeout_s", "transfer timeout in seconds"),
+    "MC_TCP_BIND_ADDRESS": ("transfer.listen_host", "address the transfer listener binds"),
+    "MC_GID_INDEX": ("transfer.gid_index", "RDMA GID index"),
+    "MC_SLICE_SIZE": ("transfer.slice_size", "bytes per transfer slice"),
+    "MC_RETRY_CNT": ("transfer.retry_count", "retries of a failed slice"),
+    "MC_LOG_LEVEL": ("log.level", "log level (TRACE means DEBUG)"),
+    "MC_FORCE_TCP": ("protocol", "true: use the TCP transport"),
+    "MOONCAKE_TENANT_ID": ("", "tenants are not supported"),
+    "MOONCAKE_ENABLE_CLIENT_HTTP_SERVER": ("", "there is no client HTTP server"),
+    "MOONCAKE_CLIENT_HTTP_PORT": ("", "there is no client HTTP server"),
+    "MOONCAKE_SNAPSHOT_LOCAL_PATH": ("", "published master snapshots are not supported"),
+    "MOONCAKE_STORE_CHECKSUM": ("", "store checksums are not supported"),
+    "MOONCAKE_DFS_FS_ADAPTER": ("", "DFS/3FS segments are not supported"),
+    "MOONCAKE_DFS_ROOT_DIR": ("", "DFS/3FS segments are not supported"),
+    "MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS": ("", "offload tuning is not supported"),
+    "MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT": ("", "offload tuning is not supported"),
+    "MOONCAKE_OFFLOAD_BUCKET_SIZE_LIMIT_BYTES": ("", "offload tuning is not supported"),
+    "MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR": ("", "offload tuning is not supported"),
+    "MC_LEGACY_RPC_PORT_BINDING": ("", "handshake ports are always the engine's own"),
+    "MC_RDMA_BIND_ADDRESS": ("", "the RDMA address is the handshake address"),
+    "MC_CUSTOM_TOPO_JSON": ("", "set transfer.interfaces instead"),
+    "MC_TE_FILTERS": ("", "set transfer.interfaces instead"),
+    "MC_TE_FILTERS_EXCLUDE": ("", "set transfer.interfaces instead"),
+    "MC_TE_METRIC": ("", "transfer metrics are not reported periodically"),
+    "MC_TE_METRIC_INTERVAL_SECONDS": ("", "transfer metrics are not reported periodically"),
+    "MC_FORCE_HCA": ("", _NOT_HERE),
+    "MC_FORCE_MNNVL": ("", "there is no MNNVL transport"),
+    "MC_FORCE_MUSA": ("", "there is no MUSA transport"),
+    "MC_INTRA_NVLINK": ("", "there is no NVLink transport"),
+    "MC_TCP_SLICE_SIZE": ("", "TCP moves whole slices (MC_SLICE_SIZE)"),
+    "MC_TCP_ENABLE_CONNECTION_POOL": ("", "set transfer.connections_per_peer instead"),
+    "MC_TCP_PROTO": ("", "there is one TCP protocol, acknowledged writes"),
+    "MC_REDIS_PASSWORD": ("", "there is no Redis metadata backend"),
+    "MC_REDIS_DB_INDEX": ("", "there is no Redis metadata backend"),
+    "MC_MIN_RPC_PORT": ("", "set transfer.port instead"),
+    "MC_MAX_RPC_PORT": ("", "set transfer.port instead"),
+    "MC_METADATA_CLUSTER_ID": ("", "set metadata.prefix instead"),
+    "MC_DISABLE_METACACHE": ("", _NOT_HERE),
+    "MC_TE_METADATA_REFRESH_INTERVAL_SECONDS": ("", _NOT_HERE),
+    "MC_PATH_ROUNDROBIN": ("", _NOT_HERE),
+    "MC_ENABLE_DEST_DEVICE_AFFINITY": ("", _NOT_HERE),
+    "MC_FRAGMENT_RATIO": ("", _NOT_HERE),
+    "MC_WORKERS_PER_CTX": ("", _RDMA_TUNING),
+    "MC_NUM_QP_PER_EP": ("", _RDMA_TUNING),
+    "MC_MAX_WR": ("", _RDMA_TUNING),
+    "MC_MAX_SGE": ("", _RDMA_TUNING),
+    "MC_MAX_CQE_PER_CTX": ("", _RDMA_TUNING),
+    "MC_MTU": ("", _RDMA_TUNING),
+    "MC_IB_PORT": ("", _RDMA_TUNING),
+    "MC_IB_TC": ("", _RDMA_TUNING),
+    "MC_IB_SL": ("", _RDMA_TUNING),
+    "MC_MAX_EP_PER_CTX": ("", _RDMA_TUNING),
+    "MC_ENDPOINT_STORE_TYPE": ("", _RDMA_TUNING),
+    "MC_AUTO_GID_MAX_RETRIES": ("", _RDMA_TUNING),
+    "MC_PKEY_INDEX": ("", _RDMA_TUNING),
+    "MC_NUM_CQ_PER_CTX": ("", _RDMA_TUNING),
+    "MC_NUM_COMP_CHANNELS_PER_CTX": ("", _RDMA_TUNING),
+    "MC_MAX_INLINE": ("", _RDMA_TUNING),
+    "MC_TRACK_RDMA_POSTED_SLICES": ("", _RDMA_TUNING),
+    "MC_ENABLE_PARALLEL_REG_MR": ("", _RDMA_TUNING),
+    "MC_MAX_CONCURRENT_REG_MR": ("", _RDMA_TUNING),
+    "MC_HANDSHAKE_CONNECT_TIMEOUT": ("", "set transfer.connect_timeout_s instead"),
+    "MC_HANDSHAKE_LISTEN_BACKLOG": ("", _NOT_HERE),
+    "MC_HANDSHAKE_MAX_LENGTH": ("", _NOT_HERE),
+    "MC_USE_TENT": ("", "there is one engine here (no TENT runtime)"),
+    "MC_USE_TEV1": ("", "there is one engine here (no TENT runtime)"),
+    "MC_TENT_CONF": ("", "there is one engine here (no TENT runtime)"),
+    "MC_LOG_DIR": ("", "logs go to stderr"),
+    "MC_YLT_LOG_LEVEL": ("", "use MC_LOG_LEVEL or MOONCAKE_LOG_LEVEL"),
+    "MC_EFA_NIC_SELECTION": ("", "there is no EFA transport (efa runs on RDMA)"),
+    "MC_EFA_CQ_THREADS": ("", "there is no EFA transport (efa runs on RDMA)"),
+    "MC_RPC_PROTOCOL": ("", "store RPC runs over TCP"),
+    "MC_RPC_TIMEOUT_MS": ("", "set transfer.timeout_s instead"),
+    "MC_RPC_CONNECT_TIMEOUT_MS": ("", "set transfer.connect_timeout_s instead"),
+    "MC_MS_AUTO_DISC": ("", _NOT_HERE),
+    "MC_MS_FILTERS": ("", _NOT_HERE),
+    "MC_STORE_MEMCPY": ("", "local replicas are always copied in memory"),
+    "MC_STORE_CLIENT_SETUP_RETRIES": ("", _NOT_HERE),
+    "MC_STORE_CLUSTER_ID": ("", "give the cluster in master_server_address"),
+    "MC_STORE_CLIENT_MIN_PORT": ("", "set transfer.port instead"),
+    "MC_STORE_CLIENT_MAX_PORT": ("", "set transfer.port instead"),
+    "MC_CXL_DEV_SIZE": ("", "CXL memory is not supported"),
+    "MC_MMAP_ARENA_POOL_SIZE": ("", "there is no mmap arena allocator"),
+    "MC_STORE_USE_HUGEPAGE": ("", "set transfer.shm_dir to a hugetlbfs directory instead"),
+    "MC_STORE_HUGEPAGE_SIZE": ("", "set transfer.shm_dir to a hugetlbfs directory instead"),
+    "MC_STORE_PIN_MEMORY_MAX_BYTES": ("", _NOT_HERE),
+    "MC_STORE_LOCAL_HOT_CACHE_SIZE": ("", _NOT_HERE),
+    "MC_STORE_REPLICA_SCORING": ("", _NOT_HERE),
+    "MC_STORE_CLIENT_METRIC": ("", "client metrics are not reported periodically"),
+    "MC_STORE_CLIENT_METRIC_INTERVAL": ("", "client metrics are not reported periodically"),
+}
+_LOG_ALIASES = {"TRACE": "DEBUG", "WARN": "WARNING", "FATAL": "CRITICAL"}
+
+
+def published_env(environ: Mapping[str, str]) -> tuple[dict[str, Any], list[str]]:
+    """The published package's variables in ``environ``: config values, and refusal lines.
+
+    Returns ``(values, notes)``: ``values`` in :func:`load_config`'s shape (top-level keys
+    and section dicts), ``notes`` one line per variable that is set and not honoured
+    (listed in :data:`PUBLISHED_ENV` as refused, or any other ``MC_*`` name).
+
+    Raises:
+        ConfigError: an honoured variable has a bad value; the message names it.
+    """
+    out: dict[str, Any] = {}
+    notes: list[str] = []
+
+    def get(name: str) -> str:
+        return environ.get(name, "").strip()
+
+    def put(key: str, value: Any) -> None:
+        section, dot, name = key.partition(".")
+        if dot:
+            out.setdefault(section, {})[name] = value
+        else:
+            out[key] = value
+
+    for name in ("MC_METADATA_SERVER", "MOONCAKE_TE_META_DATA_SERVER"):  # later wins
+        if get(name):
+            put("metadata_server", get(name))
+    if get("MOONCAKE_MASTER"):
+        put("master_server_address", get("MOONCAKE_MASTER"))
+    if get("MOONCAKE_DEVICE"):
+        put("device_name", get("MOONCAKE_DEVICE"))
+    if get("MOONCAKE_OFFLOAD_ENABLED"):
+        path = get("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH")
+        if parse_bool(get("MOONCAKE_OFFLOAD_ENABLED"), "MOONCAKE_OFFLOAD_ENABLED"):
+            if not path:
+                raise ConfigError(
+                    "MOONCAKE_OFFLOAD_ENABLED: needs MOONCAKE_OFFLOAD_FILE_STORAGE_PATH "
+                    "(the SSD tier's directory)"
+                )
+            put("store.ssd_path", path)
+    elif get("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH"):
+        notes.append(
+            "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH is set but MOONCAKE_OFFLOAD_ENABLED is not; "
+            "the SSD tier stays off"
+        )
+    for name, key in (
+        ("MC_TRANSFER_TIMEOUT", "transfer.timeout_s"),
+        ("MC_TCP_BIND_ADDRESS", "transfer.listen_host"),
+        ("MC_GID_INDEX", "transfer.gid_index"),
+        ("MC_SLICE_SIZE", "transfer.slice_size"),
+        ("MC_RETRY_CNT", "transfer.retry_count"),
+    ):
+        if get(name):
+            put(key, get(name))
+    if get("MC_LOG_LEVEL"):
+        level = get("MC_LOG_LEVEL").upper()
+        put("log.level", _LOG_ALIASES.get(level, level))
+    if get("MC_FORCE_TCP") and parse_bool(get("MC_FORCE_TCP"), "MC_FORCE_TCP"):
+        put("protocol", "tcp")
+    for name in sorted(environ):
+        if not get(name):
+            continue
+        key, reason = PUBLISHED_ENV.get(name, ("?", ""))
+        if key == "":
+            notes.append(f"{name} is set but not supported by mooncake-core ({reason}); ignored")
+        elif key == "?" and name.startswith("MC_"):
+            notes.append(f"{name} is set but mooncake-core does not know it; ignored")
+    return out, notes
+
+
 def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     top = {f.name for f in dataclasses.fields(MooncakeConfig)} - _SECTIONS
@@ -389,6 +620,7 @@ def load_config(
     path: str | os.PathLike[str] | None = None,
     *,
     environ: Mapping[str, str] | None = None,
+    defaults: Mapping[str, Any] | None = None,
     **overrides: Any,
 ) -> MooncakeConfig:
     """Build the configuration from file, environment and ``overrides``.
@@ -396,13 +628,15 @@ def load_config(
     Args:
         path: JSON file; defaults to ``$MOONCAKE_CONFIG_PATH`` when set.
         environ: environment to read (defaults to ``os.environ``).
+        defaults: lowest-precedence values, below the file (e.g. the published master's
+            defaults under its command line); sections may be given as dicts.
         **overrides: highest-precedence values; sections may be given as dicts.
 
     Raises:
         ConfigError: a value is invalid; the message names the key.
     """
     env = os.environ if environ is None else environ
-    data: dict[str, Any] = {}
+    data: dict[str, Any] = _merge({}, defaults) if defaults else {}
     file = path if path is not None else env.get("MOONCAKE_CONFIG_PATH")
     if file:
         p = Path(file)
@@ -419,11 +653,11 @@ def load_config(
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: expected a JSON object at the top level")
         data = _merge(data, loaded)
-    from_env = _from_env(env)
-    gid = env.get("MC_GID_INDEX", "").strip()  # Mooncake's name for the RDMA GID index
-    if gid and "gid_index" not in from_env.get("transfer", {}):
-        from_env.setdefault("transfer", {})["gid_index"] = gid
-    data = _merge(data, from_env)
+    published, notes = published_env(env)  # the published package's names, below ours
+    for note in notes:
+        _warn_once(note)
+    data = _merge(data, published)
+    data = _merge(data, _from_env(env))
     data = _merge(data, {k: v for k, v in overrides.items() if v is not None})
     cfg: MooncakeConfig = _build(MooncakeConfig, data, "")
     return cfg
