@@ -58,6 +58,7 @@ __all__ = [
     "PUBLISHED_ENV",
     "published_env",
     "normalize_protocol",
+    "published_file_keys",
 ]
 
 logger = logging.getLogger(__name__)
@@ -599,6 +600,52 @@ def published_env(environ: Mapping[str, str]) -> tuple[dict[str, Any], list[str]
     return out, notes
 
 
+#: Published mooncake.json keys that are not ours: refused ones, with the reason.
+_PUBLISHED_FILE_REFUSED = {
+    "tenant_id": "tenants are not supported",
+    "enable_client_http_server": "there is no client HTTP server",
+    "client_http_port": "there is no client HTTP server",
+    "storage_root_dir": "DFS/3FS segments are not supported",
+    "prefer_local_alloc": "set store.placement to local-first instead",
+    "save_chunk_meta": "an LMCache option, not a store one",
+    "prefill_url": "a legacy PD-pipe key",
+    "decode_url": "a legacy PD-pipe key",
+    "metadata_backend": "a legacy PD-pipe key (set metadata_server)",
+}
+
+
+def published_file_keys(loaded: Mapping[str, Any], where: str) -> tuple[dict[str, Any], list[str]]:
+    """A published ``mooncake.json`` in our terms: its extra keys honoured or refused.
+
+    ``enable_ssd_offload`` + ``ssd_offload_path`` -> ``store.ssd_path``;
+    ``transfer_timeout`` (seconds) -> ``transfer.timeout_s``; the keys in
+    ``_PUBLISHED_FILE_REFUSED`` are dropped with one line each (``notes``).
+    Everything else is left for validation (unknown keys stay errors).
+    """
+    out = dict(loaded)
+    notes: list[str] = []
+    enabled = out.pop("enable_ssd_offload", None)
+    path = out.pop("ssd_offload_path", None)
+    if enabled is not None and parse_bool(enabled, f"{where}: enable_ssd_offload"):
+        if not path:
+            raise ConfigError(f"{where}: enable_ssd_offload needs ssd_offload_path")
+        out["store"] = {**dict(out.get("store") or {}), "ssd_path": path}
+    elif path:
+        notes.append(f"{where}: ssd_offload_path without enable_ssd_offload; SSD tier off")
+    if "transfer_timeout" in out:
+        out["transfer"] = {
+            **dict(out.get("transfer") or {}),
+            "timeout_s": out.pop("transfer_timeout"),
+        }
+    for key, reason in _PUBLISHED_FILE_REFUSED.items():
+        if key in out:
+            value = out.pop(key)
+            if key == "tenant_id" and value in ("", "default"):
+                continue
+            notes.append(f"{where}: {key} is not supported by mooncake-core ({reason}); ignored")
+    return out, notes
+
+
 def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     top = {f.name for f in dataclasses.fields(MooncakeConfig)} - _SECTIONS
@@ -652,6 +699,9 @@ def load_config(
             raise ConfigError(f"{p}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: expected a JSON object at the top level")
+        loaded, notes = published_file_keys(loaded, str(p))
+        for note in notes:
+            _warn_once(note)
         data = _merge(data, loaded)
     published, notes = published_env(env)  # the published package's names, below ours
     for note in notes:

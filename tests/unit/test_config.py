@@ -200,3 +200,37 @@ def test_defaults_sit_below_file_and_env(tmp_path: Path) -> None:
     f.write_text(json.dumps({"store": {"placement": "local-first"}}))
     cfg = load_config(f, environ={}, defaults=d)
     assert (cfg.store.placement, cfg.store.client_ttl_s) == ("local-first", 10.0)
+
+
+def test_published_mooncake_json_keys(tmp_path: Path) -> None:
+    from mooncake_core import config
+
+    f = tmp_path / "mooncake.json"
+    f.write_text(
+        json.dumps(
+            {
+                "local_hostname": "127.0.0.1",
+                "metadata_server": "P2PHANDSHAKE",
+                "master_server_address": "127.0.0.1:50051",
+                "protocol": "tcp",
+                "device_name": "",
+                "global_segment_size": "3.125GB",
+                "local_buffer_size": "1GB",
+                "enable_ssd_offload": True,
+                "ssd_offload_path": str(tmp_path),
+                "transfer_timeout": 12,
+                "tenant_id": "default",
+                "prefill_url": "127.0.0.1:13003",
+            }
+        )
+    )
+    cfg = load_config(f, environ={})
+    assert cfg.store.ssd_path == str(tmp_path) and cfg.transfer.timeout_s == 12.0
+    _, notes = config.published_file_keys({"prefill_url": "x", "tenant_id": "t"}, "m.json")
+    assert notes == [
+        "m.json: tenant_id is not supported by mooncake-core (tenants are not supported); ignored",
+        "m.json: prefill_url is not supported by mooncake-core (a legacy PD-pipe key); ignored",
+    ]
+    f.write_text(json.dumps({"enable_ssd_offload": True}))
+    with pytest.raises(ConfigError, match="enable_ssd_offload needs ssd_offload_path"):
+        load_config(f, environ={})
