@@ -30,12 +30,11 @@ import ipaddress
 import json
 import logging
 from typing import Any
-from urllib.parse import urlsplit
 
 import msgspec
 
 from mooncake_core.errors import ConfigError, MetadataError
-from mooncake_core.etcd import EtcdClient
+from mooncake_core.etcd import EtcdClient, parse_etcd_url
 
 __all__ = [
     "StoreEtcd",
@@ -299,12 +298,11 @@ def leader_addresses(
     rpc = advertise or f"{host}:{rpc_port}"
     rpc_host = _split_host(rpc)
     http = f"{rpc_host if http_host in _WILDCARDS else http_host}:{http_port}"
-    etcd_hosts = [
-        urlsplit(u if "://" in u else f"etcd://{u}").hostname or ""
-        for u in ha_url.split(",")
-        if u.strip()
-    ]
-    if _loopback(rpc_host) and any(h and not _loopback(h) for h in etcd_hosts):
+    try:
+        etcd_hosts = [h for h, _ in parse_etcd_url(ha_url)]
+    except ConfigError:  # reported by the etcd client, one line
+        etcd_hosts = []
+    if _loopback(rpc_host) and any(not _loopback(h) for h in etcd_hosts):
         logger.warning(
             "store master publishes %s as its address, a loopback one, in an etcd on another "
             "host: clients on other hosts cannot reach it (use --rpc-address or --advertise)",

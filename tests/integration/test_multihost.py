@@ -14,6 +14,7 @@ are deleted whatever happens.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -110,6 +111,7 @@ class Hosts:
         self.names = ["host-a", "host-b", "host-c"]
         self.tmp = Path(tempfile.mkdtemp(prefix="mc-multihost-", dir="/dev/shm"))
         self.procs: list[subprocess.Popen[Any]] = []
+        self.made_etc_netns = False
 
     def setup(self) -> None:
         sw = self.switch
@@ -139,6 +141,7 @@ class Hosts:
         hosts = "127.0.0.1 localhost\n" + "".join(
             f"{ip} {name}\n" for ip, name in zip(self.ip, self.names, strict=True)
         )
+        self.made_etc_netns = not Path("/etc/netns").exists()
         for ns in self.ns:
             d = Path("/etc/netns") / ns
             d.mkdir(parents=True, exist_ok=True)
@@ -180,6 +183,9 @@ class Hosts:
         for ns in [*self.ns, self.switch]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
             shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+        if self.made_etc_netns:
+            with contextlib.suppress(OSError):
+                Path("/etc/netns").rmdir()  # only when empty: another user may have added one
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
