@@ -317,6 +317,9 @@ def add_gflags(parser: argparse.ArgumentParser, flags: Sequence[Flag], version: 
     def spellings(name: str) -> list[str]:
         return [s for s in (f"--{name}", f"-{name}") if s not in taken]
 
+    for name in ("help", "helpfull", "helpshort", "helppackage"):  # gflags' help flags
+        if spellings(name):
+            group.add_argument(*spellings(name), action="help", help=argparse.SUPPRESS)
     for flag in flags:
         opts = spellings(flag.name)
         if not opts:

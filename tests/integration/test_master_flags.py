@@ -193,6 +193,14 @@ def test_unsupported_flag_is_one_line_exit_2(tmp_path: Path) -> None:
     assert "--flagfile" in r.stderr
 
 
+def test_help_lists_the_published_flags() -> None:
+    for flag in ("--help", "-help", "--helpfull"):
+        r = mc("master", flag)
+        assert r.returncode == 0, r.stderr
+        assert "--rpc_port" in r.stdout and "--http_metadata_server_port" in r.stdout
+        assert "--rpc-port" in r.stdout  # ours stay
+
+
 def test_version() -> None:
     for flag in ("--version", "-version"):
         r = mc("master", flag)
