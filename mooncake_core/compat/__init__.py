@@ -53,7 +53,10 @@ _MODULES = {
 }
 
 #: further upstream modules, imported when first asked for (``import mooncake.X``).
-LAZY_MODULES: dict[str, str] = {}
+LAZY_MODULES: dict[str, str] = {
+    "mooncake.mooncake_config": "mooncake_core.compat.mooncake_config",
+    "mooncake.http_metadata_server": "mooncake_core.compat.http_metadata_server",
+}
 
 
 class _AliasLoader(importlib.abc.Loader):

@@ -140,7 +140,6 @@ NOT_PROVIDED: dict[str, str] = {
     "mooncake.store:MooncakeDistributedStore.batch_*_multi_buffer_ranges": "ranges over several"
     " buffers per key: not implemented yet",
     "mooncake.store:MooncakeDistributedStore.put_from_with_metadata": "not implemented yet",
-    "mooncake.store:MooncakeDistributedStore.get_into_ranges": "not implemented yet",
     "mooncake.store:MooncakeDistributedStore.*get_replica_desc": _MASTER_RPC,
     "mooncake.store:MooncakeDistributedStore.batch_replica_clear": _MASTER_RPC,
     "mooncake.store:MooncakeDistributedStore.get_offload_rpc_read_count": _MASTER_RPC,
@@ -151,16 +150,8 @@ NOT_PROVIDED: dict[str, str] = {
     "mooncake.store:MooncakeDistributedStore.*pub_tensor*": _PUB,
     "mooncake.store:MooncakeDistributedStore.*_with_parallelism*": _PARALLEL,
     "mooncake.store:MooncakeDistributedStore.*_safetensor": _SAFETENSORS,
-    "mooncake.store:MooncakeDistributedStore.batch_get_tensor_into": "not implemented yet",
-    "mooncake.store:MooncakeDistributedStore.*_tensor_from": "not implemented yet",
-    "mooncake.store:MooncakeDistributedStore.*_tensor_with_tp*": "not implemented yet",
-    "mooncake.store:MooncakeDistributedStore.*upsert_tensor*": "not implemented yet",
-    "mooncake.store:MooncakeDistributedStore.batch_put_tensor": "not implemented yet",
-    "mooncake.store:MooncakeDistributedStore.batch_get_tensor": "not implemented yet",
-    "mooncake.store:MooncakeDistributedStore.get_tensor_into": "not implemented yet",
-    # mooncake.http_metadata_server / mooncake.mooncake_config
-    "mooncake.http_metadata_server": "not implemented yet (ours: `mooncake-core metadata`)",
-    "mooncake.mooncake_config": "not implemented yet",
+    "mooncake.store:MooncakeDistributedStore.*_tensor_with_tp_from": "not implemented yet",
+    "mooncake.store:MooncakeDistributedStore.*_tensor_with_tp_into": "not implemented yet",
 }
 
 logger = logging.getLogger(__name__)

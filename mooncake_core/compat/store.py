@@ -49,6 +49,7 @@ from mooncake_core.errors import (
     TransportError,
 )
 from mooncake_core.store import StoreClient
+from mooncake_core.store import values as _values
 from mooncake_core.store.protocol import InvalidArgument, ObjectBusy
 from mooncake_core.transfer.engine import TransferEngine as _Engine
 from mooncake_core.transfer.memory import host_view
@@ -651,15 +652,169 @@ class MooncakeDistributedStore:
             return rc
         return put()
 
+    # ------------------------------------------------------------------ tensors
+    # Torch tensors are stored as typed values (mooncake_core.store.values: a small header
+    # with dtype and shape, then the bytes): readable by these methods, not by the
+    # published store, and the other way round. CPU tensors only (CUDA ones are moved).
     def put_tensor(self, key: str, tensor: Any) -> int:
-        """Store a torch tensor (readable with :meth:`get_tensor` of this module, not the
-        published one)."""
+        """Store a torch tensor; 0 or a negative code."""
         return self._put(f"put_tensor {key!r}", lambda c: c.put_tensor(key, tensor))
 
     def get_tensor(self, key: str) -> Any:
         """The tensor stored with :meth:`put_tensor`, or None."""
         res = self._run(f"get_tensor {key!r}", lambda c: c.get_tensor(key))
         return None if isinstance(res, int) else res
+
+    def upsert_tensor(self, key: str, tensor: Any) -> int:
+        """Insert or replace a tensor (remove, then put: not atomic)."""
+        return self._upsert(key, lambda: self.put_tensor(key, tensor))
+
+    def batch_put_tensor(self, keys: list[str], tensors_list: list[Any]) -> list[int]:
+        """Per key: 0 (stored, or already there) or a negative code."""
+        if len(keys) != len(tensors_list):
+            logger.error("batch_put_tensor: %d keys but %d tensors", len(keys), len(tensors_list))
+            return [INVALID_PARAMS] * len(keys)
+        try:
+            packed = [_values.pack_tensor(t) for t in tensors_list]
+        except (AttributeError, TypeError, ValueError, RuntimeError) as exc:
+            logger.error("batch_put_tensor: not a tensor: %s", exc)
+            return [INVALID_PARAMS] * len(keys)
+        res = self._run("batch_put_tensor", lambda c: c.put_batch(keys, packed))
+        if isinstance(res, int):
+            return [res] * len(keys)
+        return [0 if e is None or isinstance(e, ObjectExists) else _code(e) for e in res]
+
+    def batch_upsert_tensor(self, keys: list[str], tensors_list: list[Any]) -> list[int]:
+        """Per key: 0 or a negative code (remove, then put: not atomic)."""
+        if len(keys) != len(tensors_list):
+            logger.error(
+                "batch_upsert_tensor: %d keys but %d tensors", len(keys), len(tensors_list)
+            )
+            return [INVALID_PARAMS] * len(keys)
+        return [self.upsert_tensor(k, t) for k, t in zip(keys, tensors_list, strict=True)]
+
+    def batch_get_tensor(self, keys: list[str]) -> list[Any]:
+        """Per key: the tensor, or None (missing, or not stored as a tensor)."""
+        res = self._run("batch_get_tensor", lambda c: c.get_batch(keys))
+        if isinstance(res, int):
+            return [None] * len(keys)
+        return [self._tensor_or_none(k, raw) for k, raw in zip(keys, res, strict=True)]
+
+    @staticmethod
+    def _tensor_or_none(key: str, raw: bytes | None) -> Any:
+        if raw is None:
+            return None
+        try:
+            return _values.unpack_tensor(key, raw)
+        except (MooncakeError, ValueError, TypeError, AttributeError) as exc:
+            logger.error("get tensor %r: %s", key, exc)
+            return None
+
+    def put_tensor_from(self, key: str, buffer_ptr: int, size: int) -> int:
+        """Store ``size`` bytes of registered memory that hold a tensor as
+        :meth:`get_tensor_into` left it (header, then data)."""
+        return self.put_from(key, buffer_ptr, size)
+
+    def upsert_tensor_from(self, key: str, buffer_ptr: int, size: int) -> int:
+        """:meth:`put_tensor_from`, replacing an existing object."""
+        return self.upsert_from(key, buffer_ptr, size)
+
+    def batch_put_tensor_from(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
+    ) -> list[int]:
+        """:meth:`put_tensor_from` for many keys."""
+        return self.batch_put_from(keys, buffer_ptrs, sizes)
+
+    def batch_upsert_tensor_from(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
+    ) -> list[int]:
+        """:meth:`upsert_tensor_from` for many keys."""
+        return self.batch_upsert_from(keys, buffer_ptrs, sizes)
+
+    def get_tensor_into(self, key: str, buffer_ptr: int, size: int) -> Any:
+        """Read a tensor object into registered memory; returns a tensor that shares that
+        memory (after the header), or None."""
+        n = self.get_into(key, buffer_ptr, size)
+        return None if n < 0 else self._tensor_at(key, int(buffer_ptr), n)
+
+    def batch_get_tensor_into(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
+    ) -> list[Any]:
+        """:meth:`get_tensor_into` for many keys: per key a tensor or None."""
+        res = self.batch_get_into(keys, buffer_ptrs, sizes)
+        return [
+            None if n < 0 else self._tensor_at(k, int(p), n)
+            for k, p, n in zip(keys, buffer_ptrs, res, strict=False)
+        ]
+
+    def _tensor_at(self, key: str, addr: int, n: int) -> Any:
+        try:
+            view = self._host(addr, n)
+            meta, _ = _values.unpack(key, bytes(view[: min(n, 4096)]))
+            import torch
+
+            head = _values.HEADER.size + _values.HEADER.unpack_from(view)[1]
+            dtype = getattr(torch, str(meta["dtype"]))
+            if head == n:
+                return torch.empty(meta["shape"], dtype=dtype)
+            return torch.frombuffer(view[head:], dtype=dtype).reshape(meta["shape"])
+        except (MooncakeError, ValueError, TypeError, AttributeError, RuntimeError) as exc:
+            logger.error("get_tensor_into %r: %s", key, exc)
+            return None
+
+    # Tensor parallelism: put_tensor_with_tp splits along split_dim into tp_size shards
+    # stored as "<key>_tp_<rank>"; with tp_size <= 1 the whole tensor is stored under key.
+    @staticmethod
+    def _tp_key(key: str, tp_rank: int, tp_size: int) -> str:
+        return key if tp_size <= 1 else f"{key}_tp_{tp_rank}"
+
+    def put_tensor_with_tp(
+        self, key: str, tensor: Any, tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0
+    ) -> int:
+        """Store the ``tp_size`` shards of ``tensor`` (split along ``split_dim``)."""
+        return self.batch_put_tensor_with_tp([key], [tensor], tp_rank, tp_size, split_dim)[0]
+
+    def batch_put_tensor_with_tp(
+        self,
+        base_keys: list[str],
+        tensors_list: list[Any],
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        split_dim: int = 0,
+    ) -> list[int]:
+        """:meth:`put_tensor_with_tp` for many tensors; per key 0 or the first failure."""
+        if len(base_keys) != len(tensors_list) or tp_size < 1:
+            logger.error("batch_put_tensor_with_tp: bad arguments (tp_size %d)", tp_size)
+            return [INVALID_PARAMS] * len(base_keys)
+        keys: list[str] = []
+        shards: list[Any] = []
+        for key, tensor in zip(base_keys, tensors_list, strict=True):
+            try:
+                parts = [tensor] if tp_size == 1 else list(tensor.chunk(tp_size, split_dim))
+            except (AttributeError, IndexError, RuntimeError, TypeError) as exc:
+                logger.error("put_tensor_with_tp %r: %s", key, exc)
+                parts = []
+            if len(parts) != tp_size:
+                return [INVALID_PARAMS] * len(base_keys)
+            keys += [self._tp_key(key, r, tp_size) for r in range(tp_size)]
+            shards += parts
+        res = self.batch_put_tensor(keys, shards)
+        return [
+            next((rc for rc in res[i * tp_size : (i + 1) * tp_size] if rc), 0)
+            for i in range(len(base_keys))
+        ]
+
+    def get_tensor_with_tp(
+        self, key: str, tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0
+    ) -> Any:
+        """This rank's shard (or the whole tensor when ``tp_size`` <= 1), or None."""
+        return self.get_tensor(self._tp_key(key, tp_rank, tp_size))
+
+    def batch_get_tensor_with_tp(
+        self, base_keys: list[str], tp_rank: int = 0, tp_size: int = 1
+    ) -> list[Any]:
+        """:meth:`get_tensor_with_tp` for many keys."""
+        return self.batch_get_tensor([self._tp_key(k, tp_rank, tp_size) for k in base_keys])
 
     # ------------------------------------------------------------------ zero-copy
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
@@ -725,6 +880,85 @@ class MooncakeDistributedStore:
         if isinstance(res, int):
             return [res] * len(keys)
         return [r if isinstance(r, int) else _code(r) for r in res]
+
+    def get_into_ranges(
+        self,
+        buffer_ptrs: list[int],
+        all_keys: list[list[str]],
+        all_dst_offsets: list[list[list[int]]],
+        all_src_offsets: list[list[list[int]]],
+        all_sizes: list[list[list[int]]],
+    ) -> list[list[list[int]]]:
+        """Copy byte ranges of objects into registered buffers: for buffer ``i``, key
+        ``all_keys[i][j]`` and range ``k``, ``all_sizes[i][j][k]`` bytes from offset
+        ``all_src_offsets[i][j][k]`` of the object to ``buffer_ptrs[i] +
+        all_dst_offsets[i][j][k]``. Per range: the bytes copied, -704 (missing key) or -600
+        (range outside the object or the registered buffer; lists of unequal length)."""
+        if not (len(buffer_ptrs) == len(all_keys) == len(all_dst_offsets)) or not (
+            len(all_keys) == len(all_src_offsets) == len(all_sizes)
+        ):
+            logger.error("get_into_ranges: the five lists differ in length")
+            return [[[INVALID_PARAMS]] for _ in buffer_ptrs]
+        wanted = sorted({k for keys in all_keys for k in keys})
+        got = self._run("get_into_ranges", lambda c: c.get_batch(wanted)) if wanted else []
+        if isinstance(got, int):
+            return [[[got] * len(r) for r in dst] for dst in all_dst_offsets]
+        objects = dict(zip(wanted, got, strict=True))
+        out: list[list[list[int]]] = []
+        for i, base in enumerate(buffer_ptrs):
+            keys, dst, src, sizes = (
+                all_keys[i],
+                all_dst_offsets[i],
+                all_src_offsets[i],
+                all_sizes[i],
+            )
+            if not len(keys) == len(dst) == len(src) == len(sizes):
+                logger.error("get_into_ranges: buffer %d: keys and ranges differ in length", i)
+                out.append(
+                    [
+                        [INVALID_PARAMS] * (len(d) if j < len(dst) else 1)
+                        for j, d in enumerate(dst[: len(keys)] or [[0]] * len(keys))
+                    ]
+                )
+                continue
+            row: list[list[int]] = []
+            for key, d, s_, n in zip(keys, dst, src, sizes, strict=True):
+                row.append(self._copy_ranges(key, objects.get(key), int(base), d, s_, n))
+            out.append(row)
+        return out
+
+    def _copy_ranges(
+        self,
+        key: str,
+        data: bytes | None,
+        base: int,
+        dst: list[int],
+        src: list[int],
+        sizes: list[int],
+    ) -> list[int]:
+        if not len(dst) == len(src) == len(sizes):
+            logger.error("get_into_ranges %r: offsets and sizes differ in length", key)
+            return [INVALID_PARAMS] * len(dst)
+        if data is None:
+            return [OBJECT_NOT_FOUND] * len(dst)
+        res: list[int] = []
+        for d, s_, n in zip(dst, src, sizes, strict=True):
+            d, s_, n = int(d), int(s_), int(n)
+            if n == 0:
+                res.append(0)
+                continue
+            if d < 0 or s_ < 0 or n < 0 or s_ + n > len(data):
+                logger.error("get_into_ranges %r: range %d+%d is outside the object", key, s_, n)
+                res.append(INVALID_PARAMS)
+                continue
+            try:
+                self._host(base + d, n)[:] = data[s_ : s_ + n]
+            except (MooncakeError, ValueError) as exc:
+                logger.error("get_into_ranges %r: %s", key, exc)
+                res.append(_code(exc))
+                continue
+            res.append(n)
+        return res
 
     def batch_put_from_multi_buffers(
         self,

@@ -104,6 +104,187 @@ STORE_CALLS = PRELUDE + textwrap.dedent(
     """
 )
 
+CONFIG_LOADER = PRELUDE + textwrap.dedent(
+    """
+    import dataclasses, tempfile
+    from mooncake.mooncake_config import (MooncakeConfig, DEFAULT_GLOBAL_SEGMENT_SIZE,
+                                          DEFAULT_LOCAL_BUFFER_SIZE)
+
+    def run(fn):
+        try:
+            return dataclasses.asdict(fn())
+        except ValueError as e:  # the published raises ValueError; ours a subclass
+            return "ValueError"
+        except Exception as e:
+            return type(e).__name__
+
+    base = {"local_hostname": "h", "metadata_server": "P2PHANDSHAKE",
+            "master_server_address": "127.0.0.1:50051"}
+    files = {
+        "minimal": base,
+        "sizes": dict(base, global_segment_size="1.5gb", local_buffer_size="512 MB"),
+        "size_int_str": dict(base, global_segment_size="4096", local_buffer_size=7),
+        "size_k": dict(base, global_segment_size="3K", local_buffer_size="2t"),
+        "size_bad": dict(base, global_segment_size="lots"),
+        "size_empty": dict(base, global_segment_size=" "),
+        "size_neg": dict(base, local_buffer_size=-1),
+        "proto_upper": dict(base, protocol="RDMA", device_name="mlx5_0"),
+        "proto_unknown": dict(base, protocol="carrier-pigeon"),
+        "proto_empty": dict(base, protocol=""),
+        "flags": dict(base, enable_ssd_offload="enable", enable_client_http_server="off",
+                      ssd_offload_path=None, tenant_id=7, client_http_port="9400"),
+        "flag_bad": dict(base, enable_ssd_offload="maybe"),
+        "missing_master": {"local_hostname": "h", "metadata_server": "m"},
+        "empty_host": dict(base, local_hostname=""),
+    }
+    r = {"defaults": [DEFAULT_GLOBAL_SEGMENT_SIZE, DEFAULT_LOCAL_BUFFER_SIZE]}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, data in files.items():
+            path = os.path.join(tmp, name + ".json")
+            with open(path, "w") as fh:
+                json.dump(data, fh)
+            r["file_" + name] = run(lambda: MooncakeConfig.from_file(path))
+        r["file_missing"] = run(lambda: MooncakeConfig.from_file(os.path.join(tmp, "no.json")))
+        for k in [k for k in os.environ if k.startswith("MOONCAKE_")]:
+            del os.environ[k]
+        r["env_nothing"] = run(MooncakeConfig.load_from_env)
+        os.environ["MOONCAKE_MASTER"] = "10.0.0.1:50051"
+        r["env_master_only"] = run(MooncakeConfig.load_from_env)
+        os.environ.update(MOONCAKE_PROTOCOL="Tcp", MOONCAKE_GLOBAL_SEGMENT_SIZE="64mb",
+                          MOONCAKE_LOCAL_BUFFER_SIZE="16MB", MOONCAKE_OFFLOAD_ENABLED="yes",
+                          MOONCAKE_CLIENT_HTTP_PORT="9555", MOONCAKE_TENANT_ID="t1",
+                          MOONCAKE_LOCAL_HOSTNAME="node1", MOONCAKE_DEVICE="")
+        r["env_full"] = run(MooncakeConfig.load_from_env)
+        os.environ["MOONCAKE_CONFIG_PATH"] = os.path.join(tmp, "sizes.json")
+        r["env_file"] = run(MooncakeConfig.load_from_env)
+    r["direct"] = run(lambda: MooncakeConfig("h", "m", 1, 2, " TCP ", None, "a:1"))
+    r["direct_neg"] = run(lambda: MooncakeConfig("h", "m", -1, 2, "tcp", None, "a:1"))
+    print(json.dumps(r, sort_keys=True))
+    """
+)
+
+GET_INTO_RANGES = PRELUDE + textwrap.dedent(
+    """
+    from mooncake.store import MooncakeDistributedStore
+    master, metadata = sys.argv[1], sys.argv[2]
+    r = {}
+    s = MooncakeDistributedStore()
+    r["setup"] = s.setup("127.0.0.1", metadata, 32 << 20, 16 << 20, "tcp", "", master)
+    a = bytes(range(256)) * 4
+    s.put("a", a); s.put("b", b"B" * 300)
+    n = 8192
+    b1 = (ctypes.c_char * n)(); p1 = ctypes.addressof(b1)
+    b2 = (ctypes.c_char * n)(); p2 = ctypes.addressof(b2)
+    r["reg"] = [s.register_buffer(p1, n), s.register_buffer(p2, n)]
+    r["ok"] = s.get_into_ranges([p1, p2], [["a", "b"], ["a"]], [[[0, 100], [200]], [[10]]],
+                                [[[0, 500], [5]], [[1000]]], [[[50, 60], [10]], [[24]]])
+    r["ok_bytes"] = [ctypes.string_at(p1, 50) == a[:50],
+                     ctypes.string_at(p1 + 100, 60) == a[500:560],
+                     ctypes.string_at(p1 + 200, 10) == b"B" * 10,
+                     ctypes.string_at(p2 + 10, 24) == a[1000:1024]]
+    for name, args in {
+        "missing": ([p1], [["nope", "a"]], [[[0], [0]]], [[[0], [0]]], [[[5], [5]]]),
+        "src_oob": ([p1], [["a"]], [[[0]]], [[[1020]]], [[[10]]]),
+        "src_past": ([p1], [["a"]], [[[0]]], [[[2000]]], [[[10]]]),
+        "dst_oob": ([p1], [["a"]], [[[n - 5]]], [[[0]]], [[[10]]]),
+        "unreg": ([4096], [["a"]], [[[0]]], [[[0]]], [[[10]]]),
+        "zero": ([p1], [["a"]], [[[0]]], [[[0]]], [[[0]]]),
+        "len_mismatch": ([p1, p2], [["a"]], [[[0]]], [[[0]]], [[[10]]]),
+        "inner_mismatch": ([p1], [["a"]], [[[0, 1]]], [[[0]]], [[[10]]]),
+        "empty": ([], [], [], [], []),
+        "no_ranges": ([p1], [["a"]], [[[]]], [[[]]], [[[]]]),
+    }.items():
+        try:
+            r[name] = s.get_into_ranges(*args)
+        except Exception as e:
+            r[name] = type(e).__name__ + ": " + str(e)[:100]
+    s.close()
+    print(json.dumps(r))
+    """
+)
+
+EXPECTED_RANGES: dict[str, Any] = {
+    "setup": 0,
+    "reg": [0, 0],
+    "ok": [[[50, 60], [10]], [[24]]],
+    "ok_bytes": [True] * 4,
+    "missing": [[[-704], [5]]],
+    "src_oob": [[[-600]]],
+    "src_past": [[[-600]]],
+    "dst_oob": [[[-600]]],
+    "unreg": [[[-600]]],
+    "zero": [[[0]]],
+    "len_mismatch": [[[-600]], [[-600]]],
+    "inner_mismatch": [[[-600, -600]]],
+    "empty": [],
+    "no_ranges": [[[]]],
+}
+
+METADATA_SERVER = PRELUDE + textwrap.dedent(
+    """
+    import socket, time, urllib.error, urllib.request
+    from mooncake.http_metadata_server import KVBootstrapServer, KVPoll
+
+    def call(method, query, body=None):
+        url = "http://127.0.0.1:%d/metadata%s" % (port, query)
+        req = urllib.request.Request(url, data=body, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                return [resp.status, resp.read().decode()]
+        except urllib.error.HTTPError as e:
+            return [e.code, None]
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = KVBootstrapServer(port, "127.0.0.1")
+    r = {"poll_before": srv.poll().name, "members": [(m.name, m.value) for m in KVPoll]}
+    srv.run()
+    for _ in range(100):
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    r["poll_running"] = srv.poll().name
+    r["put"] = call("PUT", "?key=k1", b'{"a": 1}')
+    r["get"] = call("GET", "?key=k1")
+    r["get_missing"] = call("GET", "?key=nope")
+    r["no_key"] = call("GET", "")
+    r["blank_key"] = call("GET", "?key=%20")
+    r["rpc_meta"] = [call("PUT", "?key=mooncake/rpc_meta/h", b"1"),
+                     call("PUT", "?key=mooncake/rpc_meta/h", b"2")]
+    r["overwrite"] = [call("PUT", "?key=k1", b"v2"), call("GET", "?key=k1")]
+    r["post"] = call("POST", "?key=k1", b"x")
+    r["delete"] = [call("DELETE", "?key=k1"), call("DELETE", "?key=k1")]
+    srv.close()
+    r["poll_closed"] = srv.poll().name
+    print(json.dumps(r))
+    """
+)
+
+EXPECTED_METADATA: dict[str, Any] = {
+    "poll_before": "Failed",
+    "members": [
+        ["Failed", 0],
+        ["Bootstrapping", 1],
+        ["WaitingForInput", 2],
+        ["Transferring", 3],
+        ["Success", 4],
+    ],
+    "poll_running": "Success",
+    "put": [200, "metadata updated"],
+    "get": [200, '{"a": 1}'],
+    "get_missing": [404, None],
+    "no_key": [400, None],
+    "blank_key": [400, None],
+    "rpc_meta": [[200, "metadata updated"], [400, None]],
+    "overwrite": [[200, "metadata updated"], [200, "v2"]],
+    "post": [405, None],
+    "delete": [[200, "metadata deleted"], [404, None]],
+    "poll_closed": "Failed",
+}
+
 SOFT_PIN_REFUSED = [-600] * 5
 EXPECTED_STORE: dict[str, Any] = {
     "setup": 0,
@@ -221,3 +402,44 @@ def test_soft_pin_zero_buffer_and_hostname_published(tmp_path: Path) -> None:
     with harness.their_master(real) as (master, metadata):
         got = _call(real, script, False, master, metadata)
     assert _diff(got, EXPECTED_STORE) == {}
+
+
+def test_mooncake_config_same_answers_as_published(tmp_path: Path) -> None:
+    script = _script(tmp_path, CONFIG_LOADER)
+    ours = _call(sys.executable, script, True)
+    assert ours["file_sizes"]["global_segment_size"] == int(1.5 * (1 << 30))
+    assert ours["file_proto_upper"]["protocol"] == "rdma"
+    assert ours["env_nothing"] == "ValueError"
+    theirs = _call(_published_python(), script, False)
+    assert {k: (v, theirs.get(k)) for k, v in ours.items() if theirs.get(k) != v} == {}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_get_into_ranges_ours(tmp_path: Path) -> None:
+    script = _script(tmp_path, GET_INTO_RANGES)
+    with harness.our_master() as (master, metadata):
+        got = _call(sys.executable, script, True, master, metadata)
+    assert _diff(got, EXPECTED_RANGES) == {}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_get_into_ranges_published(tmp_path: Path) -> None:
+    real = _published_python()
+    script = _script(tmp_path, GET_INTO_RANGES)
+    with harness.their_master(real) as (master, metadata):
+        got = _call(real, script, False, master, metadata)
+    assert _diff(got, EXPECTED_RANGES) == {}
+
+
+@pytest.mark.timeout(60)
+def test_http_metadata_server_ours(tmp_path: Path) -> None:
+    got = _call(sys.executable, _script(tmp_path, METADATA_SERVER), True)
+    assert _diff(got, EXPECTED_METADATA) == {}
+
+
+@pytest.mark.timeout(60)
+def test_http_metadata_server_published(tmp_path: Path) -> None:
+    got = _call(_published_python(), _script(tmp_path, METADATA_SERVER), False)
+    assert _diff(got, EXPECTED_METADATA) == {}
