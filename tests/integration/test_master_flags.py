@@ -343,3 +343,44 @@ def test_mooncake_master_console_script_package(tmp_path: Path) -> None:
         [str(script), "--enable_kv_events"], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 2 and "--enable_kv_events=true: not supported" in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.etcd
+def test_published_ha_command_line_leads_through_etcd(etcd_url: str, tmp_path: Path) -> None:
+    import urllib.request
+    import uuid
+
+    endpoint = etcd_url[len("etcd://") :]
+    rpc, metrics = free_port(), free_port()
+    ready = tmp_path / "ready.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "mooncake_core",
+        "master",
+        "--enable_ha",
+        f"--etcd_endpoints={endpoint};127.0.0.1:1",  # a semicolon list; the first one answers
+        f"--cluster_id=flags-{uuid.uuid4().hex[:8]}",
+        "--rpc_address=127.0.0.1",
+        f"--rpc_port={rpc}",
+        f"--metrics_port={metrics}",
+        "--ready-file",
+        str(ready),
+    ]
+    env = dict(os.environ, MOONCAKE_LOG_LEVEL="WARNING")
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        _wait_ready(ready, proc)
+        deadline = time.monotonic() + 20
+        role: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/role", timeout=5) as r:
+                role = json.loads(r.read())
+            if role["role"] == "leader":
+                break
+            time.sleep(0.1)
+        assert role["role"] == "leader" and role["leader"] == f"127.0.0.1:{rpc}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
