@@ -119,8 +119,9 @@ class KVBootstrapServer:
         return KVPoll.Success
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """``--port`` (8080), ``--host`` (127.0.0.1), ``--log-level`` (INFO)."""
+def parse_args() -> argparse.Namespace:
+    """The command line (``sys.argv``): ``--port`` (8080), ``--host`` (127.0.0.1),
+    ``--log-level`` (INFO)."""
     parser = argparse.ArgumentParser(
         description="HTTP metadata server for Mooncake",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -133,12 +134,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="INFO",
         help="logging level",
     )
-    return parser.parse_args(argv)
+    return parser.parse_args()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main() -> int:
     """Run the server until SIGINT/SIGTERM; 1 if it could not start."""
-    args = parse_args(argv)
+    args = parse_args()
     logging.basicConfig(level=getattr(logging, args.log_level))
     server = KVBootstrapServer(args.port, args.host)
     stop = threading.Event()

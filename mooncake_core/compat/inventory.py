@@ -24,13 +24,22 @@ import inspect
 import json
 import logging
 import pkgutil
+import re
 import sys
 import typing
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-__all__ = ["NOT_PROVIDED", "Surface", "is_exempt", "published_modules", "surface"]
+__all__ = [
+    "NOT_PROVIDED",
+    "Surface",
+    "is_exempt",
+    "parameters",
+    "published_modules",
+    "signatures",
+    "surface",
+]
 
 #: A module's public names: ``{name: None}`` for functions and constants,
 #: ``{name: [members]}`` for classes.
@@ -255,6 +264,75 @@ def surface(module: str) -> Surface | str:
     return _from_import(mod, package)
 
 
+_DOC_SIG = re.compile(r"^[A-Za-z_]\w*\((.*)\)\s*->")
+
+
+def _split_top(text: str) -> list[str]:
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch in "[(<{"
+        depth -= ch in "])>}"
+        if ch == "," and depth == 0:
+            parts.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return [p for p in [*parts, cur.strip()] if p]
+
+
+def parameters(fn: Any) -> list[tuple[str, bool]] | None:
+    """The parameters of ``fn`` (without ``self``) as ``(name, has_default)``, ``*args`` and
+    ``**kw`` named so; from :func:`inspect.signature`, or
+    from the first docstring line pybind11 writes (``name(self: T, a: int, b: str = '')``);
+    None when neither can be read (overloaded pybind11 functions)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        first = (getattr(fn, "__doc__", None) or "").strip().splitlines()[:1]
+        match = _DOC_SIG.match(first[0]) if first else None
+        if match is None:
+            return None
+        out = []
+        for part in _split_top(match.group(1)):
+            name = part.split(":")[0].split("=")[0].strip()
+            if name != "self":
+                out.append((name, " = " in part))
+        return out
+    kinds = inspect.Parameter
+    res = []
+    for p in sig.parameters.values():
+        if p.name == "self":
+            continue
+        prefix = (
+            "*" if p.kind is kinds.VAR_POSITIONAL else "**" if p.kind is kinds.VAR_KEYWORD else ""
+        )
+        res.append((prefix + p.name, p.default is not inspect.Parameter.empty))
+    return res
+
+
+def signatures(module: str) -> dict[str, Any]:
+    """``{"Name": params, "Class.member": params}`` for the callables of ``module``."""
+    package = module.split(".")[0]
+    try:
+        mod = importlib.import_module(module)
+    except Exception:  # noqa: BLE001 - not importable here: no signatures to compare
+        return {}
+    out: dict[str, Any] = {}
+    for name, members in _from_import(mod, package).items():
+        obj = getattr(mod, name)
+        if members is None:
+            if callable(obj) and not inspect.isclass(obj):
+                out[name] = parameters(obj)
+            continue
+        for member in members:
+            attr = inspect.getattr_static(obj, member, None)
+            if isinstance(attr, (staticmethod, classmethod)):
+                attr = attr.__func__
+            if callable(attr) and not inspect.isclass(attr):
+                out[f"{name}.{member}"] = parameters(attr)
+    return out
+
+
 def is_exempt(key: str) -> str | None:
     """The reason ``key`` (``module``, ``module:Name`` or ``module:Class.member``) is not
     provided, or None. A whole module or class listed covers what is inside it."""
@@ -272,9 +350,13 @@ def is_exempt(key: str) -> str | None:
 
 
 def main(argv: list[str]) -> int:
-    """``python inventory.py PACKAGE``: print ``{module: surface}`` as JSON."""
-    package = argv[0] if argv else "mooncake"
-    out = {m: surface(m) for m in published_modules(package)}
+    """``python inventory.py [--signatures] PACKAGE``: print ``{module: surface}`` (or
+    ``{module: signatures}``) as JSON."""
+    sigs = "--signatures" in argv
+    args = [a for a in argv if a != "--signatures"]
+    package = args[0] if args else "mooncake"
+    lister = signatures if sigs else surface
+    out = {m: lister(m) for m in published_modules(package)}
     sys.stdout.write(json.dumps(out, sort_keys=True) + "\n")
     return 0
 

@@ -1013,7 +1013,7 @@ class MooncakeDistributedStore:
         keys: list[str],
         all_buffer_ptrs: list[list[int]],
         all_sizes: list[list[int]],
-        prefer_same_node: bool = True,
+        prefer_alloc_in_same_node: bool = False,
     ) -> list[int]:
         """Read each key and scatter its bytes over its parts in registered memory (the
         parts' sizes must add up to the object's size). Per key: bytes read or a negative

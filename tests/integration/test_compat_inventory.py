@@ -33,12 +33,13 @@ OURS = textwrap.dedent(
     import mooncake_core.compat
     from mooncake_core.compat import inventory
     assert mooncake_core.compat.install(force=True)
-    print(json.dumps({m: inventory.surface(m) for m in json.loads(sys.argv[1])}))
+    lister = inventory.signatures if "--signatures" in sys.argv else inventory.surface
+    print(json.dumps({m: lister(m) for m in json.loads(sys.argv[1])}))
     """
 )
 
 
-def _published() -> dict[str, Any]:
+def _published(*flags: str) -> dict[str, Any]:
     real = os.environ.get("MOONCAKE_PEER_PYTHON") or peer().default_peer_python()
     if real is None:
         pytest.skip(
@@ -47,17 +48,21 @@ def _published() -> dict[str, Any]:
         )
     env = dict(peer().mooncake_env(), GLOG_minloglevel="2")
     out = subprocess.run(
-        [real, str(INVENTORY), "mooncake"], capture_output=True, text=True, env=env, timeout=120
+        [real, str(INVENTORY), *flags, "mooncake"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     data: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return data
 
 
-def _ours(modules: list[str]) -> dict[str, Any]:
+def _ours(modules: list[str], *flags: str) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run(
-        [sys.executable, "-c", OURS, json.dumps(modules)],
+        [sys.executable, "-c", OURS, json.dumps(modules), *flags],
         capture_output=True,
         text=True,
         env=env,
@@ -93,6 +98,29 @@ def compare(theirs: dict[str, Any], ours: dict[str, Any]) -> tuple[list[str], li
             for member in members:
                 check(f"{mod}:{name}.{member}", member in have)
     return missing, dishonest
+
+
+def signature_differences(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:
+    """Callables we provide whose parameters differ from the published ones: names
+    (unless the published one is a positional-only ``argN``), order, and which have
+    defaults. Skipped: published ones without a readable signature (overloaded pybind11
+    functions) and ours that take only ``(*args, **kwargs)`` (they dispatch overloads)."""
+    out: list[str] = []
+    for mod, sigs in sorted(theirs.items()):
+        mine = ours.get(mod) or {}
+        for name, params in sorted(sigs.items()):
+            have = mine.get(name)
+            if params is None or have is None:
+                continue
+            if [p[0][:1] for p in have] == ["*", "*"]:
+                continue
+            same = len(params) == len(have) and all(
+                (re.fullmatch(r"arg\d+", t[0]) or t[0] == o[0]) and t[1] == o[1]
+                for t, o in zip(params, have, strict=True)
+            )
+            if not same:
+                out.append(f"{mod}:{name}: published {params}, ours {have}")
+    return out
 
 
 def _listed_exactly(key: str) -> bool:
@@ -133,6 +161,26 @@ def test_every_not_provided_entry_matches_a_published_name(
 
     stale = [p for p in inventory.NOT_PROVIDED if not fnmatch.filter(keys, p)]
     assert stale == [], "NOT_PROVIDED entries that name nothing the wheel publishes"
+
+
+@pytest.mark.timeout(240)
+def test_what_we_provide_has_the_published_parameters() -> None:
+    theirs = _published("--signatures")
+    assert theirs["mooncake.store"]["MooncakeDistributedStore.put"] == [
+        ["key", False],
+        ["value", False],
+        ["config", True],
+    ]
+    ours = _ours(sorted(theirs), "--signatures")
+    assert signature_differences(theirs, ours) == []
+
+
+def test_the_signature_comparison_catches_a_renamed_or_defaulted_parameter() -> None:
+    theirs = {"m": {"C.f": [["arg0", False], ["size", False]], "C.g": [["x", True]]}}
+    ours = {"m": {"C.f": [["key", False], ["n", False]], "C.g": [["x", False]]}}
+    assert len(signature_differences(theirs, ours)) == 2
+    ours = {"m": {"C.f": [["key", False], ["size", False]], "C.g": [["x", True]]}}
+    assert signature_differences(theirs, ours) == []
 
 
 def test_the_comparison_catches_a_missing_and_a_dishonest_name() -> None:
