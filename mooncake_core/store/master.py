@@ -34,119 +34,20 @@ from aiohttp import web
 from mooncake_core.config import StoreConfig
 from mooncake_core.errors import MetadataError
 from mooncake_core.store import protocol as P
+from mooncake_core.store.master_conn import (
+    CONFIRMS,
+    PARKED_ON_KEYS,
+    Conn,
+    Handler,
+    early_key,
+    install_uvloop,
+)
 from mooncake_core.store.metrics import Metrics, render
 from mooncake_core.store.state import MasterState, error_tuple
 
 __all__ = ["MasterServer", "install_uvloop"]
 
 logger = logging.getLogger(__name__)
-
-
-def install_uvloop() -> bool:
-    """Use uvloop for new event loops when it is installed; True if it is."""
-    try:
-        import uvloop
-    except ImportError:
-        return False
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    return True
-
-
-class _Conn(asyncio.Protocol):
-    def __init__(self, server: MasterServer) -> None:
-        self.server = server
-        self.buf = bytearray()
-        self.transport: Any = None
-        self.early: dict[
-            str, int
-        ] = {}  # early commits made on this connection and not yet confirmed
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.early:
-            self.server.revoke_early(self)
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # uvloop's transports are not asyncio.Transport subclasses
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            import socket
-
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def data_received(self, data: bytes) -> None:
-        buf = self.buf
-        buf += data
-        pos = 0
-        n = len(buf)
-        while n - pos >= 4:
-            (length,) = P.HEADER.unpack_from(buf, pos)
-            if length > P.MAX_FRAME:
-                self._bad(f"frame of {length} bytes exceeds {P.MAX_FRAME}")
-                return
-            if n - pos - 4 < length:
-                break
-            frame = bytes(buf[pos + 4 : pos + 4 + length])
-            pos += 4 + length
-            try:
-                req = P.decode_request(frame)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                self._bad(f"malformed request frame: {exc}")
-                return
-            self.server.handle(self, req)
-        if pos:
-            del buf[:pos]
-
-    def pause_writing(self) -> None:
-        # the peer is not reading its answers: stop reading its requests (bounded memory)
-        if self.transport is not None:
-            self.transport.pause_reading()
-
-    def resume_writing(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.resume_reading()
-
-    def _bad(self, why: str) -> None:
-        self.server.metrics.bad_frames += 1
-        peer = self.transport.get_extra_info("peername") if self.transport else None
-        logger.warning("closing RPC connection from %s: %s", peer, why)
-        self.buf.clear()
-        if self.transport is not None:
-            self.transport.close()
-
-    def send(self, data: bytes) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)
-
-
-Handler = Callable[[Any, float], Any]
-
-# requests on these keys wait while a put of one of them is committed early but not yet confirmed
-_PARKED_ON_KEYS = frozenset(
-    {
-        "get_replica_list",
-        "exists",
-        "get_size",
-        "remove",
-        "query_key",
-        "put_start",
-        "put_commit",
-        "batch_get_replica_list",
-        "batch_exists",
-        "batch_remove",
-        "batch_put_start",
-        "batch_put_commit",
-    }
-)
-_CONFIRMS = frozenset({"put_confirm", "batch_put_confirm"})
-
-
-def _early_key(method: str, args: Any, early: dict[str, int]) -> str | None:
-    """The first key of ``args`` with an unconfirmed early commit (None if none)."""
-    if method.startswith("batch_"):
-        return next((k for k in args.keys if k in early), None)
-    key = args.key
-    return key if key in early else None
 
 
 class MasterServer:
@@ -205,7 +106,7 @@ class MasterServer:
         self._flush_wake: asyncio.Event | None = None
         self._pollers: dict[str, asyncio.Future[None]] = {}
         self._parked: dict[
-            str, list[tuple[_Conn, P.Request]]
+            str, list[tuple[Conn, P.Request]]
         ] = {}  # key -> requests waiting for its put_confirm
         self._tasks: list[asyncio.Task[Any]] = []
         self._server: asyncio.base_events.Server | None = None
@@ -349,7 +250,7 @@ class MasterServer:
             "query_key": lambda a, now: st.query_key(a.key),
         }
 
-    def handle(self, conn: _Conn, req: P.Request) -> None:
+    def handle(self, conn: Conn, req: P.Request) -> None:
         t0 = time.perf_counter()
         method = req.method
         if req.v != P.VERSION:
@@ -376,8 +277,8 @@ class MasterServer:
         args: Any = None
         try:
             args = P.decode_params(method, req.params)
-            if self.state.early and method in _PARKED_ON_KEYS:
-                key = _early_key(method, args, self.state.early)
+            if self.state.early and method in PARKED_ON_KEYS:
+                key = early_key(method, args, self.state.early)
                 if (
                     key is not None
                 ):  # a put of this key is committed and about to be confirmed: wait for it
@@ -398,7 +299,7 @@ class MasterServer:
                 logger.exception("internal error in %s", method)
             out = P.encode_response(req.id, code, msg)
         self.metrics.observe(method, time.perf_counter() - t0, ok)
-        if method in _CONFIRMS and args is not None:
+        if method in CONFIRMS and args is not None:
             for k in args.keys if method == "batch_put_confirm" else (args.key,):
                 conn.early.pop(k, None)
             if not args.reply:
@@ -418,7 +319,7 @@ class MasterServer:
             if out:
                 conn.send(out)
 
-    def revoke_early(self, conn: _Conn) -> None:
+    def revoke_early(self, conn: Conn) -> None:
         """A connection closed: drop the early commits it made and never confirmed (their writes
         may not have landed, and no put that made them returned)."""
         early, conn.early = conn.early, {}
@@ -443,7 +344,7 @@ class MasterServer:
                 else:
                     self.handle(conn, req)
 
-    async def _reply_when_durable(self, conn: _Conn, out: bytes) -> None:
+    async def _reply_when_durable(self, conn: Conn, out: bytes) -> None:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._flush_waiters.append(fut)
         assert self._flush_wake is not None
@@ -516,7 +417,7 @@ class MasterServer:
         self._snap_seq = seq
         logger.info("loaded snapshot at seq %d (%d entries)", seq, len(entries))
 
-    async def _poll(self, conn: _Conn, req: P.Request, t0: float) -> None:
+    async def _poll(self, conn: Conn, req: P.Request, t0: float) -> None:
         try:
             a = P.decode_params("poll", req.params)
             assert isinstance(a, P.PollArgs)
@@ -729,7 +630,7 @@ class MasterServer:
         self._stopped = asyncio.Event()
         self._flush_wake = asyncio.Event()
         self._server = await loop.create_server(
-            lambda: _Conn(self), self.host, self.rpc_port, reuse_address=True
+            lambda: Conn(self), self.host, self.rpc_port, reuse_address=True
         )
         self.rpc_port = self._server.sockets[0].getsockname()[1]
         if self.http_port >= 0:

@@ -30,9 +30,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from mooncake_core.config import MooncakeConfig, load_config
@@ -46,6 +45,15 @@ from mooncake_core.errors import (
 )
 from mooncake_core.metadata.base import MetadataBackend, open_backend
 from mooncake_core.plugins import transports as discover_transports
+from mooncake_core.transfer.batch import (
+    OPS,
+    Batch,
+    DoneBatch,
+    RequestStatus,
+    TransferRequest,
+    local_side,
+    wait_all,
+)
 from mooncake_core.transfer.control import ControlInbox
 from mooncake_core.transfer.memory import ManagedBuffer, Region, SegmentTable, buffer_address
 from mooncake_core.transfer.protocol import Op, Status
@@ -55,125 +63,16 @@ from mooncake_core.transfer.topology import host_identity, plan_listen, resolve_
 from mooncake_core.transfer.transports.base import Transport
 from mooncake_core.transfer.types import READ, WRITE, PeerInfo, TransportHost, WorkItem
 
-__all__ = ["TransferEngine", "TransferRequest", "Batch", "RequestStatus", "PeerInfo"]
+__all__ = [
+    "TransferEngine",
+    "TransferRequest",
+    "Batch",
+    "RequestStatus",
+    "PeerInfo",
+    "wait_all",
+]
 
 logger = logging.getLogger(__name__)
-
-_OPS = {"read": READ, "write": WRITE, READ: READ, WRITE: WRITE}
-
-
-@dataclass
-class TransferRequest:
-    """One read or write between local memory and a peer's registered memory.
-
-    Attributes:
-        op: ``"read"`` (peer -> local) or ``"write"`` (local -> peer).
-        peer: the peer's segment name (``host:port`` with the handshake metadata).
-        local: a buffer object (bytearray, memoryview, numpy array, torch tensor) or an
-            address inside this engine's registered memory.
-        length: bytes to move; defaults to the size of ``local`` (required with an address).
-        remote_addr: absolute address in the peer's registered memory; or give
-        segment: the name of a region the peer registered, plus
-        offset: an offset inside it.
-        transport: force a transport (``"tcp"``, ``"shm"``, ``"rdma"``) for this request.
-    """
-
-    op: str | int
-    peer: str
-    local: Any
-    length: int | None = None
-    remote_addr: int | None = None
-    segment: str | None = None
-    offset: int = 0
-    transport: str | None = None
-
-
-@dataclass
-class RequestStatus:
-    """Per-request status inside a batch."""
-
-    state: str = "pending"  # pending | completed | failed | timeout
-    transferred: int = 0
-    error: BaseException | None = None
-
-
-class Batch:
-    """An asynchronous batch of requests. ``wait()`` raises if any request failed."""
-
-    _ids = itertools.count(1)
-    _named: tuple[BaseException, ...] = ()  # errors whose message already names their request
-
-    def __init__(self, requests: Sequence[TransferRequest]) -> None:
-        self.id = next(Batch._ids)
-        self.requests = list(requests)
-        self.statuses = [RequestStatus() for _ in requests]
-        self.future: Future[None] = Future()
-
-    def done(self) -> bool:
-        return self.future.done()
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until every request finished; raise the first failure."""
-        self.future.result(timeout)
-
-    def _finish(self) -> None:
-        exc = self._failure()
-        if exc is None:
-            self.future.set_result(None)
-        else:
-            self.future.set_exception(exc)
-
-    def _failure(self) -> BaseException | None:
-        """The exception naming the first failed request (and how many failed), or None."""
-        failed = [(i, s) for i, s in enumerate(self.statuses) if s.state != "completed"]
-        if not failed:
-            return None
-        i, st = failed[0]
-        cause = st.error or TransportError("transfer failed")
-        req = self.requests[i]
-        where = (
-            f"segment {req.segment!r}+{req.offset}"
-            if req.segment is not None
-            else (f"0x{req.remote_addr:x}" if isinstance(req.remote_addr, int) else "?")
-        )
-        what = f"request {i} ({req.op} to peer {req.peer!r} at {where})"
-        if any(cause is e for e in self._named):
-            what = ""
-        lead = (
-            f"{len(failed)} of {len(self.statuses)} requests failed; first: "
-            if len(failed) > 1
-            else ""
-        )
-        msg = f"{lead}{what}{': ' if what else ''}{cause}"
-        try:
-            exc: BaseException = (
-                type(cause)(msg) if isinstance(cause, TransportError) else TransportError(msg)
-            )
-        except TypeError:
-            exc = TransportError(msg)
-        exc.__cause__ = cause
-        return exc
-
-
-class _DoneBatch(Batch):
-    """A batch run to completion in the calling thread (no future: nobody waits on another
-    thread)."""
-
-    def __init__(self, requests: Sequence[TransferRequest]) -> None:
-        self.id = next(Batch._ids)
-        self.requests = list(requests)
-        self.statuses = [RequestStatus() for _ in requests]
-        self._error: BaseException | None = None
-
-    def done(self) -> bool:
-        return True
-
-    def wait(self, timeout: float | None = None) -> None:
-        if self._error is not None:
-            raise self._error
-
-    def _finish(self) -> None:
-        self._error = self._failure()
 
 
 class TransferEngine:
@@ -463,47 +362,10 @@ class TransferEngine:
         return channel.control(peer, op, deadline, payload=payload, aux=aux, extra=extra)
 
     # ------------------------------------------------------------------ transfers
-    def _local(self, req: TransferRequest, i: int) -> tuple[int, memoryview, int, Any]:
-        """(addr, host view, length, staging-info) of the local side of a request."""
-        local = req.local
-        if isinstance(local, int) and not isinstance(local, bool):
-            if req.length is None:
-                raise InvalidRequest(f"request {i}: a local address needs an explicit length")
-            length = req.length
-            if length <= 0:
-                raise InvalidRequest(f"request {i}: length must be positive, got {length}")
-            try:
-                region = self.segments.find(local, length)
-            except InvalidRequest as exc:
-                raise InvalidRequest(f"request {i}: local buffer: {exc}") from None
-            if region.kind != "host":
-                return self._staging(region, local, length)
-            return local, region.view(local, length), length, None
-        addr, size, kind = buffer_address(local, writable=_OPS.get(req.op) == READ)
-        length = size if req.length is None else req.length
-        if length <= 0:
-            raise InvalidRequest(f"request {i}: length must be positive, got {length}")
-        if length > size:
-            raise InvalidRequest(
-                f"request {i}: length {length} exceeds the local buffer ({size} bytes)"
-            )
-        if kind == "cuda":
-            return self._staging(Region(addr, size, "staging", "cuda", owner=local), addr, length)
-        from mooncake_core.transfer.memory import host_view
-
-        return addr, host_view(addr, length), length, local
-
-    @staticmethod
-    def _staging(region: Region, device_addr: int, length: int) -> tuple[int, memoryview, int, Any]:
-        """Device memory moves through a host staging buffer: (host addr, view, length, info)."""
-        host = bytearray(length)
-        host_addr = buffer_address(host)[0]
-        return host_addr, memoryview(host), length, (region, device_addr, host_addr, host)
-
     def _plan(self, batch: Batch) -> list[WorkItem]:
         items: list[WorkItem] = []
         for i, req in enumerate(batch.requests):
-            op = _OPS.get(req.op)
+            op = OPS.get(req.op)
             if op is None:
                 raise InvalidRequest(f"request {i}: op must be 'read' or 'write', got {req.op!r}")
             if req.remote_addr is None and req.segment is None:
@@ -525,7 +387,7 @@ class TransferEngine:
                 raise InvalidRequest(
                     f"request {i}: peer must be a non-empty string, got {req.peer!r}"
                 )
-            addr, view, length, staging = self._local(req, i)
+            addr, view, length, staging = local_side(self.segments, req, i)
             remote = req.remote_addr if req.remote_addr is not None else -1
             ss = int(self.config.transfer.slice_size)
             for off in range(0, length, ss):
@@ -573,11 +435,11 @@ class TransferEngine:
         if len(reqs) == 1:
             moved = self._transfer_one(reqs[0], timeout)
             if moved:
-                batch: Batch = _DoneBatch(reqs)
+                batch: Batch = DoneBatch(reqs)
                 batch.statuses[0].state = "completed"
                 batch.statuses[0].transferred = moved
                 return batch
-        batch = _DoneBatch(reqs)
+        batch = DoneBatch(reqs)
         items = self._plan(batch)
         self._run_batch(batch, items, timeout)
         batch.wait()
@@ -591,7 +453,7 @@ class TransferEngine:
         the general path then handles it, with the same validation and error messages.
         Failures raise as there.
         """
-        op = _OPS.get(req.op)
+        op = OPS.get(req.op)
         local = req.local
         remote = req.remote_addr
         if (
@@ -647,7 +509,7 @@ class TransferEngine:
         self._execute_chain(req.peer, peer, chain, [it], deadline)
         if it.done:
             return length
-        batch = _DoneBatch([req])
+        batch = DoneBatch([req])
         cause = it.error
         if cause is None:
             cause = TransportError(f"request 0 to {req.peer!r} did not complete")
@@ -906,9 +768,3 @@ class TransferEngine:
             raise TransportError(f"RDMA is not available on engine {self.name!r} (no RDMA device)")
         answer: dict[str, Any] = rdma.accept(info)  # type: ignore[attr-defined]
         return answer
-
-
-def wait_all(batches: Iterable[Batch], timeout: float | None = None) -> None:
-    """Wait for several batches; raise the first failure."""
-    for b in batches:
-        b.wait(timeout)
