@@ -56,6 +56,7 @@ _MODULES = {
 LAZY_MODULES: dict[str, str] = {
     "mooncake.mooncake_config": "mooncake_core.compat.mooncake_config",
     "mooncake.http_metadata_server": "mooncake_core.compat.http_metadata_server",
+    "mooncake.async_store": "mooncake_core.compat.async_store",
 }
 
 

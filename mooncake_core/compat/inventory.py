@@ -10,7 +10,7 @@ be provided by us or listed in :data:`NOT_PROVIDED` with the reason, and nothing
 there may be provided (so the list stays honest). docs/compat.md mirrors the table.
 
 Names: ``"mooncake.store"`` (a whole module), ``"mooncake.store:EngramStore"`` (a
-module-level name), ``"mooncake.store:MooncakeDistributedStore.pub_tensor"`` (a class
+module-level name), ``"mooncake.*store:MooncakeDistributedStore*.pub_tensor"`` (a class
 member). A key may hold :mod:`fnmatch` wildcards (``*_session_*``).
 """
 
@@ -89,7 +89,6 @@ NOT_PROVIDED: dict[str, str] = {
     "mooncake.structured_object_store": _DATAPROTO,
     "mooncake.reshard": _RESHARD,
     "mooncake.mooncake_store_service": "the published store's HTTP service; ours: `mooncake-core`",
-    "mooncake.async_store": "asyncio wrappers of the store: not implemented yet",
     "mooncake._fast_copy": "a private C helper of the wheel",
     "mooncake.buffer_pool": _POOL,
     # mooncake
@@ -140,27 +139,27 @@ NOT_PROVIDED: dict[str, str] = {
     "mooncake.store:TensorParallelism": _PARALLEL,
     "mooncake.store:ReadTarget": _PARALLEL,
     # mooncake.store: MooncakeDistributedStore members
-    "mooncake.store:MooncakeDistributedStore.setup_dummy": "a dummy client over a shared-memory"
+    "mooncake.*store:MooncakeDistributedStore*.setup_dummy": "a dummy client over a shared-memory"
     " standalone store (ipc_socket_path): not implemented",
-    "mooncake.store:MooncakeDistributedStore.init_all": "the published all-in-one"
+    "mooncake.*store:MooncakeDistributedStore*.init_all": "the published all-in-one"
     " init: use setup()",
-    "mooncake.store:MooncakeDistributedStore.alloc_from_mem_pool": _POOL,
-    "mooncake.store:MooncakeDistributedStore.*_session_*": _SESSION,
-    "mooncake.store:MooncakeDistributedStore.batch_*_multi_buffer_ranges": "ranges over several"
+    "mooncake.*store:MooncakeDistributedStore*.alloc_from_mem_pool": _POOL,
+    "mooncake.*store:MooncakeDistributedStore*.*_session_*": _SESSION,
+    "mooncake.*store:MooncakeDistributedStore*.batch_*_multi_buffer_ranges": "ranges over several"
     " buffers per key: not implemented yet",
-    "mooncake.store:MooncakeDistributedStore.put_from_with_metadata": "not implemented yet",
-    "mooncake.store:MooncakeDistributedStore.*get_replica_desc": _MASTER_RPC,
-    "mooncake.store:MooncakeDistributedStore.batch_replica_clear": _MASTER_RPC,
-    "mooncake.store:MooncakeDistributedStore.get_offload_rpc_read_count": _MASTER_RPC,
-    "mooncake.store:MooncakeDistributedStore.create_*_task": _TASKS,
-    "mooncake.store:MooncakeDistributedStore.query_task": _TASKS,
-    "mooncake.store:MooncakeDistributedStore.*mount*": _SEG,
-    "mooncake.store:MooncakeDistributedStore.*_cuda": _CUDA_T,
-    "mooncake.store:MooncakeDistributedStore.*pub_tensor*": _PUB,
-    "mooncake.store:MooncakeDistributedStore.*_with_parallelism*": _PARALLEL,
-    "mooncake.store:MooncakeDistributedStore.*_safetensor": _SAFETENSORS,
-    "mooncake.store:MooncakeDistributedStore.*_tensor_with_tp_from": "not implemented yet",
-    "mooncake.store:MooncakeDistributedStore.*_tensor_with_tp_into": "not implemented yet",
+    "mooncake.*store:MooncakeDistributedStore*.put_from_with_metadata": "not implemented yet",
+    "mooncake.*store:MooncakeDistributedStore*.*get_replica_desc": _MASTER_RPC,
+    "mooncake.*store:MooncakeDistributedStore*.batch_replica_clear": _MASTER_RPC,
+    "mooncake.*store:MooncakeDistributedStore*.get_offload_rpc_read_count": _MASTER_RPC,
+    "mooncake.*store:MooncakeDistributedStore*.create_*_task": _TASKS,
+    "mooncake.*store:MooncakeDistributedStore*.query_task": _TASKS,
+    "mooncake.*store:MooncakeDistributedStore*.*mount*": _SEG,
+    "mooncake.*store:MooncakeDistributedStore*.*_cuda": _CUDA_T,
+    "mooncake.*store:MooncakeDistributedStore*.*pub_tensor*": _PUB,
+    "mooncake.*store:MooncakeDistributedStore*.*_with_parallelism*": _PARALLEL,
+    "mooncake.*store:MooncakeDistributedStore*.*_safetensor": _SAFETENSORS,
+    "mooncake.*store:MooncakeDistributedStore*.*_tensor_with_tp_from": "not implemented yet",
+    "mooncake.*store:MooncakeDistributedStore*.*_tensor_with_tp_into": "not implemented yet",
 }
 
 logger = logging.getLogger(__name__)

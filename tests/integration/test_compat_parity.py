@@ -285,6 +285,43 @@ EXPECTED_METADATA: dict[str, Any] = {
     "poll_closed": "Failed",
 }
 
+ASYNC_STORE = PRELUDE + textwrap.dedent(
+    """
+    import asyncio
+    from mooncake.async_store import MooncakeDistributedStoreAsync, MooncakeDistributedStore
+    master, metadata = sys.argv[1], sys.argv[2]
+    s = MooncakeDistributedStoreAsync()
+    r = {"subclass": issubclass(MooncakeDistributedStoreAsync, MooncakeDistributedStore)}
+    r["setup"] = s.setup("127.0.0.1", metadata, 16 << 20, 16 << 20, "tcp", "", master)
+
+    async def go():
+        return [await s.async_put("ak", b"async!"), (await s.async_get("ak")).decode(),
+                await s.async_is_exist("ak"), await s.async_remove("ak", force=True),
+                await s.async_get_size("ak")]
+
+    r["calls"] = asyncio.run(go())
+    r["cached"] = s.async_put is s.async_put
+    for name in ["async_nope", "nope", "async_"]:
+        try:
+            getattr(s, name)
+            r[name] = "ok"
+        except AttributeError:
+            r[name] = "AttributeError"
+    s.close()
+    print(json.dumps(r))
+    """
+)
+
+EXPECTED_ASYNC: dict[str, Any] = {
+    "subclass": True,
+    "setup": 0,
+    "calls": [0, "async!", 1, 0, -704],
+    "cached": True,
+    "async_nope": "AttributeError",
+    "nope": "AttributeError",
+    "async_": "AttributeError",
+}
+
 SOFT_PIN_REFUSED = [-600] * 5
 EXPECTED_STORE: dict[str, Any] = {
     "setup": 0,
@@ -443,3 +480,22 @@ def test_http_metadata_server_ours(tmp_path: Path) -> None:
 def test_http_metadata_server_published(tmp_path: Path) -> None:
     got = _call(_published_python(), _script(tmp_path, METADATA_SERVER), False)
     assert _diff(got, EXPECTED_METADATA) == {}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_async_store_ours(tmp_path: Path) -> None:
+    script = _script(tmp_path, ASYNC_STORE)
+    with harness.our_master() as (master, metadata):
+        got = _call(sys.executable, script, True, master, metadata)
+    assert _diff(got, EXPECTED_ASYNC) == {}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_async_store_published(tmp_path: Path) -> None:
+    real = _published_python()
+    script = _script(tmp_path, ASYNC_STORE)
+    with harness.their_master(real) as (master, metadata):
+        got = _call(real, script, False, master, metadata)
+    assert _diff(got, EXPECTED_ASYNC) == {}
