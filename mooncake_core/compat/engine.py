@@ -41,6 +41,8 @@ import enum
 import ipaddress
 import json
 import logging
+import random
+import socket
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -150,6 +152,27 @@ class TransferNotify:
         )
 
     __hash__ = None  # type: ignore[assignment]
+
+
+#: The published engine's P2P handshake ports come from this range (MC_MIN_RPC_PORT..
+#: MC_MAX_RPC_PORT, default 15000..17000, both ends included), as observed on the wheel.
+RPC_PORT_RANGE = (15000, 17000)
+
+
+def free_port(host: str, lo: int, hi: int) -> int:
+    """A port in ``[lo, hi]`` that is free on ``host`` now (random tries; an ephemeral
+    one when none of them is)."""
+    addr = host if host not in ("", "localhost") else "127.0.0.1"
+    for port in random.sample(range(lo, hi + 1), min(64, hi + 1 - lo)):
+        with socket.socket() as sock:
+            try:
+                sock.bind((addr, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:
+        sock.bind((addr, 0))
+        return int(sock.getsockname()[1])
 
 
 def upstream_transfer_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
@@ -263,7 +286,12 @@ class TransferEngine:
         }
         if transfer:
             overrides["transfer"] = transfer
-        return load_config(environ=env, **overrides)
+        cfg = load_config(environ=env, **overrides)
+        if meta.upper() == "P2PHANDSHAKE" and bare == host and cfg.transfer.port == 0:
+            # no port given: take one from the published engine's handshake port range
+            overrides["local_hostname"] = f"{host}:{free_port(bare, *RPC_PORT_RANGE)}"
+            cfg = load_config(environ=env, **overrides)
+        return cfg
 
     def _engine(self) -> _engine_mod.TransferEngine:
         if self._eng is None:

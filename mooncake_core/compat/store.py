@@ -30,8 +30,6 @@ import enum
 import logging
 import numbers
 import operator
-import random
-import socket
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -334,18 +332,7 @@ CLIENT_PORT_RANGE = (12300, 14300)
 
 
 def _free_port(host: str, lo: int = CLIENT_PORT_RANGE[0], hi: int = CLIENT_PORT_RANGE[1]) -> int:
-    """A port in ``[lo, hi)`` free on ``host`` now (random tries; an ephemeral one if none)."""
-    addr = host if host not in ("", "localhost") else "127.0.0.1"
-    for port in random.sample(range(lo, hi), min(64, hi - lo)):
-        with socket.socket() as s:
-            try:
-                s.bind((addr, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:
-        s.bind((addr, 0))
-        return int(s.getsockname()[1])
+    return _compat_engine.free_port(host, lo, hi)
 
 
 class MooncakeDistributedStore:

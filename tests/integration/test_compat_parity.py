@@ -322,6 +322,19 @@ EXPECTED_ASYNC: dict[str, Any] = {
     "async_": "AttributeError",
 }
 
+ENGINE_PORTS = PRELUDE + textwrap.dedent(
+    """
+    from mooncake.engine import TransferEngine
+    r = {"rc": [], "ports": []}
+    for _ in range(3):
+        te = TransferEngine()
+        r["rc"].append(te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", ""))
+        r["ports"].append(te.get_rpc_port())
+    r["in_range"] = all(15000 <= p <= 17000 for p in r.pop("ports"))
+    print(json.dumps(r))
+    """
+)
+
 SOFT_PIN_REFUSED = [-600] * 5
 EXPECTED_STORE: dict[str, Any] = {
     "setup": 0,
@@ -499,3 +512,15 @@ def test_async_store_published(tmp_path: Path) -> None:
     with harness.their_master(real) as (master, metadata):
         got = _call(real, script, False, master, metadata)
     assert _diff(got, EXPECTED_ASYNC) == {}
+
+
+@pytest.mark.timeout(60)
+def test_engine_p2p_port_range_ours(tmp_path: Path) -> None:
+    got = _call(sys.executable, _script(tmp_path, ENGINE_PORTS), True)
+    assert got == {"rc": [0, 0, 0], "in_range": True}
+
+
+@pytest.mark.timeout(60)
+def test_engine_p2p_port_range_published(tmp_path: Path) -> None:
+    got = _call(_published_python(), _script(tmp_path, ENGINE_PORTS), False)
+    assert got == {"rc": [0, 0, 0], "in_range": True}
