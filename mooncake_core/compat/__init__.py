@@ -6,9 +6,14 @@
 - :mod:`mooncake_core.compat.store` is ``mooncake.store``: ``MooncakeDistributedStore``
   and ``ReplicateConfig`` on top of :class:`mooncake_core.store.StoreClient`.
 
+- ``mooncake.mooncake_config``, ``mooncake.http_metadata_server`` and
+  ``mooncake.async_store`` (:data:`LAZY_MODULES`) are imported when first asked for.
+
 :func:`install` registers these modules as ``mooncake``, ``mooncake.engine`` and
 ``mooncake.store`` in :data:`sys.modules` when the real package is absent (as PyMySQL's
-``install_as_MySQLdb()`` does), so code written for Mooncake runs unchanged::
+``install_as_MySQLdb()`` does), and the :data:`LAZY_MODULES` through an import hook, so
+code written for Mooncake runs unchanged. What of the published surface we leave out, and
+why: :data:`mooncake_core.compat.inventory.NOT_PROVIDED`::
 
     import mooncake_core.compat
     mooncake_core.compat.install()
