@@ -65,7 +65,7 @@ _TASKS = "replica copy/move tasks are published-master RPCs our master does not 
 _TOPO = "the published engine's topology dump tool; ours: TransferEngine.get_local_topology()"
 _FABRIC = "probes the wheel's .so for fabric allocators (CUDA/NVLink): out of scope"
 _SAFETENSORS = "safetensors files: not implemented yet"
-_VLLM = "the published vLLM connector and proxy; ours live in the mooncake_vllm adapter"
+_VLLM = "the published vLLM connector and proxy; ours live in the vLLM adapter (plugins/vllm)"
 
 #: Published names we do not provide, with the reason (mirrored in docs/compat.md).
 NOT_PROVIDED: dict[str, str] = {

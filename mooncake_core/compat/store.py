@@ -25,30 +25,47 @@ Runs on :class:`mooncake_core.store.StoreClient` against our master
 
 from __future__ import annotations
 
-import ctypes
-import enum
 import logging
-import numbers
-import operator
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from mooncake_core.compat import engine as _compat_engine
+from mooncake_core.compat.store_tensors import TensorMethods
+from mooncake_core.compat.store_types import (  # the published module's names, re-exported
+    ACTIVATION,
+    ERROR_CODES,
+    GENERAL,
+    GRADIENT,
+    INTERNAL_ERROR,
+    INVALID_PARAMS,
+    INVALID_READ,
+    KVCACHE,
+    METADATA,
+    NO_AVAILABLE_HANDLE,
+    OBJECT_ALREADY_EXISTS,
+    OBJECT_HAS_LEASE,
+    OBJECT_NOT_FOUND,
+    OPTIMIZER_STATE,
+    RPC_FAIL,
+    SAMPLE,
+    TENSOR,
+    TRANSFER_FAIL,
+    UNKNOWN,
+    WEIGHT,
+    BufferHandle,
+    ObjectDataType,
+    ReplicateConfig,
+    SoftPinAction,
+    _code,
+)
 from mooncake_core.config import environment, load_config, parse_size
 from mooncake_core.errors import (
-    LeaseExpired,
-    MasterUnavailable,
     MooncakeError,
-    NoSpace,
     ObjectExists,
-    ObjectNotFound,
     SegmentError,
-    TransportError,
 )
 from mooncake_core.store import StoreClient
-from mooncake_core.store import values as _values
-from mooncake_core.store.protocol import InvalidArgument, ObjectBusy
 from mooncake_core.transfer.engine import TransferEngine as _Engine
 from mooncake_core.transfer.memory import host_view
 
@@ -68,266 +85,21 @@ __all__ = [
     "OBJECT_HAS_LEASE",
     "TRANSFER_FAIL",
     "RPC_FAIL",
+    "UNKNOWN",
+    "KVCACHE",
+    "TENSOR",
+    "WEIGHT",
+    "SAMPLE",
+    "ACTIVATION",
+    "GRADIENT",
+    "OPTIMIZER_STATE",
+    "METADATA",
+    "GENERAL",
 ]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# Published ErrorCode values for the failures we can tell apart.
-INTERNAL_ERROR = -1
-NO_AVAILABLE_HANDLE = -200  # no space for the object
-INVALID_PARAMS = -600  # bad key/size/buffer, buffer too small, double registration
-INVALID_READ = -701  # the read outlived its lease
-OBJECT_NOT_FOUND = -704
-OBJECT_ALREADY_EXISTS = -705
-OBJECT_HAS_LEASE = -706  # remove of a leased / pinned / busy object without force
-TRANSFER_FAIL = -800
-RPC_FAIL = -900  # master unreachable
-
-#: Our exception class -> published code (first match wins; order matters).
-ERROR_CODES: tuple[tuple[type[BaseException], int], ...] = (
-    (ObjectNotFound, OBJECT_NOT_FOUND),
-    (ObjectExists, OBJECT_ALREADY_EXISTS),
-    (ObjectBusy, OBJECT_HAS_LEASE),
-    (NoSpace, NO_AVAILABLE_HANDLE),
-    (LeaseExpired, INVALID_READ),
-    (MasterUnavailable, RPC_FAIL),
-    (InvalidArgument, INVALID_PARAMS),
-    (SegmentError, INVALID_PARAMS),
-    (ValueError, INVALID_PARAMS),
-    (TransportError, TRANSFER_FAIL),
-    (OSError, RPC_FAIL),
-)
-
-_DEFAULT_SOFT_PIN_TTL_MS = 30 * 60 * 1000
-
-
-def _code(exc: BaseException) -> int:
-    for cls, code in ERROR_CODES:
-        if isinstance(exc, cls):
-            return code
-    return INTERNAL_ERROR
-
-
-class SoftPinAction(enum.IntEnum):
-    PRESERVE = 0
-    ENABLE = 1
-    DISABLE = 2
-
-
-class ObjectDataType(enum.IntEnum):
-    UNKNOWN = 0
-    KVCACHE = 1
-    TENSOR = 2
-    WEIGHT = 3
-    SAMPLE = 4
-    ACTIVATION = 5
-    GRADIENT = 6
-    OPTIMIZER_STATE = 7
-    METADATA = 8
-    GENERAL = 9
-
-
-# The published module exports the ObjectDataType members at module level too.
-UNKNOWN = ObjectDataType.UNKNOWN
-KVCACHE = ObjectDataType.KVCACHE
-TENSOR = ObjectDataType.TENSOR
-WEIGHT = ObjectDataType.WEIGHT
-SAMPLE = ObjectDataType.SAMPLE
-ACTIVATION = ObjectDataType.ACTIVATION
-GRADIENT = ObjectDataType.GRADIENT
-OPTIMIZER_STATE = ObjectDataType.OPTIMIZER_STATE
-METADATA = ObjectDataType.METADATA
-GENERAL = ObjectDataType.GENERAL
-
-
-def _size_t(name: str, value: Any) -> int:
-    """An unsigned 64-bit integer as pybind11 accepts it (ints, bools, enums; not floats)."""
-    try:
-        n = operator.index(value)
-    except TypeError:
-        n = -1
-    if not 0 <= n < 1 << 64:
-        raise TypeError(
-            f"ReplicateConfig.{name}: expected a non-negative int, got {type(value).__name__}"
-            f" {value!r}"
-        )
-    return n
-
-
-def _opt_size_t(name: str, value: Any) -> int | None:
-    return None if value is None else _size_t(name, value)
-
-
-def _flag(name: str, value: Any) -> bool:
-    if value is None:
-        return False
-    if isinstance(value, numbers.Number) and not isinstance(value, enum.Enum):
-        return bool(value)
-    raise TypeError(f"ReplicateConfig.{name}: expected a bool, got {type(value).__name__}")
-
-
-def _text(name: str, value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, bytes):
-        return value.decode()
-    raise TypeError(f"ReplicateConfig.{name}: expected a str, got {type(value).__name__}")
-
-
-def _texts(name: str, value: Any) -> list[str]:
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise TypeError(
-            f"ReplicateConfig.{name}: expected a list of str, got {type(value).__name__}"
-        )
-    return [_text(name, v) for v in value]
-
-
-def _opt_texts(name: str, value: Any) -> list[str] | None:
-    return None if value is None else _texts(name, value)
-
-
-def _member_of(kind: type[enum.Enum]) -> Callable[[str, Any], Any]:
-    def convert(name: str, value: Any) -> Any:
-        if not isinstance(value, kind):
-            raise TypeError(
-                f"ReplicateConfig.{name}: expected a {kind.__name__}, got {type(value).__name__}"
-            )
-        return value
-
-    return convert
-
-
-class _Typed:
-    """A ``ReplicateConfig`` attribute that converts (or refuses, with ``TypeError``) what
-    is assigned, as the published pybind11 class does."""
-
-    def __init__(self, convert: Callable[[str, Any], Any], default: Callable[[], Any]) -> None:
-        self.convert = convert
-        self.default = default
-        self.name = ""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, obj: Any, owner: type | None = None) -> Any:
-        if obj is None:
-            return self
-        return getattr(obj, "_v_" + self.name)
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        object.__setattr__(obj, "_v_" + self.name, self.convert(self.name, value))
-
-
-_FIELDS = (
-    "replica_num",
-    "nof_replica_num",
-    "dfs_replica_num",
-    "soft_pin_action",
-    "soft_pin_ttl_ms",
-    "with_hard_pin",
-    "preferred_segment",
-    "preferred_segments",
-    "preferred_nof_segments",
-    "prefer_alloc_in_same_node",
-    "data_type",
-    "group_ids",
-)
-
-
-class ReplicateConfig:
-    """Per-put placement options (attribute names, types and defaults of the published class).
-
-    Assigning a value of the wrong type raises ``TypeError`` as the published class does;
-    unknown attributes raise ``AttributeError``.
-
-    Used here: ``replica_num``, ``with_hard_pin``, ``soft_pin_action`` (ENABLE pins softly
-    for ``soft_pin_ttl_ms``, default 30 min), ``preferred_segment`` (else the first of
-    ``preferred_segments``), ``prefer_alloc_in_same_node`` (local-first placement).
-    Kept but without effect: ``nof_replica_num``, ``dfs_replica_num``,
-    ``preferred_nof_segments``, ``data_type``, ``group_ids``.
-    """
-
-    __slots__ = tuple("_v_" + f for f in _FIELDS)
-
-    replica_num = _Typed(_size_t, lambda: 1)
-    nof_replica_num = _Typed(_size_t, lambda: 0)
-    dfs_replica_num = _Typed(_size_t, lambda: 0)
-    soft_pin_action = _Typed(_member_of(SoftPinAction), lambda: SoftPinAction.PRESERVE)
-    soft_pin_ttl_ms = _Typed(_opt_size_t, lambda: None)
-    with_hard_pin = _Typed(_flag, lambda: False)
-    preferred_segment = _Typed(_text, lambda: "")
-    preferred_segments = _Typed(_texts, list)
-    preferred_nof_segments = _Typed(_texts, list)
-    prefer_alloc_in_same_node = _Typed(_flag, lambda: False)
-    data_type = _Typed(_member_of(ObjectDataType), lambda: ObjectDataType.UNKNOWN)
-    group_ids = _Typed(_opt_texts, lambda: None)
-
-    def __init__(self) -> None:
-        for name in _FIELDS:
-            field: _Typed = type(self).__dict__[name]
-            object.__setattr__(self, "_v_" + name, field.default())
-
-    def __repr__(self) -> str:
-        return (
-            f"ReplicateConfig(replica_num={self.replica_num}, with_hard_pin={self.with_hard_pin}, "
-            f"soft_pin_action={self.soft_pin_action.name}, "
-            f"preferred_segment={self.preferred_segment!r})"
-        )
-
-    def __str__(self) -> str:
-        ttl = "default" if self.soft_pin_ttl_ms is None else str(self.soft_pin_ttl_ms)
-        return (
-            f"ReplicateConfig: {{ replica_num: {self.replica_num}, "
-            f"nof_replica_num: {self.nof_replica_num}, dfs_replica_num: {self.dfs_replica_num}, "
-            f"soft_pin_action: {self.soft_pin_action.name}, soft_pin_ttl_ms: {ttl}, "
-            f"with_hard_pin: {int(self.with_hard_pin)}, "
-            f"preferred_segments: [{', '.join(self.preferred_segments)}], "
-            f"preferred_nof_segments: [{', '.join(self.preferred_nof_segments)}], "
-            f"prefer_alloc_in_same_node: {int(self.prefer_alloc_in_same_node)}, "
-            f"data_type: {self.data_type.name} }}"
-        )
-
-    def problem(self) -> str | None:
-        """Why a put with this config is refused (-600 in the published store), or None."""
-        if self.soft_pin_ttl_ms is not None and self.soft_pin_action != SoftPinAction.ENABLE:
-            return (
-                f"soft_pin_ttl_ms={self.soft_pin_ttl_ms} needs soft_pin_action ENABLE"
-                f" (it is {self.soft_pin_action.name})"
-            )
-        return None
-
-    def kwargs(self) -> dict[str, Any]:
-        """The matching :class:`StoreClient` put keywords."""
-        soft = 0.0
-        if self.soft_pin_action == SoftPinAction.ENABLE:
-            ms = self.soft_pin_ttl_ms if self.soft_pin_ttl_ms else _DEFAULT_SOFT_PIN_TTL_MS
-            soft = ms / 1000.0
-        seg = self.preferred_segment or (
-            self.preferred_segments[0] if self.preferred_segments else ""
-        )
-        return {
-            "replica_num": int(self.replica_num),
-            "preferred_segment": seg,
-            "hard_pin": bool(self.with_hard_pin),
-            "soft_pin_ttl_s": soft,
-            "strategy": "local-first" if self.prefer_alloc_in_same_node else "",
-        }
-
-
-class BufferHandle(bytearray):
-    """An object's bytes held in local memory: buffer protocol, ``ptr()`` and ``size()``."""
-
-    def ptr(self) -> int:
-        if not self:
-            return 0
-        return ctypes.addressof((ctypes.c_char * len(self)).from_buffer(self))
-
-    def size(self) -> int:
-        return len(self)
-
-
-#: The published client picks its port in this range (12300-14300), as observed on the wheel.
 CLIENT_PORT_RANGE = (12300, 14300)
 
 
@@ -335,7 +107,7 @@ def _free_port(host: str, lo: int = CLIENT_PORT_RANGE[0], hi: int = CLIENT_PORT_
     return _compat_engine.free_port(host, lo, hi)
 
 
-class MooncakeDistributedStore:
+class MooncakeDistributedStore(TensorMethods):
     """The published ``mooncake.store.MooncakeDistributedStore`` on :class:`StoreClient`."""
 
     def __init__(self) -> None:
@@ -642,170 +414,6 @@ class MooncakeDistributedStore:
         if rc not in (0, OBJECT_NOT_FOUND):
             return rc
         return put()
-
-    # ------------------------------------------------------------------ tensors
-    # Torch tensors are stored as typed values (mooncake_core.store.values: a small header
-    # with dtype and shape, then the bytes): readable by these methods, not by the
-    # published store, and the other way round. CPU tensors only (CUDA ones are moved).
-    def put_tensor(self, key: str, tensor: Any) -> int:
-        """Store a torch tensor; 0 or a negative code."""
-        return self._put(f"put_tensor {key!r}", lambda c: c.put_tensor(key, tensor))
-
-    def get_tensor(self, key: str) -> Any:
-        """The tensor stored with :meth:`put_tensor`, or None."""
-        res = self._run(f"get_tensor {key!r}", lambda c: c.get_tensor(key))
-        return None if isinstance(res, int) else res
-
-    def upsert_tensor(self, key: str, tensor: Any) -> int:
-        """Insert or replace a tensor (remove, then put: not atomic)."""
-        return self._upsert(key, lambda: self.put_tensor(key, tensor))
-
-    def batch_put_tensor(self, keys: list[str], tensors_list: list[Any]) -> list[int]:
-        """Per key: 0 (stored, or already there) or a negative code."""
-        if len(keys) != len(tensors_list):
-            logger.error("batch_put_tensor: %d keys but %d tensors", len(keys), len(tensors_list))
-            return [INVALID_PARAMS] * len(keys)
-        try:
-            packed = [_values.pack_tensor(t) for t in tensors_list]
-        except (AttributeError, TypeError, ValueError, RuntimeError) as exc:
-            logger.error("batch_put_tensor: not a tensor: %s", exc)
-            return [INVALID_PARAMS] * len(keys)
-        res = self._run("batch_put_tensor", lambda c: c.put_batch(keys, packed))
-        if isinstance(res, int):
-            return [res] * len(keys)
-        return [0 if e is None or isinstance(e, ObjectExists) else _code(e) for e in res]
-
-    def batch_upsert_tensor(self, keys: list[str], tensors_list: list[Any]) -> list[int]:
-        """Per key: 0 or a negative code (remove, then put: not atomic)."""
-        if len(keys) != len(tensors_list):
-            logger.error(
-                "batch_upsert_tensor: %d keys but %d tensors", len(keys), len(tensors_list)
-            )
-            return [INVALID_PARAMS] * len(keys)
-        return [self.upsert_tensor(k, t) for k, t in zip(keys, tensors_list, strict=True)]
-
-    def batch_get_tensor(self, keys: list[str]) -> list[Any]:
-        """Per key: the tensor, or None (missing, or not stored as a tensor)."""
-        res = self._run("batch_get_tensor", lambda c: c.get_batch(keys))
-        if isinstance(res, int):
-            return [None] * len(keys)
-        return [self._tensor_or_none(k, raw) for k, raw in zip(keys, res, strict=True)]
-
-    @staticmethod
-    def _tensor_or_none(key: str, raw: bytes | None) -> Any:
-        if raw is None:
-            return None
-        try:
-            return _values.unpack_tensor(key, raw)
-        except (MooncakeError, ValueError, TypeError, AttributeError) as exc:
-            logger.error("get tensor %r: %s", key, exc)
-            return None
-
-    def put_tensor_from(self, key: str, buffer_ptr: int, size: int) -> int:
-        """Store ``size`` bytes of registered memory that hold a tensor as
-        :meth:`get_tensor_into` left it (header, then data)."""
-        return self.put_from(key, buffer_ptr, size)
-
-    def upsert_tensor_from(self, key: str, buffer_ptr: int, size: int) -> int:
-        """:meth:`put_tensor_from`, replacing an existing object."""
-        return self.upsert_from(key, buffer_ptr, size)
-
-    def batch_put_tensor_from(
-        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
-    ) -> list[int]:
-        """:meth:`put_tensor_from` for many keys."""
-        return self.batch_put_from(keys, buffer_ptrs, sizes)
-
-    def batch_upsert_tensor_from(
-        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
-    ) -> list[int]:
-        """:meth:`upsert_tensor_from` for many keys."""
-        return self.batch_upsert_from(keys, buffer_ptrs, sizes)
-
-    def get_tensor_into(self, key: str, buffer_ptr: int, size: int) -> Any:
-        """Read a tensor object into registered memory; returns a tensor that shares that
-        memory (after the header), or None."""
-        n = self.get_into(key, buffer_ptr, size)
-        return None if n < 0 else self._tensor_at(key, int(buffer_ptr), n)
-
-    def batch_get_tensor_into(
-        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
-    ) -> list[Any]:
-        """:meth:`get_tensor_into` for many keys: per key a tensor or None."""
-        res = self.batch_get_into(keys, buffer_ptrs, sizes)
-        return [
-            None if n < 0 else self._tensor_at(k, int(p), n)
-            for k, p, n in zip(keys, buffer_ptrs, res, strict=False)
-        ]
-
-    def _tensor_at(self, key: str, addr: int, n: int) -> Any:
-        try:
-            view = self._host(addr, n)
-            meta, _ = _values.unpack(key, bytes(view[: min(n, 4096)]))
-            import torch
-
-            head = _values.HEADER.size + _values.HEADER.unpack_from(view)[1]
-            dtype = getattr(torch, str(meta["dtype"]))
-            if head == n:
-                return torch.empty(meta["shape"], dtype=dtype)
-            return torch.frombuffer(view[head:], dtype=dtype).reshape(meta["shape"])
-        except (MooncakeError, ValueError, TypeError, AttributeError, RuntimeError) as exc:
-            logger.error("get_tensor_into %r: %s", key, exc)
-            return None
-
-    # Tensor parallelism: put_tensor_with_tp splits along split_dim into tp_size shards
-    # stored as "<key>_tp_<rank>"; with tp_size <= 1 the whole tensor is stored under key.
-    @staticmethod
-    def _tp_key(key: str, tp_rank: int, tp_size: int) -> str:
-        return key if tp_size <= 1 else f"{key}_tp_{tp_rank}"
-
-    def put_tensor_with_tp(
-        self, key: str, tensor: Any, tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0
-    ) -> int:
-        """Store the ``tp_size`` shards of ``tensor`` (split along ``split_dim``)."""
-        return self.batch_put_tensor_with_tp([key], [tensor], tp_rank, tp_size, split_dim)[0]
-
-    def batch_put_tensor_with_tp(
-        self,
-        base_keys: list[str],
-        tensors_list: list[Any],
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        split_dim: int = 0,
-    ) -> list[int]:
-        """:meth:`put_tensor_with_tp` for many tensors; per key 0 or the first failure."""
-        if len(base_keys) != len(tensors_list) or tp_size < 1:
-            logger.error("batch_put_tensor_with_tp: bad arguments (tp_size %d)", tp_size)
-            return [INVALID_PARAMS] * len(base_keys)
-        keys: list[str] = []
-        shards: list[Any] = []
-        for key, tensor in zip(base_keys, tensors_list, strict=True):
-            try:
-                parts = [tensor] if tp_size == 1 else list(tensor.chunk(tp_size, split_dim))
-            except (AttributeError, IndexError, RuntimeError, TypeError) as exc:
-                logger.error("put_tensor_with_tp %r: %s", key, exc)
-                parts = []
-            if len(parts) != tp_size:
-                return [INVALID_PARAMS] * len(base_keys)
-            keys += [self._tp_key(key, r, tp_size) for r in range(tp_size)]
-            shards += parts
-        res = self.batch_put_tensor(keys, shards)
-        return [
-            next((rc for rc in res[i * tp_size : (i + 1) * tp_size] if rc), 0)
-            for i in range(len(base_keys))
-        ]
-
-    def get_tensor_with_tp(
-        self, key: str, tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0
-    ) -> Any:
-        """This rank's shard (or the whole tensor when ``tp_size`` <= 1), or None."""
-        return self.get_tensor(self._tp_key(key, tp_rank, tp_size))
-
-    def batch_get_tensor_with_tp(
-        self, base_keys: list[str], tp_rank: int = 0, tp_size: int = 1
-    ) -> list[Any]:
-        """:meth:`get_tensor_with_tp` for many keys."""
-        return self.batch_get_tensor([self._tp_key(k, tp_rank, tp_size) for k in base_keys])
 
     # ------------------------------------------------------------------ zero-copy
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
