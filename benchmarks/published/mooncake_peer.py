@@ -41,6 +41,7 @@ __all__ = [
     "run_mooncake_transfer_bench",
     "run_mooncake_store_bench",
     "mooncake_env",
+    "master_command",
     "default_peer_python",
     "free_port",
     "TRANSFER_SCRIPT",
@@ -63,6 +64,22 @@ def default_peer_python() -> str | None:
     )
     py = Path(venv) / "bin" / "python"
     return str(py) if py.is_file() else None
+
+
+def master_command(python: str, rpc: int, http: int, metrics: int) -> list[str]:
+    """The published ``mooncake_master`` of ``python``'s venv on loopback: RPC on ``rpc``, the
+    embedded HTTP metadata server on ``http``, metrics on ``metrics``, no periodic report."""
+    return [
+        str(Path(python).parent / "mooncake_master"),
+        f"--rpc_port={rpc}",
+        "--rpc_address=127.0.0.1",
+        "--enable_http_metadata_server=true",
+        f"--http_metadata_server_port={http}",
+        "--http_metadata_server_host=127.0.0.1",
+        f"--metrics_port={metrics}",
+        "--metrics_host=127.0.0.1",
+        "--enable_metric_reporting=false",
+    ]
 
 
 def mooncake_env() -> dict[str, str]:
@@ -241,17 +258,7 @@ def run_mooncake_store_bench(python: str, quick: bool) -> dict[str, Any]:
         stack.callback(procs.stop_all)
         master = procs.start(
             "master",
-            [
-                str(master_bin),
-                f"--rpc_port={rpc}",
-                "--rpc_address=127.0.0.1",
-                "--enable_http_metadata_server=true",
-                f"--http_metadata_server_port={http}",
-                "--http_metadata_server_host=127.0.0.1",
-                f"--metrics_port={metrics}",
-                "--metrics_host=127.0.0.1",
-                "--enable_metric_reporting=false",
-            ],
+            master_command(python, rpc, http, metrics),
             stdout=False,
         )
         deadline = time.monotonic() + 30

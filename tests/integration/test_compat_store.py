@@ -180,19 +180,8 @@ def their_master(python: str) -> Iterator[tuple[str, str]]:
     free_port = peer().free_port
 
     rpc, http, metrics = free_port(), free_port(), free_port()
-    exe = str(Path(python).parent / "mooncake_master")
     proc = subprocess.Popen(
-        [
-            exe,
-            f"--rpc_port={rpc}",
-            "--rpc_address=127.0.0.1",
-            "--enable_http_metadata_server=true",
-            f"--http_metadata_server_port={http}",
-            "--http_metadata_server_host=127.0.0.1",
-            f"--metrics_port={metrics}",
-            "--metrics_host=127.0.0.1",
-            "--enable_metric_reporting=false",
-        ],
+        peer().master_command(python, rpc, http, metrics),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=_env(False),

@@ -389,24 +389,9 @@ def start_published(side: _Side, python: str) -> None:
     store_script, free_port, mooncake_env = peer.STORE_SCRIPT, peer.free_port, peer.mooncake_env
 
     py = os.path.abspath(python) if os.sep in python else python
-    master_bin = Path(py).parent / "mooncake_master"
     env = mooncake_env()
     rpc, http, metrics = free_port(), free_port(), free_port()
-    m = side.start(
-        "master",
-        [
-            str(master_bin),
-            f"--rpc_port={rpc}",
-            "--rpc_address=127.0.0.1",
-            "--enable_http_metadata_server=true",
-            f"--http_metadata_server_port={http}",
-            "--http_metadata_server_host=127.0.0.1",
-            f"--metrics_port={metrics}",
-            "--metrics_host=127.0.0.1",
-            "--enable_metric_reporting=false",
-        ],
-        env,
-    )
+    m = side.start("master", peer.master_command(py, rpc, http, metrics), env)
     _wait_port(rpc, m, "published mooncake_master")
     _wait_port(http, m, "published mooncake_master (HTTP metadata)")
     master, metadata = f"127.0.0.1:{rpc}", f"http://127.0.0.1:{http}/metadata"
