@@ -53,6 +53,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "conductor": ("mooncake_core.cli.conductor", "conductor tools (fit the cost model)"),
     "proxy": ("mooncake_core.cli.proxy", "OpenAI-compatible prefill/decode proxy"),
+    "p2p": ("mooncake_core.cli.p2p", "P2P store: seed, get, list and remove large blobs"),
+    "top": ("mooncake_core.cli.top", "live terminal view of a cluster's metrics"),
 }
 
 _LOG_HELP = "logging level (default: the config's log.level, MOONCAKE_LOG_LEVEL, else INFO)"

@@ -21,6 +21,8 @@ BENCHES: dict[str, str] = {
     "store": "mooncake_core.bench.store",
     "conductor": "mooncake_core.bench.conductor",
     "ep": "mooncake_core.bench.ep",
+    "p2p": "mooncake_core.bench.p2p",
+    "soak": "mooncake_core.bench.soak",
 }
 
 

@@ -1,0 +1,1 @@
+"""P2P store: etcd-coordinated swarm distribution of large blobs (checkpoints)."""
