@@ -76,5 +76,25 @@ if [ "${MOONCAKE_SKIP_SGLANG:-0}" != 1 ]; then
   .venv/bin/python -c 'import torch, sys; sys.exit(0 if torch.__version__ == "2.13.0+cpu" else "[setup] torch is " + torch.__version__ + ", expected 2.13.0+cpu")'
 fi
 # ------------------------------------------------------------------------------------
+# --- LMDeploy (issue 17: plugins/lmdeploy) ----------------------------------------
+# LMDeploy's real classes (cache engine PD path, migration-backend registry, Mooncake
+# store connector) for the adapter's tests; its engine does not run on CPU. --no-deps
+# keeps torch 2.13.0+cpu (lmdeploy pins torch<=2.12.1); its disagg and kv_connector
+# modules need only mmengine-lite (the registry) and shortuuid beyond what is above.
+# MOONCAKE_SKIP_LMDEPLOY=1 skips this block.
+if [ "${MOONCAKE_SKIP_LMDEPLOY:-0}" != 1 ]; then
+  for spec in lmdeploy==0.18.0 mmengine-lite==0.10.7 shortuuid; do
+    if ! .venv/bin/python -m pip show -q "${spec%%==*}" >/dev/null 2>&1; then
+      echo "[setup] installing $spec"
+      if [ "${spec%%==*}" = lmdeploy ]; then
+        .venv/bin/python -m pip install -q --no-deps "$spec"
+      else
+        .venv/bin/python -m pip install -q "$spec"
+      fi
+    fi
+  done
+  .venv/bin/python -c 'import torch, sys; sys.exit(0 if torch.__version__ == "2.13.0+cpu" else "[setup] torch is " + torch.__version__ + ", expected 2.13.0+cpu")'
+fi
+# ------------------------------------------------------------------------------------
 echo "$hash_now" > "$STAMP"
 echo "[setup] done"
