@@ -1,0 +1,287 @@
+"""What the P2P store keeps in etcd, and the etcd operations it needs.
+
+Keys (``P`` is ``<metadata.prefix>/p2p``; names are percent-quoted so ``/`` in a name
+cannot be confused with the key structure)::
+
+    P/objects/<name>                        manifest (JSON, no lease: lives until unregister)
+    P/holders/<name>/<version>/<segment>    one holder's record (JSON, under the holder's lease)
+
+A *manifest* names the version (a random id), the buffers (sizes and optional labels such
+as file names) and every shard: the buffer it lies in, its offset, length and xxhash
+(xxh3-64) checksum. A *holder record* names the holder's transfer-engine segment, the
+base address of each buffer in its memory, whether it is the original copy, and a bitmap
+of the shards it has. A holder only ever writes its own record, and only while the
+manifest is still the version it holds (a transaction comparing the manifest's revision),
+so a holder of an old version can never be listed under a new one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.parse
+from dataclasses import dataclass, field
+from typing import Any
+
+from mooncake_core.config import parse_size
+from mooncake_core.errors import ConfigError
+from mooncake_core.etcd import EtcdClient
+from mooncake_core.p2p.errors import BadName
+
+__all__ = [
+    "Manifest",
+    "Shard",
+    "Holder",
+    "P2PEtcd",
+    "Keys",
+    "check_name",
+    "check_shard_size",
+    "MIN_SHARD",
+    "MAX_SHARD",
+]
+
+MIN_SHARD = 4 << 10
+MAX_SHARD = 4 << 30
+MAX_NAME = 255
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/:@+=]*$")
+
+
+def check_name(name: object) -> str:
+    """The name itself, or :class:`BadName` saying what is wrong with it."""
+    if not isinstance(name, str):
+        raise BadName(f"name must be a string, got {type(name).__name__}")
+    if not name:
+        raise BadName("name must not be empty")
+    if len(name) > MAX_NAME:
+        raise BadName(f"name {name[:40]!r}... is {len(name)} characters long (at most {MAX_NAME})")
+    if not _NAME_RE.match(name) or "//" in name or name.endswith("/"):
+        raise BadName(
+            f"name {name!r}: use letters, digits and . _ - / : @ + = (starting with a letter "
+            "or digit, no empty path part)"
+        )
+    return name
+
+
+def check_shard_size(value: object) -> int:
+    """``max_shard_size`` in bytes (``"64MB"``, ``1 << 20``), or :class:`BadName`."""
+    try:
+        n = parse_size(value, "max_shard_size")
+    except ConfigError as exc:
+        raise BadName(str(exc)) from None
+    if not MIN_SHARD <= n <= MAX_SHARD:
+        raise BadName(f"max_shard_size {value!r} ({n} bytes) must be between 4 KiB and 4 GiB")
+    return n
+
+
+def _q(text: str) -> str:
+    return urllib.parse.quote(text, safe="")
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names under one prefix."""
+
+    base: str  # e.g. "mooncake/p2p"
+
+    def obj(self, name: str) -> str:
+        return f"{self.base}/objects/{_q(name)}"
+
+    def objects(self, prefix: str = "") -> str:
+        return f"{self.base}/objects/{_q(prefix)}"
+
+    def name_of(self, key: str) -> str:
+        return urllib.parse.unquote(key[len(self.base) + len("/objects/") :])
+
+    def holders(self, name: str, version: str = "") -> str:
+        if not version:
+            return f"{self.base}/holders/{_q(name)}/"
+        return f"{self.base}/holders/{_q(name)}/{version}/"
+
+    def holder(self, name: str, version: str, segment: str) -> str:
+        return f"{self.holders(name, version)}{_q(segment)}"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One shard: ``length`` bytes at ``offset`` of buffer ``buf``, with its checksum."""
+
+    index: int
+    buf: int
+    offset: int
+    length: int
+    xxh: str  # xxh3-64, hex
+
+
+@dataclass
+class Manifest:
+    """A registered name at one version."""
+
+    name: str
+    version: str
+    shard_size: int
+    sizes: list[int]
+    labels: list[str]
+    shards: list[Shard]
+    origin: str  # segment of the original holder
+    created: float = 0.0
+    revision: int = 0  # etcd mod revision of the manifest key (not stored)
+
+    @property
+    def size(self) -> int:
+        return sum(self.sizes)
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {
+                "name": self.name,
+                "version": self.version,
+                "shard_size": self.shard_size,
+                "sizes": self.sizes,
+                "labels": self.labels,
+                "shards": [[s.buf, s.offset, s.length, s.xxh] for s in self.shards],
+                "origin": self.origin,
+                "created": self.created,
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, revision: int = 0) -> Manifest:
+        d = json.loads(raw)
+        shards = [
+            Shard(i, int(b), int(o), int(n), str(x)) for i, (b, o, n, x) in enumerate(d["shards"])
+        ]
+        return cls(
+            name=str(d["name"]),
+            version=str(d["version"]),
+            shard_size=int(d["shard_size"]),
+            sizes=[int(s) for s in d["sizes"]],
+            labels=[str(x) for x in d.get("labels", [])],
+            shards=shards,
+            origin=str(d.get("origin", "")),
+            created=float(d.get("created", 0.0)),
+            revision=revision,
+        )
+
+
+@dataclass
+class Holder:
+    """One holder of a version: its segment, buffer addresses and the shards it has."""
+
+    segment: str
+    addrs: list[int]
+    origin: bool
+    mask: int = 0  # bit i: has shard i
+    pid: int = 0
+    host: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def has(self, shard: int) -> bool:
+        return bool(self.mask >> shard & 1)
+
+    def count(self) -> int:
+        return bin(self.mask).count("1")
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {
+                "segment": self.segment,
+                "addrs": self.addrs,
+                "origin": self.origin,
+                "mask": format(self.mask, "x"),
+                "pid": self.pid,
+                "host": self.host,
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Holder:
+        d = json.loads(raw)
+        return cls(
+            segment=str(d["segment"]),
+            addrs=[int(a) for a in d["addrs"]],
+            origin=bool(d.get("origin", False)),
+            mask=int(str(d.get("mask", "0")) or "0", 16),
+            pid=int(d.get("pid", 0)),
+            host=str(d.get("host", "")),
+        )
+
+
+class P2PEtcd(EtcdClient):
+    """:class:`~mooncake_core.etcd.EtcdClient` plus the revision-guarded operations the P2P
+    store needs (reads with revisions, writes guarded by another key's revision)."""
+
+    def get_rev(self, key: str) -> tuple[bytes, int] | None:
+        """``(value, mod_revision)`` of ``key``, or None."""
+
+        async def f() -> tuple[bytes, int] | None:
+            r = await self._client.get(key.encode())
+            return None if r is None else (bytes(r.value), int(r.mod_revision))
+
+        return self._run(f())
+
+    def get_prefix_rev(self, prefix: str) -> dict[str, tuple[bytes, int]]:
+        async def f() -> dict[str, tuple[bytes, int]]:
+            r = await self._client.get_prefix(prefix.encode())
+            return {kv.key.decode(): (bytes(kv.value), int(kv.mod_revision)) for kv in r}
+
+        return self._run(f())
+
+    def put_guarded(
+        self, guard: str, revision: int, key: str, value: bytes, lease: int | None = None
+    ) -> bool:
+        """Put ``key`` only while ``guard`` is still at mod revision ``revision``."""
+
+        async def f() -> bool:
+            c = self._client
+            cmp = [c.transactions.mod(guard.encode()) == revision]
+            put = [
+                c.transactions.put(
+                    key.encode(), value, lease=self._leases.get(lease) if lease else None
+                )
+            ]
+            ok, _ = await c.transaction(compare=cmp, success=put, failure=[])
+            return bool(ok)
+
+        return self._run(f())
+
+    def create_rev(self, key: str, value: bytes) -> int | None:
+        """Create ``key`` when absent; its mod revision, or None when it existed."""
+
+        async def f() -> int | None:
+            c = self._client
+            cmp = [c.transactions.create(key.encode()) == 0]
+            ok, _ = await c.transaction(
+                compare=cmp, success=[c.transactions.put(key.encode(), value)], failure=[]
+            )
+            if not ok:
+                return None
+            r = await c.get(key.encode())
+            return None if r is None else int(r.mod_revision)
+
+        return self._run(f())
+
+    def replace_rev(self, key: str, value: bytes) -> int:
+        """Put ``key`` unconditionally; its new mod revision."""
+
+        async def f() -> int:
+            await self._client.put(key.encode(), value)
+            r = await self._client.get(key.encode())
+            return int(r.mod_revision)
+
+        return self._run(f())
+
+    def delete_guarded(self, key: str, revision: int) -> bool:
+        """Delete ``key`` only while it is at mod revision ``revision``."""
+
+        async def f() -> bool:
+            c = self._client
+            ok, _ = await c.transaction(
+                compare=[c.transactions.mod(key.encode()) == revision],
+                success=[c.transactions.delete(key.encode())],
+                failure=[],
+            )
+            return bool(ok)
+
+        return self._run(f())

@@ -1,0 +1,495 @@
+""":class:`P2PStore`: register, fetch, serve, list and remove named blobs in a swarm.
+
+Each process opens one store (one transfer engine, one etcd lease). Whatever it has
+registered or fetched it serves to later readers through its engine until it deletes the
+replica, unregisters the name, closes the store or dies (then its lease expires and its
+holder records vanish from etcd).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+import builtins
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mooncake_core.config import MooncakeConfig, load_config
+from mooncake_core.errors import SegmentError, SegmentOverlap
+from mooncake_core.p2p.buffers import Source, collect
+from mooncake_core.p2p.errors import BadName, NameExists, NameNotFound, P2PError, VersionChanged
+from mooncake_core.p2p.fetch import Download, Progress, checksum
+from mooncake_core.p2p.meta import (
+    Holder,
+    Keys,
+    Manifest,
+    P2PEtcd,
+    Shard,
+    check_name,
+    check_shard_size,
+)
+from mooncake_core.transfer import ManagedBuffer, Region, TransferEngine
+
+__all__ = ["P2PStore", "Replica", "ObjectInfo"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ObjectInfo:
+    """One entry of :meth:`P2PStore.list`."""
+
+    name: str
+    version: str
+    size: int
+    shard_size: int
+    shards: int
+    sizes: list[int]
+    labels: list[str]
+    origin: str
+    holders: list[str]  # segments with at least one shard (live: under a lease)
+    complete: int  # holders with every shard
+    created: float
+
+
+@dataclass
+class Replica:
+    """A name this process holds (registered or fetched) and serves.
+
+    ``buffers[i]`` is buffer ``i`` of the name (``labels[i]`` names it, e.g. a file);
+    the memory stays valid until :meth:`P2PStore.delete_replica` / :meth:`P2PStore.close`.
+    """
+
+    name: str
+    version: str
+    size: int
+    shard_size: int
+    labels: list[str]
+    buffers: list[memoryview]
+    origin: bool
+    stats: dict[str, float | int] = field(default_factory=dict)
+
+    def tobytes(self) -> bytes:
+        """Every buffer, concatenated (a copy)."""
+        return b"".join(bytes(b) for b in self.buffers)
+
+
+@dataclass
+class _Held:
+    manifest: Manifest
+    holder: Holder
+    replica: Replica
+    sources: list[Source] = field(default_factory=list)
+    regions: list[Region] = field(default_factory=list)
+    managed: ManagedBuffer | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _shards(sizes: list[int], shard_size: int) -> list[tuple[int, int, int]]:
+    out = []
+    for b, size in enumerate(sizes):
+        for off in range(0, size, shard_size):
+            out.append((b, off, min(shard_size, size - off)))
+    return out
+
+
+class P2PStore:
+    """The P2P store of this process.
+
+    Args:
+        etcd: ``etcd://host:port[,host:port]`` (coordination: manifests and holders).
+        engine: a started or unstarted transfer engine to serve and fetch with; by default
+            one is made from ``config`` (its ``local_hostname`` is the address peers use).
+        config: configuration for that engine (default :func:`load_config`).
+        lease_ttl: seconds after which a dead process's holder records vanish.
+        prefix: etcd key prefix (default ``<metadata.prefix>/p2p``).
+    """
+
+    def __init__(
+        self,
+        etcd: str,
+        *,
+        engine: TransferEngine | None = None,
+        config: MooncakeConfig | None = None,
+        lease_ttl: float = 10.0,
+        prefix: str | None = None,
+        timeout: float = 5.0,
+    ) -> None:
+        if not lease_ttl >= 1:
+            raise BadName(f"lease_ttl must be at least 1 second, got {lease_ttl!r}")
+        cfg = config if config is not None else (engine.config if engine else load_config())
+        self._own_engine = engine is None
+        self.engine = engine if engine is not None else TransferEngine(cfg)
+        self.engine.start()
+        self.keys = Keys((prefix or f"{cfg.metadata.prefix.rstrip('/')}/p2p").rstrip("/"))
+        try:
+            self.etcd = P2PEtcd(etcd, timeout=timeout)
+            self.lease = self.etcd.grant_lease(lease_ttl)
+        except BaseException:
+            if self._own_engine:
+                self.engine.close()
+            raise
+        self.segment = self.engine.name
+        self._held: dict[str, _Held] = {}
+        self._lock = threading.RLock()
+        self._closed = False
+
+    def __enter__(self) -> P2PStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ helpers
+    def _manifest(self, name: str) -> Manifest:
+        got = self.etcd.get_rev(self.keys.obj(name))
+        if got is None:
+            raise NameNotFound(f"no P2P object named {name!r} is registered")
+        return Manifest.from_json(got[0], got[1])
+
+    def _holder_record(self, addrs: list[int], origin: bool) -> Holder:
+        return Holder(self.segment, addrs, origin, 0, os.getpid(), socket.gethostname())
+
+    def _announce(self, held: _Held, mask: int) -> bool:
+        with held.lock:
+            held.holder.mask |= mask
+            m = held.manifest
+            return self.etcd.put_guarded(
+                self.keys.obj(m.name),
+                m.revision,
+                self.keys.holder(m.name, m.version, self.segment),
+                held.holder.to_json(),
+                lease=self.lease,
+            )
+
+    def _register_memory(self, sources: list[Source], name: str) -> list[Region]:
+        regions: list[Region] = []
+        try:
+            for i, s in enumerate(sources):
+                if s.size == 0:
+                    continue
+                try:
+                    regions.append(self.engine.register(s.owner, name=f"p2p:{name}:{i}"))
+                except SegmentOverlap:
+                    # already registered with this engine (e.g. the caller's own buffer)
+                    self.engine.segments.find(s.addr, s.size)
+        except BaseException:
+            for r in regions:
+                self.engine.unregister(r)
+            raise
+        return regions
+
+    def _drop(self, held: _Held, *, delete_key: bool = True) -> None:
+        m = held.manifest
+        if delete_key:
+            with contextlib.suppress(Exception):
+                self.etcd.delete(self.keys.holder(m.name, m.version, self.segment))
+        for r in held.regions:
+            with contextlib.suppress(SegmentError):
+                self.engine.unregister(r)
+        if held.managed is not None:
+            with contextlib.suppress(SegmentError):
+                self.engine.free(held.managed)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise P2PError("this P2P store is closed")
+
+    # ------------------------------------------------------------------ API
+    def register(
+        self,
+        name: str,
+        buffers: Any,
+        *,
+        max_shard_size: int | str = "64MB",
+        force: bool = False,
+    ) -> Replica:
+        """Publish ``buffers`` under ``name`` and serve them from this process.
+
+        Raises:
+            BadName: a bad name, shard size or buffer; nothing to publish.
+            NameExists: ``name`` is registered already (``force=True`` replaces it: readers
+                of the old version are then told, see :class:`VersionChanged`).
+        """
+        self._check_open()
+        check_name(name)
+        shard_size = check_shard_size(max_shard_size)
+        sources = collect(buffers)
+        sizes = [s.size for s in sources]
+        if sum(sizes) == 0:
+            raise BadName(f"{name!r}: nothing to publish (every buffer is empty)")
+        shards = [
+            Shard(i, b, off, n, checksum(sources[b].view[off : off + n]))
+            for i, (b, off, n) in enumerate(_shards(sizes, shard_size))
+        ]
+        m = Manifest(
+            name=name,
+            version=uuid.uuid4().hex,
+            shard_size=shard_size,
+            sizes=sizes,
+            labels=[s.label for s in sources],
+            shards=shards,
+            origin=self.segment,
+            created=time.time(),
+        )
+        with self._lock:
+            old = self._held.get(name)
+            if old is not None and not force:
+                raise NameExists(
+                    f"{name!r} is already held by this process; pass force=True to replace it"
+                )
+            regions = self._register_memory(sources, name)
+            key = self.keys.obj(name)
+            try:
+                rev = self.etcd.create_rev(key, m.to_json())
+                if rev is None:
+                    if not force:
+                        raise NameExists(self._exists_message(name))
+                    self.etcd.delete_prefix(self.keys.holders(name))
+                    rev = self.etcd.replace_rev(key, m.to_json())
+                m.revision = rev
+                holder = self._holder_record([s.addr for s in sources], True)
+                replica = Replica(
+                    name,
+                    m.version,
+                    m.size,
+                    shard_size,
+                    m.labels,
+                    [s.view for s in sources],
+                    True,
+                )
+                held = _Held(m, holder, replica, sources, regions)
+                if not self._announce(held, (1 << len(shards)) - 1):
+                    raise VersionChanged(f"{name!r} was registered again while registering it")
+            except BaseException:
+                for r in regions:
+                    with contextlib.suppress(SegmentError):
+                        self.engine.unregister(r)
+                raise
+            if old is not None:
+                self._drop(old, delete_key=False)
+            self._held[name] = held
+        logger.info(
+            "p2p: registered %s (%d bytes, %d shard(s) of <= %d bytes, version %s)",
+            name,
+            m.size,
+            len(shards),
+            shard_size,
+            m.version[:12],
+        )
+        return replica
+
+    def _exists_message(self, name: str) -> str:
+        try:
+            info = next((o for o in self.list(name) if o.name == name), None)
+        except P2PError:
+            info = None
+        if info is None:
+            return f"{name!r} is already registered; pass force=True to replace it"
+        return (
+            f"{name!r} is already registered (version {info.version[:12]}, {info.size} bytes, "
+            f"{len(info.holders)} live holder(s)); pass force=True to replace it or "
+            "unregister it first"
+        )
+
+    def get_replica(
+        self,
+        name: str,
+        into: Any = None,
+        *,
+        swarm: bool = True,
+        concurrency: int = 4,
+        origin_streams: int = 2,
+        progress: Callable[[Progress], None] | None = None,
+        timeout: float | None = None,
+        stall_timeout: float = 20.0,
+    ) -> Replica:
+        """Fetch every shard of ``name`` (verified) and serve them from here afterwards.
+
+        Args:
+            into: memory to fetch into: one buffer of at least the total size, or one buffer
+                per buffer of the name with the same sizes; by default shared memory the
+                engine allocates.
+            swarm: False fetches from the original copy only (the seeder-only baseline).
+            concurrency: shards fetched at once; ``origin_streams`` of them at most from
+                the original copy (readers' replicas are preferred).
+            progress: called after every verified shard.
+            timeout: seconds for one shard's read (default: the engine's).
+            stall_timeout: give up when no holder can supply any remaining shard this long.
+
+        Raises:
+            NameNotFound: no such name, or it was unregistered during the download.
+            VersionChanged: it was registered again (a new version) during the download.
+            ShardUnavailable: no live holder could supply some shard intact.
+        """
+        self._check_open()
+        check_name(name)
+        m = self._manifest(name)
+        with self._lock:
+            cur = self._held.get(name)
+            if cur is not None:
+                if cur.manifest.version == m.version:
+                    return cur.replica
+                self._drop(self._held.pop(name))
+        managed: ManagedBuffer | None = None
+        regions: list[Region] = []
+        if into is None:
+            if m.size:
+                managed = self.engine.allocate(m.size, name=f"p2p:{name}")
+                base = managed.addr
+                mv = managed.view
+            else:
+                base, mv = 0, memoryview(bytearray(0))
+            addrs, views, off = [], [], 0
+            for s in m.sizes:
+                addrs.append(base + off)
+                views.append(mv[off : off + s])
+                off += s
+        else:
+            srcs = collect(into)
+            if len(srcs) == 1 and srcs[0].size >= m.size:
+                addrs = list(srcs[0].addr + sum(m.sizes[:i]) for i in range(len(m.sizes)))
+                views, off = [], 0
+                for s in m.sizes:
+                    views.append(srcs[0].view[off : off + s])
+                    off += s
+            elif [s.size for s in srcs] == m.sizes:
+                addrs = [s.addr for s in srcs]
+                views = [s.view for s in srcs]
+            else:
+                raise BadName(
+                    f"into: {sum(s.size for s in srcs)} bytes in {len(srcs)} buffer(s), but "
+                    f"{name!r} needs {m.size} bytes in one buffer or buffers of sizes {m.sizes}"
+                )
+            regions = self._register_memory(srcs, name)
+        holder = self._holder_record(addrs, False)
+        replica = Replica(name, m.version, m.size, m.shard_size, m.labels, views, False)
+        held = _Held(m, holder, replica, [], regions, managed)
+        dl = Download(
+            engine=self.engine,
+            etcd=self.etcd,
+            keys=self.keys,
+            manifest=m,
+            dest_addrs=addrs,
+            me=self.segment,
+            announce=lambda mask: self._announce(held, mask),
+            swarm=swarm,
+            concurrency=concurrency,
+            origin_streams=origin_streams,
+            stall_timeout_s=stall_timeout,
+            timeout_s=timeout,
+            progress=progress,
+        )
+        try:
+            stats = dl.run()
+        except BaseException:
+            self._drop(held)
+            raise
+        replica.stats = stats.as_dict()
+        with self._lock:
+            self._held[name] = held
+        logger.info(
+            "p2p: fetched %s (%d bytes in %.2fs: %d shard(s) from peers, %d from the origin, "
+            "%d corrupt, %d failed)",
+            name,
+            m.size,
+            stats.seconds,
+            stats.from_peers,
+            stats.from_origin,
+            stats.corrupt,
+            stats.failed,
+        )
+        return replica
+
+    def delete_replica(self, name: str) -> None:
+        """Stop serving this process's replica of ``name`` and free its memory.
+
+        Raises:
+            NameNotFound: this process holds no replica of ``name``.
+        """
+        check_name(name)
+        with self._lock:
+            held = self._held.pop(name, None)
+        if held is None:
+            raise NameNotFound(f"this process holds no replica of {name!r}")
+        self._drop(held)
+
+    def unregister(self, name: str) -> None:
+        """Remove ``name`` for everyone: its manifest and every holder record. Readers in
+        the middle of a download get :class:`NameNotFound`; holders stop being listed
+        (processes that hold it free their memory on :meth:`delete_replica` / exit).
+
+        Raises:
+            NameNotFound: ``name`` is not registered.
+        """
+        self._check_open()
+        check_name(name)
+        m = self._manifest(name)
+        if not self.etcd.delete_guarded(self.keys.obj(name), m.revision):
+            raise VersionChanged(f"{name!r} changed while unregistering it; try again")
+        self.etcd.delete_prefix(self.keys.holders(name))
+        with self._lock:
+            held = self._held.pop(name, None)
+        if held is not None:
+            self._drop(held, delete_key=False)
+        logger.info("p2p: unregistered %s (version %s)", name, m.version[:12])
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Every registered name starting with ``prefix``, sorted, with its live holders."""
+        if not isinstance(prefix, str):
+            raise BadName(f"prefix must be a string, got {type(prefix).__name__}")
+        objs = self.etcd.get_prefix_rev(self.keys.objects(prefix))
+        out = []
+        for key, (raw, rev) in sorted(objs.items()):
+            try:
+                m = Manifest.from_json(raw, rev)
+            except (ValueError, KeyError, TypeError):
+                logger.warning("p2p: ignoring a malformed manifest at %s", key)
+                continue
+            holders = []
+            for raw_h, _ in self.etcd.get_prefix_rev(self.keys.holders(m.name, m.version)).values():
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    holders.append(Holder.from_json(raw_h))
+            full = (1 << len(m.shards)) - 1
+            out.append(
+                ObjectInfo(
+                    name=m.name,
+                    version=m.version,
+                    size=m.size,
+                    shard_size=m.shard_size,
+                    shards=len(m.shards),
+                    sizes=m.sizes,
+                    labels=m.labels,
+                    origin=m.origin,
+                    holders=sorted(h.segment for h in holders if h.mask),
+                    complete=sum(1 for h in holders if h.mask & full == full),
+                    created=m.created,
+                )
+            )
+        return out
+
+    def held(self) -> builtins.list[str]:
+        """Names this process holds and serves."""
+        with self._lock:
+            return sorted(self._held)
+
+    def close(self) -> None:
+        """Stop serving everything, withdraw this process's holder records, release."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            held = list(self._held.values())
+            self._held.clear()
+        for h in held:
+            self._drop(h)
+        with contextlib.suppress(Exception):
+            self.etcd.close()  # revokes the lease: whatever was left vanishes
+        if self._own_engine:
+            self.engine.close()
