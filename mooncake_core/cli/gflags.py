@@ -372,7 +372,8 @@ def _f(name: str, type_: str, default: str, kind: str, note: str = "") -> Flag:
 
 _NO_EFFECT_RPC = "the master serves RPC on one event loop"
 _SNAPSHOT = "published snapshots are not supported (HA compacts its oplog instead)"
-_KV_EVENTS = "the master publishes no KV events"
+_KV_EVENTS = "not emitted on our events either"
+_KV_COMPAT = "our events always carry both the vLLM fields and object_key"
 _NOF = "NVMe-oF segments are not supported"
 _OFFLOAD = "master-driven offload is not supported (clients have an SSD tier, store.ssd_path)"
 _DYN = "dynamic replication is not supported"
@@ -470,17 +471,17 @@ MASTER_FLAGS: tuple[Flag, ...] = (
     _f("snapshot_payload_backend_type", "string", "", "noop", _SNAPSHOT),
     _f("snapshot_payload_store_type", "string", "", "noop", _SNAPSHOT),
     _f("snapshot_retention_count", "uint32", "2", "noop", _SNAPSHOT),
-    _f("enable_kv_events", "bool", "false", "off", _KV_EVENTS),
+    _f("enable_kv_events", "bool", "false", "map"),
     _f("kv_events_additional_salt", "string", "", "noop", _KV_EVENTS),
-    _f("kv_events_backend_id", "string", "", "noop", _KV_EVENTS),
-    _f("kv_events_bind_endpoint", "string", "", "noop", _KV_EVENTS),
+    _f("kv_events_backend_id", "string", "", "map"),
+    _f("kv_events_bind_endpoint", "string", "", "map"),
     _f("kv_events_block_size", "uint32", "0", "noop", _KV_EVENTS),
     _f("kv_events_dp_rank", "uint32", "0", "noop", _KV_EVENTS),
-    _f("kv_events_emit_legacy_compat", "bool", "true", "noop", _KV_EVENTS),
-    _f("kv_events_emit_object_key", "bool", "true", "noop", _KV_EVENTS),
+    _f("kv_events_emit_legacy_compat", "bool", "true", "noop", _KV_COMPAT),
+    _f("kv_events_emit_object_key", "bool", "true", "noop", _KV_COMPAT),
     _f("kv_events_lora_name", "string", "", "noop", _KV_EVENTS),
     _f("kv_events_model_name", "string", "", "noop", _KV_EVENTS),
-    _f("kv_events_queue_capacity", "uint32", "65536", "noop", _KV_EVENTS),
+    _f("kv_events_queue_capacity", "uint32", "65536", "map"),
     _f("kv_events_tenant_id", "string", "default", "noop", _KV_EVENTS),
     _f("enable_multi_tenants", "bool", "false", "off", "multi-tenant quotas are not supported"),
     _f("tenant_quota_connector_type", "string", "file", "noop", "no multi-tenant quotas"),

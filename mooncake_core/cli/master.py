@@ -136,6 +136,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--placement", choices=["random", "free-ratio-first", "local-first"], default=None
     )
     parser.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        help="publish KV events of stored/evicted/removed objects on this ZMQ endpoint "
+        "(tcp://127.0.0.1:5557; vLLM's event format)",
+    )
+    parser.add_argument(
+        "--kv-events-queue",
+        type=int,
+        default=None,
+        help="most KV events waiting to be sent; the oldest are dropped beyond (65536)",
+    )
+    parser.add_argument(
         "--ready-file",
         default=None,
         help="write {rpc_port, http_port, metadata_port, pid} here once listening",
@@ -165,6 +177,9 @@ class Published:
     ha_url: str | None = None
     cluster_id: str | None = None
     store: dict[str, Any] = field(default_factory=dict)
+    kv_events_endpoint: str = ""
+    kv_events_queue: int | None = None
+    kv_events_backend_id: str = ""
     log_level: str | None = None
     warnings: list[str] = field(default_factory=list)
 
@@ -269,6 +284,14 @@ def resolve_published(
             )
         store["placement"] = _STRATEGIES[strategy]
     out.store = store
+    if v("enable_kv_events", False):
+        # published default binds every interface; ours loopback unless an address is given
+        out.kv_events_endpoint = str(v("kv_events_bind_endpoint", "") or "tcp://127.0.0.1:5557")
+    elif v("kv_events_bind_endpoint", ""):
+        out.warnings.append("--kv_events_bind_endpoint: no effect without --enable_kv_events")
+    if "kv_events_queue_capacity" in values:
+        out.kv_events_queue = int(values["kv_events_queue_capacity"])
+    out.kv_events_backend_id = str(v("kv_events_backend_id", "") or "")
     if "minloglevel" in values:
         out.log_level = _GLOG_LEVELS.get(min(max(int(values["minloglevel"]), 0), 3), "INFO")
     if int(v("v", 0) or 0) > 0:
@@ -341,6 +364,13 @@ def run(args: argparse.Namespace) -> int:
         serve_metadata=serve_metadata,
         ha_lease_ttl_s=args.ha_lease_ttl,
         snapshot_every=args.ha_snapshot_every,
+        kv_events_endpoint=args.kv_events_endpoint or pub.kv_events_endpoint,
+        kv_events_queue=(
+            args.kv_events_queue
+            if args.kv_events_queue is not None
+            else (pub.kv_events_queue if pub.kv_events_queue is not None else 65536)
+        ),
+        kv_events_backend_id=pub.kv_events_backend_id,
     )
     metadata_host = pub.metadata_host or host
     metadata_port = pub.metadata_port

@@ -118,6 +118,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "as fetchable (no value: master_server_address of the project config)",
     )
     g.add_argument(
+        "--store-events",
+        default=None,
+        metavar="ENDPOINT",
+        help="instead of --store-master: the store master's KV-event endpoint "
+        "(its --kv-events-endpoint); the pool's holdings come from its events",
+    )
+    g.add_argument(
+        "--store-holders",
+        default=None,
+        metavar="SEG,SEG",
+        help="with --store-events: each prefill instance's store segment name (instance order); "
+        "pages in an instance's segment count as cached there",
+    )
+    g.add_argument(
         "--store-dtype",
         default=None,
         metavar="DTYPE",
@@ -199,8 +213,18 @@ def run(args: argparse.Namespace) -> int:
                     "--store-master needs --store-dtype: the dtype the engine instances run with "
                     "(e.g. float32 or bfloat16)"
                 )
+            if args.store_events:
+                raise ConfigError("give --store-master or --store-events, not both")
+        elif args.store_events:
+            if not args.store_dtype:
+                raise ConfigError(
+                    "--store-events needs --store-dtype: the dtype the engine instances run with "
+                    "(e.g. float32 or bfloat16)"
+                )
         elif args.store_dtype or args.store_model:
             raise ConfigError("--store-dtype and --store-model need --store-master")
+        if args.store_holders and not args.store_events:
+            raise ConfigError("--store-holders needs --store-events")
         opts = {
             "reject": args.reject,
             "slo_ttft_s": args.slo_ttft,
@@ -214,6 +238,10 @@ def run(args: argparse.Namespace) -> int:
             "store_model": args.store_model,
             "store_tp": args.store_tp,
             "store_timeout_s": args.store_timeout,
+            "store_events": args.store_events,
+            "store_holders": (
+                [h.strip() for h in args.store_holders.split(",")] if args.store_holders else None
+            ),
         }
     elif (
         args.reject
@@ -222,6 +250,7 @@ def run(args: argparse.Namespace) -> int:
         or args.slo_tbt
         or args.kv_events
         or store is not None
+        or args.store_events
     ):
         raise ConfigError(
             "--reject, --slo-*, --profile, --kv-events, --store-master need --policy global-cache "

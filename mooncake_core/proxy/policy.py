@@ -95,6 +95,8 @@ class Job:
             policy asks for them), else its text; for cache-aware policies.
         max_tokens: tokens to generate.
         store_blocks: leading blocks of the prompt the shared store holds (``None``: not looked up).
+        instance_blocks: per prefill instance, leading blocks in its own store segment (from the
+            store's events; ``None``: not known).
     """
 
     rid: int
@@ -103,6 +105,7 @@ class Job:
     max_tokens: int = 16
     arrival: float = field(default_factory=time.monotonic)
     store_blocks: int | None = None
+    instance_blocks: list[int] | None = None
 
 
 @dataclass
@@ -240,6 +243,11 @@ class GlobalCachePolicy(RoutingPolicy):
             the ``root`` in the first prefill instance's ``/v1/models``) and TP size.
         store_timeout_s: longest a store lookup may take; slower or failed ones count as
             "nothing stored" (one warning, then lookups pause for 10 s).
+        store_events: instead of ``store_master``, the master's KV-event endpoint
+            (:mod:`mooncake_core.proxy.store_events`): the pool's holdings come from its events,
+            with no RPC per request.
+        store_holders: with ``store_events``, the segment name of each prefill instance's store
+            client: pages held in an instance's segment count as cached on that instance.
     """
 
     name = conductor_policy.GlobalCachePolicy.name
@@ -260,6 +268,8 @@ class GlobalCachePolicy(RoutingPolicy):
         store_model: str | None = None,
         store_tp: int = 1,
         store_timeout_s: float = 0.5,
+        store_events: str | None = None,
+        store_holders: Sequence[str] | None = None,
     ) -> None:
         super().__init__(prefill, decode)
         if kv_events and len(kv_events) != len(self.prefill):
@@ -287,7 +297,25 @@ class GlobalCachePolicy(RoutingPolicy):
         )
         self.block_tokens = prof.block_tokens
         self.store: Any = None
-        if store_master:
+        if store_events and store_master:
+            raise ConfigError("give --store-master or --store-events, not both")
+        if store_holders and len(store_holders) != len(self.prefill):
+            raise ConfigError(
+                f"give one store holder per prefill instance: {len(store_holders)} for "
+                f"{len(self.prefill)} instances"
+            )
+        if store_events:
+            from mooncake_core.proxy.store_events import StoreEvents
+
+            self.store = StoreEvents(
+                store_events,
+                self.block_tokens,
+                store_dtype or "",
+                store_tp,
+                holders=list(store_holders or ()),
+            )
+            self._store_model = store_model
+        elif store_master:
             from mooncake_core.proxy.storelookup import StoreLookup
 
             self.store = StoreLookup(
@@ -355,6 +383,8 @@ class GlobalCachePolicy(RoutingPolicy):
         if self.store is None or not await self._ensure_scheme():
             return
         job.store_blocks = await self.store.aheld_pages(job.prompt_key)
+        if hasattr(self.store, "held_by"):
+            job.instance_blocks = self.store.held_by(job.prompt_key)
 
     def choose(self, job: Job) -> Placement:
         from mooncake_core.conductor import Request
@@ -373,11 +403,20 @@ class GlobalCachePolicy(RoutingPolicy):
         if held:
             self.conductor.store_put(held)
             self.counters["store_blocks_seen"] += len(held)
+        # pages in an instance's own segment (store events): cached there, for this decision only
+        local: list[tuple[int, list[int]]] = []
+        for i, n in enumerate(job.instance_blocks or ()):
+            new = [b for b in blocks[:n] if not self.conductor.index.holds(i, b)]
+            if new:
+                self.conductor.kv_stored(i, new)
+                local.append((i, new))
         try:
             d = self.conductor.decide(req, now=req.arrival_s)
         finally:
             if held:
                 self.conductor.store_removed(held)
+            for i, new in local:
+                self.conductor.kv_removed(i, new)
         if d.rejected:
             raise RequestRejected(
                 f"rejected early: {d.reason} "

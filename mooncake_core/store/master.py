@@ -63,6 +63,10 @@ class MasterServer:
         serve_metadata: also serve the HTTP metadata protocol at ``/metadata``.
         tick_s: period of the background checks.
         ha_lease_ttl_s: etcd lease of the leader key (failover takes about this long).
+        kv_events_endpoint: bind a ZMQ PUB socket there and publish KV events of every
+            object stored, evicted or removed (:mod:`mooncake_core.store.kvevents`); "" = off.
+        kv_events_queue: most events waiting to be sent (oldest dropped beyond).
+        kv_events_backend_id: copied into every event.
     """
 
     def __init__(
@@ -80,6 +84,9 @@ class MasterServer:
         tick_s: float = 0.2,
         ha_lease_ttl_s: float = 2.0,
         snapshot_every: int = 2000,
+        kv_events_endpoint: str = "",
+        kv_events_queue: int = 65536,
+        kv_events_backend_id: str = "",
     ) -> None:
         self.cfg = cfg or StoreConfig()
         self.state = MasterState(self.cfg)
@@ -95,6 +102,10 @@ class MasterServer:
         self.snapshot_every = snapshot_every
         self._snap_seq = 0
         self._snapshotting = False
+        self.kv_events_endpoint = kv_events_endpoint
+        self.kv_events_queue = kv_events_queue
+        self.kv_events_backend_id = kv_events_backend_id
+        self.kv_events: Any = None  # KVEventPublisher once started
         self.id = uuid.uuid4().hex[:12]
         self.role = "starting"
         self.leader_hint = ""
@@ -541,13 +552,20 @@ class MasterServer:
         self._apply(batches)
         return len(batches)
 
+    def _change_sink(self) -> Callable[[tuple[Any, ...]], None]:
+        """Where the state's change entries go: the oplog, and the KV-event publisher if on."""
+        if self.kv_events is None:
+            return self._log.append
+        sink: Callable[[tuple[Any, ...]], None] = self.kv_events.sink(self._log.append, self.state)
+        return sink
+
     def _apply(self, batches: list[tuple[int, list[Any]]]) -> None:
         now = time.monotonic()
         self.state.on_change = None  # replaying: nothing to re-log
         try:
             self._replay(batches, now)
         finally:
-            self.state.on_change = self._log.append
+            self.state.on_change = self._change_sink()
             self._log.clear()
 
     def _replay(self, batches: list[tuple[int, list[Any]]], now: float) -> None:
@@ -605,7 +623,10 @@ class MasterServer:
             )
 
         async def stats(_r: web.Request) -> web.Response:
-            return web.json_response(self.state.stats())
+            out = self.state.stats()
+            if self.kv_events is not None:
+                out = {**out, "kv_events": self.kv_events.stats()}
+            return web.json_response(out)
 
         app.router.add_get("/metrics", metrics)
         app.router.add_get("/health", health)
@@ -641,6 +662,14 @@ class MasterServer:
             srv: Any = site._server
             self.http_port = srv.sockets[0].getsockname()[1]
         rpc = self.advertise or f"{self.host}:{self.rpc_port}"
+        if self.kv_events_endpoint and self.kv_events is None:
+            from mooncake_core.store.kvevents import KVEventPublisher
+
+            self.kv_events = KVEventPublisher(
+                self.kv_events_endpoint,
+                queue_capacity=self.kv_events_queue,
+                backend_id=self.kv_events_backend_id,
+            )
         self._tasks.append(asyncio.ensure_future(self._ticker()))
         if self.ha_url:
             from mooncake_core.store.ha import LeaderInfo, StoreEtcd, leader_addresses
@@ -656,11 +685,11 @@ class MasterServer:
             self._etcd = await loop.run_in_executor(None, StoreEtcd, self.ha_url, self.cluster_id)
             self._me = LeaderInfo(self.id, rpc, http)
             self.role = "standby"
-            self.state.on_change = self._log.append
+            self.state.on_change = self._change_sink()
             self._tasks.append(asyncio.ensure_future(self._flusher()))
             self._tasks.append(asyncio.ensure_future(self._ha_loop()))
         else:
-            self.state.on_change = self._log.append
+            self.state.on_change = self._change_sink()
             self.role = "leader"
             self.leader_hint = rpc
         logger.info(
@@ -687,6 +716,9 @@ class MasterServer:
         if self._etcd is not None:
             etcd, self._etcd = self._etcd, None
             await asyncio.get_running_loop().run_in_executor(None, etcd.close)
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
 
     async def serve_forever(self) -> None:
         await self.start()

@@ -340,9 +340,9 @@ def test_mooncake_master_console_script_package(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert "mooncake-core" in r.stdout
     r = subprocess.run(
-        [str(script), "--enable_kv_events"], capture_output=True, text=True, timeout=60
+        [str(script), "--enable_offload"], capture_output=True, text=True, timeout=60
     )
-    assert r.returncode == 2 and "--enable_kv_events=true: not supported" in r.stderr
+    assert r.returncode == 2 and "--enable_offload=true: not supported" in r.stderr
 
 
 @pytest.mark.slow
