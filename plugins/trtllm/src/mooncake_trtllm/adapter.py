@@ -12,6 +12,16 @@ from mooncake_core.plugins import AdapterInfo, hookimpl
 
 ENGINE = "trtllm"
 ENGINE_MODULE = "tensorrt_llm"
+CONNECTOR = "mooncake_trtllm.connector"
+
+
+def conformance_status() -> str:
+    """The last conformance result recorded for this adapter (see docs/conformance.md)."""
+    if importlib.util.find_spec("mooncake_conformance") is None:
+        return "unknown (mooncake-conformance is not installed)"
+    from mooncake_conformance.status import describe
+
+    return describe(ENGINE, "mooncake_trtllm")
 
 
 @hookimpl
@@ -22,6 +32,8 @@ def mooncake_adapter_info() -> AdapterInfo:
         package="mooncake-trtllm",
         engine="TensorRT-LLM",
         engine_installed=importlib.util.find_spec(ENGINE_MODULE) is not None,
-        conformance="not yet run",
-        status="skeleton: registration only",
+        conformance=conformance_status(),
+        status=f"KV cache connector {CONNECTOR} (kv_connector_config, TensorRT-LLM 1.2 "
+        "interface); tested with stand-ins for TensorRT-LLM's request/config types "
+        "(TensorRT-LLM cannot run here)",
     )
