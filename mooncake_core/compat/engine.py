@@ -159,6 +159,39 @@ class TransferNotify:
 RPC_PORT_RANGE = (15000, 17000)
 
 
+def port_range(
+    environ: Mapping[str, str], low: str, high: str, default: tuple[int, int]
+) -> tuple[int, int]:
+    """The port range ``[$low, $high]`` as the published package reads it (observed on the
+    wheel): each end in 1..65535 replaces its default on its own; a bad number, or a low end
+    above the high end, leaves the whole default range (with a warning)."""
+    ends = list(default)
+    for i, name in enumerate((low, high)):
+        raw = env_str(name, environ=environ)
+        if not raw:
+            continue
+        try:
+            value = int(raw)
+        except ValueError:
+            value = 0
+        if not 0 < value <= 65535:
+            logger.warning("%s=%r is not a port number; using %d-%d", name, raw, *default)
+            return default
+        ends[i] = value
+    if ends[0] > ends[1]:
+        logger.warning(
+            "%s..%s is an empty range (%d > %d); using %d-%d", low, high, *ends, *default
+        )
+        return default
+    return ends[0], ends[1]
+
+
+def rpc_port_range(environ: Mapping[str, str]) -> tuple[int, int]:
+    """Where the compat engine's P2P handshake port comes from (``MC_MIN_RPC_PORT`` /
+    ``MC_MAX_RPC_PORT``, default :data:`RPC_PORT_RANGE`)."""
+    return port_range(environ, "MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT", RPC_PORT_RANGE)
+
+
 def free_port(host: str, lo: int, hi: int) -> int:
     """A port in ``[lo, hi]`` that is free on ``host`` now (random tries; an ephemeral
     one when none of them is)."""
@@ -289,7 +322,7 @@ class TransferEngine:
         cfg = load_config(environ=env, **overrides)
         if meta.upper() == "P2PHANDSHAKE" and bare == host and cfg.transfer.port == 0:
             # no port given: take one from the published engine's handshake port range
-            overrides["local_hostname"] = f"{host}:{free_port(bare, *RPC_PORT_RANGE)}"
+            overrides["local_hostname"] = f"{host}:{free_port(bare, *rpc_port_range(env))}"
             cfg = load_config(environ=env, **overrides)
         return cfg
 

@@ -64,7 +64,6 @@ _SEG = "segment mounting at run time: our clients mount at setup only"
 _TASKS = "replica copy/move tasks are published-master RPCs our master does not have"
 _TOPO = "the published engine's topology dump tool; ours: TransferEngine.get_local_topology()"
 _FABRIC = "probes the wheel's .so for fabric allocators (CUDA/NVLink): out of scope"
-_SAFETENSORS = "safetensors files: not implemented yet"
 _VLLM = "the published vLLM connector and proxy; ours live in the vLLM adapter (plugins/vllm)"
 
 #: Published names we do not provide, with the reason (mirrored in docs/compat.md).
@@ -147,7 +146,6 @@ NOT_PROVIDED: dict[str, str] = {
     "mooncake.*store:MooncakeDistributedStore*.*_session_*": _SESSION,
     "mooncake.*store:MooncakeDistributedStore*.batch_*_multi_buffer_ranges": "ranges over several"
     " buffers per key: not implemented yet",
-    "mooncake.*store:MooncakeDistributedStore*.put_from_with_metadata": "not implemented yet",
     "mooncake.*store:MooncakeDistributedStore*.*get_replica_desc": _MASTER_RPC,
     "mooncake.*store:MooncakeDistributedStore*.batch_replica_clear": _MASTER_RPC,
     "mooncake.*store:MooncakeDistributedStore*.get_offload_rpc_read_count": _MASTER_RPC,
@@ -157,9 +155,6 @@ NOT_PROVIDED: dict[str, str] = {
     "mooncake.*store:MooncakeDistributedStore*.*_cuda": _CUDA_T,
     "mooncake.*store:MooncakeDistributedStore*.*pub_tensor*": _PUB,
     "mooncake.*store:MooncakeDistributedStore*.*_with_parallelism*": _PARALLEL,
-    "mooncake.*store:MooncakeDistributedStore*.*_safetensor": _SAFETENSORS,
-    "mooncake.*store:MooncakeDistributedStore*.*_tensor_with_tp_from": "not implemented yet",
-    "mooncake.*store:MooncakeDistributedStore*.*_tensor_with_tp_into": "not implemented yet",
 }
 
 logger = logging.getLogger(__name__)

@@ -100,10 +100,15 @@ __all__ = [
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
+#: The published client's port comes from this range (MC_STORE_CLIENT_MIN_PORT..
+#: MC_STORE_CLIENT_MAX_PORT, default 12300..14300), as observed on the wheel.
 CLIENT_PORT_RANGE = (12300, 14300)
 
 
-def _free_port(host: str, lo: int = CLIENT_PORT_RANGE[0], hi: int = CLIENT_PORT_RANGE[1]) -> int:
+def _free_port(host: str, environ: Mapping[str, str]) -> int:
+    lo, hi = _compat_engine.port_range(
+        environ, "MC_STORE_CLIENT_MIN_PORT", "MC_STORE_CLIENT_MAX_PORT", CLIENT_PORT_RANGE
+    )
     return _compat_engine.free_port(host, lo, hi)
 
 
@@ -189,7 +194,7 @@ class MooncakeDistributedStore(TensorMethods):
         if not (sep and port.isdigit()) and engine is None:
             # The segment name is host:port; give each client its own port from the range
             # the published client uses (with P2P handshake our listener binds it).
-            host = f"{host}:{_free_port(host)}"
+            host = f"{host}:{_free_port(host, env)}"
         proto = {"rdma": "rdma", "efa": "rdma", "barex": "rdma", "shm": "shm"}.get(
             protocol.strip().lower(), "tcp"
         )
@@ -434,6 +439,31 @@ class MooncakeDistributedStore(TensorMethods):
             f"put_from {key!r}",
             lambda c: c.put_from(key, int(buffer_ptr), int(size), **self._kw(config)),
         )
+
+    def put_from_with_metadata(
+        self,
+        key: str,
+        buffer_ptr: int,
+        metadata_buffer_ptr: int,
+        size: int,
+        metadata_size: int,
+        config: ReplicateConfig | None = None,
+    ) -> int:
+        """Store ``metadata_size`` bytes at ``metadata_buffer_ptr`` followed by ``size`` bytes
+        at ``buffer_ptr`` as one object (the published layout: metadata first)."""
+        what = f"put_from_with_metadata {key!r}"
+        if self._refused(what, config, staged=False):
+            return INVALID_PARAMS
+        if min(int(size), int(metadata_size)) < 0 or not int(buffer_ptr) and int(size):
+            logger.error("%s: bad buffer or sizes (%d, %d)", what, size, metadata_size)
+            return INVALID_PARAMS
+
+        def run(c: StoreClient) -> None:
+            meta = host_view(int(metadata_buffer_ptr), int(metadata_size))
+            data = host_view(int(buffer_ptr), int(size))
+            c.put(key, bytes(meta) + bytes(data), **self._kw(config))
+
+        return self._put(what, run)
 
     def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
         """Read ``key`` into registered memory; returns the bytes read or a negative code."""

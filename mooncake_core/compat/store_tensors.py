@@ -1,10 +1,13 @@
 """The tensor family of ``mooncake.store``'s ``MooncakeDistributedStore``, as a mixin.
 
-Torch tensors are stored as typed values (:mod:`mooncake_core.store.values`: a small header
-with dtype and shape, then the bytes): readable by these methods, not by the published
-store, and the other way round. CPU tensors only (CUDA ones are moved). The methods rely on
-the store's own helpers (``_run``, ``_put``, ``_upsert``, ``_host`` and the byte calls);
-:class:`~mooncake_core.compat.store.MooncakeDistributedStore` mixes them in.
+Tensors are stored in the published store's own object format
+(:mod:`mooncake_core.compat.tensor_format`: a 304-byte header, then the bytes), so an object's
+bytes are the same whichever store wrote them: ``get()`` of a tensor, a buffer filled by
+``get_tensor_into`` and the input of ``put_tensor_from`` mean the same on both. The reading
+methods also accept tensors written by our own :meth:`StoreClient.put_tensor`
+(:mod:`mooncake_core.store.values`). CPU tensors only (others are copied to the CPU). The
+methods rely on the store's own helpers (``_run``, ``_put``, ``_upsert``, ``_host`` and the
+byte calls); :class:`~mooncake_core.compat.store.MooncakeDistributedStore` mixes them in.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from mooncake_core.compat import tensor_format as _fmt
 from mooncake_core.compat.store_types import INVALID_PARAMS, _code
 from mooncake_core.errors import MooncakeError, ObjectExists
 from mooncake_core.store import values as _values
@@ -25,6 +29,14 @@ __all__ = ["TensorMethods"]
 logger = logging.getLogger("mooncake_core.compat.store")
 
 T = TypeVar("T")
+_BAD_TENSOR = (
+    _fmt.TensorFormatError,
+    AttributeError,
+    IndexError,
+    TypeError,
+    ValueError,
+    RuntimeError,
+)
 
 
 class TensorMethods:
@@ -39,40 +51,57 @@ class TensorMethods:
         def put_from(self, key: str, buffer_ptr: int, size: int, config: Any = None) -> int: ...
         def get_into(self, key: str, buffer_ptr: int, size: int) -> int: ...
         def upsert_from(self, key: str, buffer_ptr: int, size: int, config: Any = None) -> int: ...
+        def get_size(self, key: str) -> int: ...
         def batch_put_from(
-            self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], config: Any = None
-        ) -> list[int]: ...
-        def batch_upsert_from(
             self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], config: Any = None
         ) -> list[int]: ...
         def batch_get_into(
             self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
         ) -> list[int]: ...
 
+    # ------------------------------------------------------------------ whole tensors
     def put_tensor(self, key: str, tensor: Any) -> int:
-        """Store a torch tensor; 0 or a negative code."""
-        return self._put(f"put_tensor {key!r}", lambda c: c.put_tensor(key, tensor))
+        """Store a torch tensor; 0 or a negative code (-600: not a tensor, or a dtype the
+        published format has no code for)."""
+        return self.batch_put_tensor([key], [tensor])[0]
 
     def get_tensor(self, key: str) -> Any:
-        """The tensor stored with :meth:`put_tensor`, or None."""
-        res = self._run(f"get_tensor {key!r}", lambda c: c.get_tensor(key))
-        return None if isinstance(res, int) else res
+        """The tensor stored under ``key``, or None (missing, or not a tensor object)."""
+        res = self._run(f"get_tensor {key!r}", lambda c: c.get(key))
+        return self._tensor_or_none(key, res) if isinstance(res, bytes) else None
 
     def upsert_tensor(self, key: str, tensor: Any) -> int:
         """Insert or replace a tensor (remove, then put: not atomic)."""
-        return self._upsert(key, lambda: self.put_tensor(key, tensor))
+        try:
+            packed = _fmt.pack(tensor)
+        except _BAD_TENSOR as exc:
+            logger.error("upsert_tensor %r: %s", key, exc)
+            return INVALID_PARAMS
+        return self._upsert(key, lambda: self._put_packed([key], [packed])[0])
 
     def batch_put_tensor(self, keys: list[str], tensors_list: list[Any]) -> list[int]:
         """Per key: 0 (stored, or already there) or a negative code."""
         if len(keys) != len(tensors_list):
             logger.error("batch_put_tensor: %d keys but %d tensors", len(keys), len(tensors_list))
             return [INVALID_PARAMS] * len(keys)
-        try:
-            packed = [_values.pack_tensor(t) for t in tensors_list]
-        except (AttributeError, TypeError, ValueError, RuntimeError) as exc:
-            logger.error("batch_put_tensor: not a tensor: %s", exc)
-            return [INVALID_PARAMS] * len(keys)
-        res = self._run("batch_put_tensor", lambda c: c.put_batch(keys, packed))
+        out = [INVALID_PARAMS] * len(keys)
+        todo: list[int] = []
+        packed: list[bytes] = []
+        for i, (key, tensor) in enumerate(zip(keys, tensors_list, strict=True)):
+            try:
+                packed.append(_fmt.pack(tensor))
+            except _BAD_TENSOR as exc:
+                logger.error("put tensor %r: %s", key, exc)
+                continue
+            todo.append(i)
+        for i, rc in zip(todo, self._put_packed([keys[i] for i in todo], packed), strict=True):
+            out[i] = rc
+        return out
+
+    def _put_packed(self, keys: list[str], packed: list[bytes]) -> list[int]:
+        if not keys:
+            return []
+        res = self._run("put tensor", lambda c: c.put_batch(keys, packed))
         if isinstance(res, int):
             return [res] * len(keys)
         return [0 if e is None or isinstance(e, ObjectExists) else _code(e) for e in res]
@@ -88,6 +117,8 @@ class TensorMethods:
 
     def batch_get_tensor(self, keys: list[str]) -> list[Any]:
         """Per key: the tensor, or None (missing, or not stored as a tensor)."""
+        if not keys:
+            return []
         res = self._run("batch_get_tensor", lambda c: c.get_batch(keys))
         if isinstance(res, int):
             return [None] * len(keys)
@@ -98,35 +129,68 @@ class TensorMethods:
         if raw is None:
             return None
         try:
-            return _values.unpack_tensor(key, raw)
-        except (MooncakeError, ValueError, TypeError, AttributeError) as exc:
+            if _fmt.is_tensor_object(raw):
+                return _fmt.unpack(raw)
+            return _values.unpack_tensor(key, raw)  # written by StoreClient.put_tensor
+        except (MooncakeError, *_BAD_TENSOR) as exc:
             logger.error("get tensor %r: %s", key, exc)
             return None
 
+    # ------------------------------------------------------------------ registered memory
+    def _check_tensor_buffer(self, what: str, buffer_ptr: int, size: int) -> bool:
+        """True when ``[buffer_ptr, +size)`` holds a whole tensor object (header and data)."""
+        try:
+            view = self._host(int(buffer_ptr), int(size))
+            head = _fmt.unpack_header(view)
+        except (MooncakeError, *_BAD_TENSOR) as exc:
+            logger.error("%s: %s", what, exc)
+            return False
+        if _fmt.HEADER_SIZE + head.data_bytes > int(size):
+            logger.error("%s: the buffer holds less than the tensor its header describes", what)
+            return False
+        return True
+
     def put_tensor_from(self, key: str, buffer_ptr: int, size: int) -> int:
-        """Store ``size`` bytes of registered memory that hold a tensor as
-        :meth:`get_tensor_into` left it (header, then data)."""
+        """Store ``size`` bytes of registered memory that hold a tensor object (header, then
+        data, as :meth:`get_tensor_into` leaves it); -600 if they do not."""
+        if not self._check_tensor_buffer(f"put_tensor_from {key!r}", buffer_ptr, size):
+            return INVALID_PARAMS
         return self.put_from(key, buffer_ptr, size)
 
     def upsert_tensor_from(self, key: str, buffer_ptr: int, size: int) -> int:
         """:meth:`put_tensor_from`, replacing an existing object."""
+        if not self._check_tensor_buffer(f"upsert_tensor_from {key!r}", buffer_ptr, size):
+            return INVALID_PARAMS
         return self.upsert_from(key, buffer_ptr, size)
 
     def batch_put_tensor_from(
         self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
     ) -> list[int]:
         """:meth:`put_tensor_from` for many keys."""
+        if not (len(keys) == len(buffer_ptrs) == len(sizes)):
+            logger.error("batch_put_tensor_from: keys, buffer_ptrs and sizes differ in length")
+            return [INVALID_PARAMS] * len(keys)
+        # as published: one buffer without a whole tensor object refuses the whole batch
+        for k, p, n in zip(keys, buffer_ptrs, sizes, strict=True):
+            if not self._check_tensor_buffer(f"batch_put_tensor_from {k!r}", p, n):
+                return [INVALID_PARAMS] * len(keys)
         return self.batch_put_from(keys, buffer_ptrs, sizes)
 
     def batch_upsert_tensor_from(
         self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
     ) -> list[int]:
         """:meth:`upsert_tensor_from` for many keys."""
-        return self.batch_upsert_from(keys, buffer_ptrs, sizes)
+        if not (len(keys) == len(buffer_ptrs) == len(sizes)):
+            logger.error("batch_upsert_tensor_from: keys, buffer_ptrs and sizes differ in length")
+            return [INVALID_PARAMS] * len(keys)
+        return [
+            self.upsert_tensor_from(k, p, n)
+            for k, p, n in zip(keys, buffer_ptrs, sizes, strict=True)
+        ]
 
     def get_tensor_into(self, key: str, buffer_ptr: int, size: int) -> Any:
         """Read a tensor object into registered memory; returns a tensor that shares that
-        memory (after the header), or None."""
+        memory (after the 304-byte header), or None."""
         n = self.get_into(key, buffer_ptr, size)
         return None if n < 0 else self._tensor_at(key, int(buffer_ptr), n)
 
@@ -142,29 +206,41 @@ class TensorMethods:
 
     def _tensor_at(self, key: str, addr: int, n: int) -> Any:
         try:
-            view = self._host(addr, n)
-            meta, _ = _values.unpack(key, bytes(view[: min(n, 4096)]))
-            import torch
-
-            head = _values.HEADER.size + _values.HEADER.unpack_from(view)[1]
-            dtype = getattr(torch, str(meta["dtype"]))
-            if head == n:
-                return torch.empty(meta["shape"], dtype=dtype)
-            return torch.frombuffer(view[head:], dtype=dtype).reshape(meta["shape"])
-        except (MooncakeError, ValueError, TypeError, AttributeError, RuntimeError) as exc:
+            return _fmt.unpack(self._host(addr, n), copy=False)
+        except (MooncakeError, *_BAD_TENSOR) as exc:
             logger.error("get_tensor_into %r: %s", key, exc)
             return None
 
-    # Tensor parallelism: put_tensor_with_tp splits along split_dim into tp_size shards
-    # stored as "<key>_tp_<rank>"; with tp_size <= 1 the whole tensor is stored under key.
+    # ------------------------------------------------------------------ tensor parallelism
+    # put_tensor_with_tp splits along split_dim into tp_size equal shards stored as
+    # "<key>_tp_<rank>" (each header records rank, size, split_dim and the whole shape);
+    # with tp_size <= 1 the whole tensor is stored under key, as the published store does.
     @staticmethod
     def _tp_key(key: str, tp_rank: int, tp_size: int) -> str:
         return key if tp_size <= 1 else f"{key}_tp_{tp_rank}"
 
+    @staticmethod
+    def _shards(tensor: Any, tp_size: int, split_dim: int) -> list[bytes]:
+        """The packed shards; :class:`TensorFormatError` if ``tensor`` does not split evenly."""
+        if tp_size <= 1:
+            return [_fmt.pack(tensor)]
+        shape = tuple(int(d) for d in tensor.shape)
+        if not 0 <= split_dim < len(shape):
+            raise _fmt.TensorFormatError(f"split_dim {split_dim} of a {len(shape)}-d tensor")
+        if shape[split_dim] < tp_size or shape[split_dim] % tp_size:
+            raise _fmt.TensorFormatError(
+                f"dimension {split_dim} ({shape[split_dim]}) does not split into {tp_size} shards"
+            )
+        parts = tensor.split(shape[split_dim] // tp_size, split_dim)
+        return [
+            _fmt.pack(part, _fmt.Shard(rank, tp_size, split_dim, shape))
+            for rank, part in enumerate(parts)
+        ]
+
     def put_tensor_with_tp(
         self, key: str, tensor: Any, tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0
     ) -> int:
-        """Store the ``tp_size`` shards of ``tensor`` (split along ``split_dim``)."""
+        """Store the ``tp_size`` shards of ``tensor`` (split evenly along ``split_dim``)."""
         return self.batch_put_tensor_with_tp([key], [tensor], tp_rank, tp_size, split_dim)[0]
 
     def batch_put_tensor_with_tp(
@@ -176,26 +252,62 @@ class TensorMethods:
         split_dim: int = 0,
     ) -> list[int]:
         """:meth:`put_tensor_with_tp` for many tensors; per key 0 or the first failure."""
-        if len(base_keys) != len(tensors_list) or tp_size < 1:
-            logger.error("batch_put_tensor_with_tp: bad arguments (tp_size %d)", tp_size)
+        if len(base_keys) != len(tensors_list):
+            logger.error("batch_put_tensor_with_tp: %d keys but %d tensors", len(base_keys),
+                         len(tensors_list))  # fmt: skip
             return [INVALID_PARAMS] * len(base_keys)
+        out = [0] * len(base_keys)
         keys: list[str] = []
-        shards: list[Any] = []
-        for key, tensor in zip(base_keys, tensors_list, strict=True):
+        packed: list[bytes] = []
+        owner: list[int] = []
+        for i, (key, tensor) in enumerate(zip(base_keys, tensors_list, strict=True)):
             try:
-                parts = [tensor] if tp_size == 1 else list(tensor.chunk(tp_size, split_dim))
-            except (AttributeError, IndexError, RuntimeError, TypeError) as exc:
+                shards = self._shards(tensor, tp_size, split_dim)
+            except _BAD_TENSOR as exc:
                 logger.error("put_tensor_with_tp %r: %s", key, exc)
-                parts = []
-            if len(parts) != tp_size:
-                return [INVALID_PARAMS] * len(base_keys)
-            keys += [self._tp_key(key, r, tp_size) for r in range(tp_size)]
-            shards += parts
-        res = self.batch_put_tensor(keys, shards)
-        return [
-            next((rc for rc in res[i * tp_size : (i + 1) * tp_size] if rc), 0)
-            for i in range(len(base_keys))
-        ]
+                out[i] = INVALID_PARAMS
+                continue
+            keys += [self._tp_key(key, r, tp_size) for r in range(len(shards))]
+            packed += shards
+            owner += [i] * len(shards)
+        for i, rc in zip(owner, self._put_packed(keys, packed), strict=True):
+            out[i] = out[i] or rc
+        return out
+
+    def put_tensor_with_tp_from(
+        self,
+        key: str,
+        buffer_ptr: int,
+        size: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        split_dim: int = 0,
+    ) -> int:
+        """:meth:`put_tensor_with_tp` of the tensor object in registered memory."""
+        return self.batch_put_tensor_with_tp_from(
+            [key], [buffer_ptr], [size], tp_rank, tp_size, split_dim
+        )[0]
+
+    def batch_put_tensor_with_tp_from(
+        self,
+        base_keys: list[str],
+        buffer_ptrs: list[int],
+        sizes: list[int],
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        split_dim: int = 0,
+    ) -> list[int]:
+        """:meth:`put_tensor_with_tp_from` for many buffers."""
+        if not (len(base_keys) == len(buffer_ptrs) == len(sizes)):
+            logger.error("batch_put_tensor_with_tp_from: keys, buffer_ptrs and sizes differ")
+            return [INVALID_PARAMS] * len(base_keys)
+        tensors: list[Any] = []
+        for key, p, n in zip(base_keys, buffer_ptrs, sizes, strict=True):
+            if not self._check_tensor_buffer(f"put_tensor_with_tp_from {key!r}", p, n):
+                tensors.append(None)  # refused below, per key
+                continue
+            tensors.append(_fmt.unpack(self._host(int(p), int(n)), copy=False))
+        return self.batch_put_tensor_with_tp(base_keys, tensors, tp_rank, tp_size, split_dim)
 
     def get_tensor_with_tp(
         self, key: str, tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0
@@ -208,3 +320,77 @@ class TensorMethods:
     ) -> list[Any]:
         """:meth:`get_tensor_with_tp` for many keys."""
         return self.batch_get_tensor([self._tp_key(k, tp_rank, tp_size) for k in base_keys])
+
+    def get_tensor_with_tp_into(
+        self,
+        key: str,
+        buffer_ptr: int,
+        size: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        split_dim: int = 0,
+    ) -> Any:
+        """:meth:`get_tensor_into` of this rank's shard (the whole tensor when ``tp_size``
+        <= 1): a tensor sharing the registered memory, or None."""
+        return self.get_tensor_into(self._tp_key(key, tp_rank, tp_size), buffer_ptr, size)
+
+    def batch_get_tensor_with_tp_into(
+        self,
+        base_keys: list[str],
+        buffer_ptrs: list[int],
+        sizes: list[int],
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> list[Any]:
+        """:meth:`get_tensor_with_tp_into` for many keys."""
+        keys = [self._tp_key(k, tp_rank, tp_size) for k in base_keys]
+        return self.batch_get_tensor_into(keys, buffer_ptrs, sizes)
+
+    # ------------------------------------------------------------------ safetensors files
+    def save_tensor_to_safetensor(self, key: str, file_name: Any = None) -> int:
+        """Write the tensor under ``key`` to a safetensors file (``file_name``, default
+        ``key``) holding one tensor named ``key``. 0; -1100 when ``key`` holds no tensor; -600
+        when the file cannot be written or the ``safetensors`` package is missing."""
+        tensor = self.get_tensor(key)
+        if tensor is None:
+            logger.error("save_tensor_to_safetensor: no tensor under %r", key)
+            return TENSOR_NOT_FOUND
+        try:
+            from safetensors.torch import save_file
+
+            save_file({key: tensor.contiguous()}, str(file_name if file_name else key))
+        except (ImportError, OSError, *_BAD_TENSOR) as exc:
+            logger.error("save_tensor_to_safetensor %r: %s", key, exc)
+            return INVALID_PARAMS
+        return 0
+
+    def load_tensor_from_safetensor(self, *args: Any, **kwargs: Any) -> Any:
+        """``load_tensor_from_safetensor(key=None, file_name)``: the first tensor in the
+        safetensors file, also stored under ``key`` when one is given; None on failure."""
+        names = ["key", "file_name"]
+        given = dict(zip(names, args, strict=False))
+        bad = set(kwargs) - set(names) or set(given) & set(kwargs) or len(args) > 2
+        given.update(kwargs)
+        if bad or "file_name" not in given:
+            raise TypeError(
+                "load_tensor_from_safetensor(): arguments are (key: object = None, file_name: str)"
+            )
+        key, file_name = given.get("key"), str(given["file_name"])
+        try:
+            from safetensors.torch import load_file
+
+            tensors = load_file(file_name)
+        except (ImportError, OSError, *_BAD_TENSOR) as exc:
+            logger.error("load_tensor_from_safetensor %r: %s", file_name, exc)
+            return None
+        if not tensors:
+            logger.error("load_tensor_from_safetensor %r: the file holds no tensor", file_name)
+            return None
+        tensor = next(iter(tensors.values()))
+        if key is not None and self.put_tensor(str(key), tensor) != 0:
+            return None
+        return tensor
+
+
+#: Published code of ``save_tensor_to_safetensor`` for a key that holds no tensor.
+TENSOR_NOT_FOUND = -1100
