@@ -124,6 +124,7 @@ class Manifest:
     shards: list[Shard]
     origin: str  # segment of the original holder
     created: float = 0.0
+    meta: dict[str, str] = field(default_factory=dict)  # the registrant's own (e.g. layout)
     revision: int = 0  # etcd mod revision of the manifest key (not stored)
 
     @property
@@ -141,6 +142,7 @@ class Manifest:
                 "shards": [[s.buf, s.offset, s.length, s.xxh] for s in self.shards],
                 "origin": self.origin,
                 "created": self.created,
+                "meta": self.meta,
             },
             separators=(",", ":"),
         ).encode()
@@ -160,6 +162,7 @@ class Manifest:
             shards=shards,
             origin=str(d.get("origin", "")),
             created=float(d.get("created", 0.0)),
+            meta={str(k): str(v) for k, v in dict(d.get("meta", {})).items()},
             revision=revision,
         )
 

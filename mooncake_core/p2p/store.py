@@ -8,13 +8,14 @@ holder records vanish from etcd).
 
 from __future__ import annotations
 
+import builtins
 import contextlib
+import itertools
 import logging
 import os
 import socket
 import threading
 import time
-import builtins
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ class ObjectInfo:
     holders: list[str]  # segments with at least one shard (live: under a lease)
     complete: int  # holders with every shard
     created: float
+    meta: dict[str, str]
 
 
 @dataclass
@@ -74,6 +76,7 @@ class Replica:
     buffers: list[memoryview]
     origin: bool
     stats: dict[str, float | int] = field(default_factory=dict)
+    meta: dict[str, str] = field(default_factory=dict)
 
     def tobytes(self) -> bytes:
         """Every buffer, concatenated (a copy)."""
@@ -139,6 +142,7 @@ class P2PStore:
         self._held: dict[str, _Held] = {}
         self._lock = threading.RLock()
         self._closed = False
+        self._ids = itertools.count()
 
     def __enter__(self) -> P2PStore:
         return self
@@ -171,11 +175,13 @@ class P2PStore:
     def _register_memory(self, sources: list[Source], name: str) -> list[Region]:
         regions: list[Region] = []
         try:
-            for i, s in enumerate(sources):
+            for s in sources:
                 if s.size == 0:
                     continue
                 try:
-                    regions.append(self.engine.register(s.owner, name=f"p2p:{name}:{i}"))
+                    regions.append(
+                        self.engine.register(s.owner, name=f"p2p:{name}:{next(self._ids)}")
+                    )
                 except SegmentOverlap:
                     # already registered with this engine (e.g. the caller's own buffer)
                     self.engine.segments.find(s.addr, s.size)
@@ -209,6 +215,7 @@ class P2PStore:
         *,
         max_shard_size: int | str = "64MB",
         force: bool = False,
+        meta: dict[str, str] | None = None,
     ) -> Replica:
         """Publish ``buffers`` under ``name`` and serve them from this process.
 
@@ -216,6 +223,8 @@ class P2PStore:
             BadName: a bad name, shard size or buffer; nothing to publish.
             NameExists: ``name`` is registered already (``force=True`` replaces it: readers
                 of the old version are then told, see :class:`VersionChanged`).
+
+        ``meta`` (short strings) travels with the manifest: :meth:`list` and replicas show it.
         """
         self._check_open()
         check_name(name)
@@ -237,6 +246,7 @@ class P2PStore:
             shards=shards,
             origin=self.segment,
             created=time.time(),
+            meta=dict(meta or {}),
         )
         with self._lock:
             old = self._held.get(name)
@@ -263,6 +273,7 @@ class P2PStore:
                     m.labels,
                     [s.view for s in sources],
                     True,
+                    meta=m.meta,
                 )
                 held = _Held(m, holder, replica, sources, regions)
                 if not self._announce(held, (1 << len(shards)) - 1):
@@ -294,7 +305,7 @@ class P2PStore:
             return f"{name!r} is already registered; pass force=True to replace it"
         return (
             f"{name!r} is already registered (version {info.version[:12]}, {info.size} bytes, "
-            f"{len(info.holders)} live holder(s)); pass force=True to replace it or "
+            f"{len(info.holders)} live holder(s)); pass force=True (seed --force) to replace it or "
             "unregister it first"
         )
 
@@ -341,7 +352,7 @@ class P2PStore:
         regions: list[Region] = []
         if into is None:
             if m.size:
-                managed = self.engine.allocate(m.size, name=f"p2p:{name}")
+                managed = self.engine.allocate(m.size, name=f"p2p:{name}:{next(self._ids)}")
                 base = managed.addr
                 mv = managed.view
             else:
@@ -369,7 +380,9 @@ class P2PStore:
                 )
             regions = self._register_memory(srcs, name)
         holder = self._holder_record(addrs, False)
-        replica = Replica(name, m.version, m.size, m.shard_size, m.labels, views, False)
+        replica = Replica(
+            name, m.version, m.size, m.shard_size, m.labels, views, False, meta=m.meta
+        )
         held = _Held(m, holder, replica, [], regions, managed)
         dl = Download(
             engine=self.engine,
@@ -470,6 +483,7 @@ class P2PStore:
                     holders=sorted(h.segment for h in holders if h.mask),
                     complete=sum(1 for h in holders if h.mask & full == full),
                     created=m.created,
+                    meta=m.meta,
                 )
             )
         return out

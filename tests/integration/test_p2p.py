@@ -1,0 +1,372 @@
+"""P2P store with a real etcd and real processes: a swarm of readers, a holder killed in the
+middle of a download, a shard corrupted in a holder's memory, lease expiry, unregister and
+re-register during a download, bad input.
+
+Every process here is a real one (this file is also the worker script: ``python
+test_p2p.py worker``), talking over loopback through the transfer engine (TCP, or shared
+memory where a test says so) and to the session's etcd.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import selectors
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.etcd]
+
+
+def blob(size: int, seed: int) -> bytearray:
+    import numpy as np
+
+    return bytearray(np.random.default_rng(seed).bytes(size))
+
+
+# ---------------------------------------------------------------------- worker process side
+def worker(url: str, shm: bool, ttl: float) -> None:
+    from mooncake_core.config import load_config
+    from mooncake_core.p2p import P2PStore, Progress
+
+    cfg = load_config().replace(transfer={"shm": shm})
+    store = P2PStore(url, config=cfg, lease_ttl=ttl)
+    out_lock = threading.Lock()
+
+    def say(d: dict[str, Any]) -> None:
+        with out_lock:
+            sys.stdout.write(json.dumps(d) + "\n")
+            sys.stdout.flush()
+
+    say({"segment": store.segment, "pid": os.getpid()})
+    job: dict[str, Any] = {}
+    paused, resume = threading.Event(), threading.Event()
+
+    def get(name: str, pause_after: int | None, concurrency: int) -> None:
+        def progress(p: Progress) -> None:
+            if pause_after is not None and p.shards_done == pause_after:
+                paused.set()
+                resume.wait(60)
+
+        try:
+            rep = store.get_replica(name, concurrency=concurrency, progress=progress)
+            job["result"] = {"sha": hashlib.sha256(rep.tobytes()).hexdigest(), "stats": rep.stats}
+        except Exception as exc:
+            job["result"] = {"exc": type(exc).__name__, "msg": str(exc)}
+
+    for line in sys.stdin:
+        req = json.loads(line)
+        cmd = req["cmd"]
+        try:
+            if cmd == "register":
+                store.register(
+                    req["name"],
+                    blob(req["size"], req["seed"]),
+                    max_shard_size=req["shard"],
+                    force=req.get("force", False),
+                )
+                say({"ok": True})
+            elif cmd == "get":
+                paused.clear()
+                resume.clear()
+                t = threading.Thread(
+                    target=get, args=(req["name"], req.get("pause_after"), req.get("conc", 4))
+                )
+                job.clear()
+                job["thread"] = t
+                t.start()
+                say({"ok": True})
+            elif cmd == "wait_paused":
+                say({"ok": paused.wait(30)})
+            elif cmd == "resume":
+                resume.set()
+                say({"ok": True})
+            elif cmd == "result":
+                job["thread"].join(60)
+                say(job.get("result", {"exc": "Timeout", "msg": "no result"}))
+            elif cmd == "corrupt":
+                rep = store._held[req["name"]].replica  # the holder's own memory
+                off = req["shard"] * req["shard_size"]
+                rep.buffers[0][off] ^= 0xFF
+                say({"ok": True})
+            elif cmd == "held":
+                say({"held": store.held()})
+            elif cmd == "exit":
+                say({"ok": True})
+                break
+        except Exception as exc:
+            say({"error": f"{type(exc).__name__}: {exc}"})
+    store.close()
+
+
+# ---------------------------------------------------------------------- test side
+class Proc:
+    """A worker process driven by JSON lines."""
+
+    def __init__(self, url: str, *, shm: bool = False, ttl: float = 10.0) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "worker", url, "1" if shm else "0", str(ttl)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            bufsize=1,
+        )
+        hello = self._read(60)
+        self.segment: str = hello["segment"]
+
+    def _read(self, timeout: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            raise TimeoutError("worker did not answer")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker exited ({self.proc.poll()})")
+        out: dict[str, Any] = json.loads(line)
+        if "error" in out:
+            raise RuntimeError(out["error"])
+        return out
+
+    def send(self, cmd: str, **kw: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"cmd": cmd, **kw}) + "\n")
+        self.proc.stdin.flush()
+
+    def call(self, cmd: str, timeout: float = 60, **kw: Any) -> dict[str, Any]:
+        self.send(cmd, **kw)
+        return self._read(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.call("exit", timeout=10)
+                self.proc.wait(10)
+            except (OSError, RuntimeError, TimeoutError, ValueError, subprocess.TimeoutExpired):
+                self.kill()
+
+
+@pytest.fixture()
+def procs(etcd_url: str) -> Iterator[Any]:
+    made: list[Proc] = []
+
+    def make(n: int = 1, **kw: Any) -> list[Proc]:
+        # start them together: each spends most of a second importing
+        out: list[Proc] = [None] * n  # type: ignore[list-item]
+
+        def one(i: int) -> None:
+            out[i] = Proc(etcd_url, **kw)
+
+        ts = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        made.extend(p for p in out if p is not None)
+        assert all(p is not None for p in out), "a worker did not start"
+        return out
+
+    yield make
+    for p in made:
+        p.close()
+
+
+@pytest.fixture()
+def store(etcd_url: str) -> Iterator[Any]:
+    from mooncake_core.p2p import P2PStore
+
+    s = P2PStore(etcd_url)
+    yield s
+    s.close()
+
+
+def sha(size: int, seed: int) -> str:
+    return hashlib.sha256(blob(size, seed)).hexdigest()
+
+
+def unique(tag: str) -> str:
+    return f"test/{tag}-{os.getpid()}-{time.monotonic_ns()}"
+
+
+# ---------------------------------------------------------------------- tests
+def test_six_readers_at_once_get_the_exact_bytes_and_later_ones_spare_the_seeder(
+    procs: Any, store: Any
+) -> None:
+    name, size = unique("swarm"), 24 << 20
+    (seeder,) = procs(1, shm=True)
+    seeder.call("register", name=name, size=size, seed=1, shard="1MB")
+    readers = procs(6, shm=True)
+    for r in readers:
+        r.send("get", name=name)
+    for r in readers:
+        assert r._read(30) == {"ok": True}
+    results = [r.call("result") for r in readers]
+    want = sha(size, 1)
+    assert [x.get("sha") for x in results] == [want] * 6, results
+    (info,) = [o for o in store.list("test/") if o.name == name]
+    assert info.complete == 7 and info.size == size and info.shards == 24
+    assert set(info.holders) == {seeder.segment} | {r.segment for r in readers}
+    # later readers take every shard from readers' replicas, sparing the seeder
+    late = procs(2, shm=True)
+    for r in late:
+        r.send("get", name=name)
+    for r in late:
+        assert r._read(30) == {"ok": True}
+    for r in late:
+        res = r.call("result")
+        assert res.get("sha") == want, res
+        assert (res["stats"]["from_origin"], res["stats"]["from_peers"]) == (0, 24), res
+
+
+def test_holder_killed_mid_download_others_finish_and_its_entries_expire(
+    procs: Any, store: Any
+) -> None:
+    name, size = unique("kill"), 8 << 20
+    seeder, a = procs(2)
+    (doomed,) = procs(1, ttl=2.0)  # its holder record vanishes 2 s after it dies
+    seeder.call("register", name=name, size=size, seed=2, shard="512KB")
+    doomed.call("get", name=name)
+    assert doomed.call("result")["sha"] == sha(size, 2)
+    b, c = procs(2)
+    for r in (a, b, c):  # readers prefer doomed's replica over the seeder's
+        r.call("get", name=name, pause_after=2, conc=1)
+    for r in (a, b, c):
+        assert r.call("wait_paused")["ok"]
+    doomed.kill()
+    for r in (a, b, c):
+        r.call("resume")
+    for r in (a, b, c):
+        res = r.call("result")
+        assert res.get("sha") == sha(size, 2), res
+        assert res["stats"]["failed"] >= 1  # it did try the dead holder
+        assert res["stats"]["from_origin"] + res["stats"]["from_peers"] == 16
+    # lease expiry: the dead holder's record vanishes; the live ones stay
+    end = time.monotonic() + 8
+    while time.monotonic() < end:
+        (info,) = store.list(name)
+        if doomed.segment not in info.holders:
+            break
+        time.sleep(0.2)
+    assert doomed.segment not in info.holders
+    assert {seeder.segment, a.segment, b.segment, c.segment} <= set(info.holders)
+
+
+def test_corrupted_shard_in_a_holders_memory_is_detected_and_fetched_again(
+    procs: Any, store: Any
+) -> None:
+    name, size, shard = unique("corrupt"), 4 << 20, 256 << 10
+    seeder, a, b = procs(3)
+    seeder.call("register", name=name, size=size, seed=3, shard=shard)
+    a.call("get", name=name)
+    assert a.call("result")["sha"] == sha(size, 3)
+    a.call("corrupt", name=name, shard=5, shard_size=shard)  # a flipped byte in a's memory
+    b.call("get", name=name)
+    res = b.call("result")
+    assert res.get("sha") == sha(size, 3), res
+    st = res["stats"]
+    # b preferred a (a reader) for every shard; shard 5 failed its checksum there and
+    # came again from the seeder
+    assert (st["corrupt"], st["from_origin"], st["from_peers"]) == (1, 1, 15), st
+
+
+def test_unregister_or_reregister_during_download_is_a_clear_error(procs: Any, store: Any) -> None:
+    name, size = unique("unreg"), 4 << 20
+    seeder, a, b = procs(3)
+    seeder.call("register", name=name, size=size, seed=4, shard="256KB")
+    # a new version while a reader is half way: it is told, and keeps nothing
+    a.call("get", name=name, pause_after=3, conc=1)
+    assert a.call("wait_paused")["ok"]
+    seeder.call("register", name=name, size=size, seed=5, shard="256KB", force=True)
+    a.call("resume")
+    res = a.call("result")
+    assert res["exc"] == "VersionChanged" and "during the download" in res["msg"], res
+    assert a.call("held")["held"] == []
+    # unregistered while a reader is half way: NameNotFound, nothing half-written kept
+    b.call("get", name=name, pause_after=3, conc=1)
+    assert b.call("wait_paused")["ok"]
+    store.unregister(name)
+    b.call("resume")
+    res = b.call("result")
+    assert res["exc"] == "NameNotFound" and "unregistered during the download" in res["msg"]
+    assert b.call("held")["held"] == []
+    assert store.list(name) == []
+
+
+def test_bad_names_sizes_and_shard_sizes_are_one_line_errors(store: Any, etcd_url: str) -> None:
+    from mooncake_core.p2p import BadName, NameExists, NameNotFound, P2PStore
+
+    data = bytearray(b"x" * 100_000)
+    for bad, why in [
+        ("", "must not be empty"),
+        ("a b", "use letters"),
+        ("/abs", "use letters"),
+        ("a//b", "use letters"),
+        ("x" * 300, "at most 255"),
+        (42, "must be a string"),
+    ]:
+        with pytest.raises(BadName, match=why):
+            store.register(bad, data)
+    for shard, why in [
+        ("0", "between 4 KiB and 4 GiB"),
+        ("1KB", "between 4 KiB and 4 GiB"),
+        ("5GB", "between 4 KiB and 4 GiB"),
+        ("lots", "cannot parse size"),
+        (-1, "must not be negative"),
+    ]:
+        with pytest.raises(BadName, match=why):
+            store.register("ok-name", data, max_shard_size=shard)
+    with pytest.raises(BadName, match="nothing to publish"):
+        store.register("ok-name", bytearray())
+    with pytest.raises(BadName, match="give at least one buffer"):
+        store.register("ok-name", [])
+    with pytest.raises(BadName, match="neither a file nor a directory"):
+        store.register("ok-name", "/no/such/file")
+    with pytest.raises(BadName, match="cannot use int as memory"):
+        store.register("ok-name", [data, 7])
+    for e in [BadName("x"), NameNotFound("y")]:
+        assert "\n" not in str(e)
+    name = unique("bad")
+    with pytest.raises(NameNotFound, match="no P2P object named"):
+        store.get_replica(name)
+    with pytest.raises(NameNotFound, match="holds no replica"):
+        store.delete_replica(name)
+    with pytest.raises(NameNotFound, match="no P2P object named"):
+        store.unregister(name)
+    store.register(name, data, max_shard_size="16KB")
+    with P2PStore(etcd_url) as other:
+        with pytest.raises(NameExists, match="already registered .*force=True"):
+            other.register(name, bytearray(10))
+        with pytest.raises(
+            BadName, match=r"into: 1000 bytes in 1 buffer\(s\), but .* needs 100000"
+        ):
+            other.get_replica(name, into=bytearray(1000))
+        target = bytearray(100_000)
+        rep = other.get_replica(name, into=target)
+        assert bytes(target) == bytes(data) and rep.size == 100_000
+        other.register(name, bytearray(b"y" * 5000), force=True)  # a new version
+    # `other` closed: the new version stays registered, with no live holder left
+    (info,) = store.list(name)
+    assert info.size == 5000 and info.holders == []
+    store.unregister(name)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
+    worker(sys.argv[2], sys.argv[3] == "1", float(sys.argv[4]))
