@@ -619,3 +619,81 @@ def test_remaining_store_calls_published(tmp_path: Path) -> None:
     with harness.their_master(real) as (master, metadata):
         got = _call(real, script, False, master, metadata)
     assert _diff(got, EXPECTED_REST) == {}
+
+
+PORT_ENV = PRELUDE + textwrap.dedent(
+    """
+    from mooncake.engine import TransferEngine
+    from mooncake.store import MooncakeDistributedStore
+    lo, hi = int(sys.argv[1]), int(sys.argv[2])
+    r = {}
+    te = TransferEngine()
+    r["rc"] = te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    port = te.get_rpc_port()
+    r["engine_in"] = lo <= port <= hi
+    if len(sys.argv) > 3:
+        s = MooncakeDistributedStore()
+        r["setup"] = s.setup("127.0.0.1", sys.argv[4], 16 << 20, 16 << 20, "tcp", "", sys.argv[3])
+        client = int(s.get_hostname().rsplit(":", 1)[1])
+        clo, chi = int(os.environ["MC_STORE_CLIENT_MIN_PORT"]), int(os.environ["MC_STORE_CLIENT_MAX_PORT"])
+        r["client_in"] = clo <= client <= chi
+        s.close()
+    print(json.dumps(r))
+    """  # noqa: E501 - the script as a user writes it
+)
+
+# (env, the range the engine's port must come from); as observed on the wheel: each end
+# replaces its default on its own, a bad number or an empty range leaves the default.
+PORT_CASES: list[tuple[dict[str, str], tuple[int, int]]] = [
+    ({"MC_MIN_RPC_PORT": "{b}", "MC_MAX_RPC_PORT": "{b9}"}, (0, 9)),
+    ({"MC_MAX_RPC_PORT": "15010"}, (15000, 15010)),
+    ({"MC_MIN_RPC_PORT": "abc"}, (15000, 17000)),
+    ({"MC_MIN_RPC_PORT": "{b9}", "MC_MAX_RPC_PORT": "{b}"}, (15000, 17000)),
+    ({"MC_MIN_RPC_PORT": "0", "MC_MAX_RPC_PORT": "70000"}, (15000, 17000)),
+]
+
+
+def _port_env_runs(python: str, tmp_path: Path, ours: bool, master: tuple[str, str]) -> list[Any]:
+    import random
+
+    script = _script(tmp_path, PORT_ENV)
+    out = []
+    for i, (env_t, (lo, hi)) in enumerate(PORT_CASES):
+        base = random.randrange(20000, 29000, 10)
+        env = harness._env(ours)
+        env.update({k: v.format(b=base, b9=base + 9) for k, v in env_t.items()})
+        if (lo, hi) == (0, 9):
+            lo, hi = base, base + 9
+        args = [str(lo), str(hi)]
+        if i == 0:  # the store client's own pair, with a master
+            cbase = base + 5000
+            env.update(
+                {"MC_STORE_CLIENT_MIN_PORT": str(cbase), "MC_STORE_CLIENT_MAX_PORT": str(cbase + 9)}
+            )
+            args += list(master)
+        res = subprocess.run(
+            [python, str(script), *args], capture_output=True, text=True, env=env, timeout=120
+        )
+        assert res.returncode == 0, res.stderr[-3000:]
+        out.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    return out
+
+
+EXPECTED_PORTS = [{"rc": 0, "engine_in": True, "setup": 0, "client_in": True}] + [
+    {"rc": 0, "engine_in": True}
+] * (len(PORT_CASES) - 1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_rpc_and_client_port_env_ours(tmp_path: Path) -> None:
+    with harness.our_master() as master:
+        assert _port_env_runs(sys.executable, tmp_path, True, master) == EXPECTED_PORTS
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_rpc_and_client_port_env_published(tmp_path: Path) -> None:
+    real = _published_python()
+    with harness.their_master(real) as master:
+        assert _port_env_runs(real, tmp_path, False, master) == EXPECTED_PORTS
