@@ -497,8 +497,14 @@ class MasterServer:
         etcd = self._etcd
         lease = await loop.run_in_executor(None, etcd.grant_lease, self.ha_lease_ttl_s)
         loaded = False
+        stale_lease = False
         while True:
             try:
+                if stale_lease:  # campaigning with an expired lease fails forever: take a new one
+                    await loop.run_in_executor(None, etcd.revoke_lease, lease)
+                    lease = await loop.run_in_executor(None, etcd.grant_lease, self.ha_lease_ttl_s)
+                    stale_lease = False
+                    logger.warning("HA loop: our etcd lease had expired; campaigning with a new one")
                 if not loaded:
                     await self._load_snapshot()
                     loaded = True
@@ -534,6 +540,8 @@ class MasterServer:
                 raise
             except Exception as exc:  # etcd hiccups must not end the HA loop
                 logger.warning("HA loop: %s: %s; retrying", type(exc).__name__, exc)
+                # keep-alives missed (a loaded host): etcd dropped the lease we campaign with
+                stale_lease = "lease not found" in str(exc)
                 await asyncio.sleep(0.2)
 
     async def _catch_up(self) -> int:
