@@ -5,11 +5,15 @@ How a shard is chosen (each of ``concurrency`` worker threads, under one lock):
 1. a shard some *other reader* holds (not the original copy): random among those, from a
    random such holder, preferring holders this download reads from least at the moment:
    readers' replicas spare the seeder;
-2. else, while fewer than ``origin_streams`` fetches from the original copy run: the
-   rarest remaining shard (fewest holders, ties broken at random, so that readers starting
-   together take different shards from the seeder and then trade them);
-3. else wait for the holder list to change (it is re-read from etcd every
-   ``refresh_s``, and at once when a choice runs out).
+2. else, while fewer than ``origin_streams`` fetches from the original copy run, and
+   with a holder list at most ``refresh_s`` old: a random shard that no other reader has
+   *claimed*. A reader claims a shard (a ``pending`` bit in its holder record) before it
+   fetches it from the original copy, so readers starting together take different shards
+   from the seeder and then trade them: the seeder sends each shard about once. Claims
+   older than ``claim_wait_s`` without progress here are ignored (a slow claimant);
+   a dead claimant's record vanishes with its lease;
+3. else wait for the holder list to change (it is re-read from etcd every ``refresh_s``
+   while a worker waits).
 
 Every shard is checked against its xxh3-64 checksum on arrival; a mismatch or a failed
 read puts the shard back and excludes that holder for it (a failed read: for every shard),
@@ -91,8 +95,9 @@ class DownloadStats:
 class Download:
     """Fetch ``manifest`` into local memory at ``dest_addrs`` (one base address per buffer).
 
-    ``announce(mask)`` publishes this reader's holder record with shard bitmap ``mask``
-    (and returns False when the manifest changed under it).
+    ``announce(mask, pending)`` publishes this reader's holder record: the shards it has
+    and those it is fetching from the original copy (returns False when the manifest
+    changed under it).
     """
 
     def __init__(
@@ -104,11 +109,12 @@ class Download:
         manifest: Manifest,
         dest_addrs: list[int],
         me: str,
-        announce: Callable[[int], bool],
+        announce: Callable[[int, int], bool],
         swarm: bool = True,
         concurrency: int = 4,
         origin_streams: int = 2,
-        refresh_s: float = 0.2,
+        refresh_s: float = 0.05,
+        claim_wait_s: float = 5.0,
         stall_timeout_s: float = 20.0,
         timeout_s: float | None = None,
         progress: Callable[[Progress], None] | None = None,
@@ -126,6 +132,7 @@ class Download:
         self.concurrency = concurrency
         self.origin_streams = origin_streams if swarm else concurrency
         self.refresh_s = refresh_s
+        self.claim_wait_s = claim_wait_s
         self.stall_timeout_s = stall_timeout_s
         self.timeout_s = timeout_s
         self.progress = progress
@@ -139,6 +146,8 @@ class Download:
         self._dead: set[str] = set()  # holders whose reads failed
         self._bad: set[tuple[str, int]] = set()  # (holder, shard) that failed the checksum
         self._mask = 0
+        self._pending = 0  # shards this reader is fetching from the original copy
+        self._announce_lock = threading.Lock()
         self._done_bytes = 0
         self._error: BaseException | None = None
         self._refreshed = 0.0
@@ -184,41 +193,46 @@ class Download:
     def _usable(self, h: Holder, shard: int) -> bool:
         return h.has(shard) and h.segment not in self._dead and (h.segment, shard) not in self._bad
 
-    def _pick(self) -> tuple[Shard, Holder] | None:
-        """Next (shard, holder), or None when nothing can start now (lock held)."""
+    def _pick(self, fresh: bool) -> tuple[tuple[Shard, Holder] | None, bool]:
+        """``(next (shard, holder) or None, whether a fresher holder list could help)``
+        (lock held)."""
         free = [i for i in self._remaining if i not in self._inflight]
         if not free:
-            return None
+            return None, False
         self._rng.shuffle(free)
         if self.swarm:
-            best: tuple[int, int, Holder] | None = None
+            best: tuple[tuple[int, int], int, Holder] | None = None
             for i in free:
                 peers = [h for h in self._holders.values() if not h.origin and self._usable(h, i)]
                 if not peers:
                     continue
                 self._rng.shuffle(peers)
                 h = min(peers, key=lambda p: self._load.get(p.segment, 0))
-                load = self._load.get(h.segment, 0)
-                if best is None or load < best[0]:
-                    best = (load, i, h)
-                    if load == 0:
-                        break
+                key = (self._load.get(h.segment, 0), len(peers))  # idle holder, rarest shard
+                if best is None or key < best[0]:
+                    best = (key, i, h)
             if best is not None:
-                return self.m.shards[best[1]], best[2]
+                return (self.m.shards[best[1]], best[2]), False
         if self._origin_busy >= self.origin_streams:
-            return None
+            return None, False
+        if self.swarm and not fresh:
+            return None, True  # look again before taking anything from the original copy
         origins = [h for h in self._holders.values() if h.origin]
-        choice: tuple[int, int, Holder] | None = None
-        for i in free:
-            srcs = [h for h in origins if self._usable(h, i)]
-            if not srcs:
-                continue
-            rarity = sum(1 for h in self._holders.values() if h.has(i))
-            if choice is None or rarity < choice[0]:
-                choice = (rarity, i, self._rng.choice(srcs))
-        if choice is None:
-            return None
-        return self.m.shards[choice[1]], choice[2]
+        claimed = 0
+        if self.swarm and time.monotonic() - self._stall_since < self.claim_wait_s:
+            for h in self._holders.values():
+                if not h.origin:
+                    claimed |= h.pending
+        cands = [
+            i for i in free if not claimed >> i & 1 and any(self._usable(h, i) for h in origins)
+        ]
+        if not cands:
+            return None, False
+        i = self._rng.choice(cands)
+        return (
+            self.m.shards[i],
+            self._rng.choice([h for h in origins if self._usable(h, i)]),
+        ), False
 
     def _stalled_message(self) -> str:
         left = sorted(self._remaining)
@@ -237,19 +251,19 @@ class Download:
             with self._cond:
                 if self._error is not None or not self._remaining:
                     return None
-                job = self._pick()
+                now = time.monotonic()
+                job, stale = self._pick(now - self._refreshed < self.refresh_s)
                 if job is not None:
                     shard, h = job
                     self._inflight[shard.index] = h.segment
                     self._load[h.segment] = self._load.get(h.segment, 0) + 1
                     self._origin_busy += h.origin
                     return job
-                now = time.monotonic()
                 if not self._inflight and now - self._stall_since > self.stall_timeout_s:
                     self._error = ShardUnavailable(self._stalled_message())
                     self._cond.notify_all()
                     return None
-                if now - self._refreshed >= self.refresh_s:
+                if stale or now - self._refreshed >= self.refresh_s:
                     self._refreshed = now  # one refresher at a time
                     refresh = True
                 else:
@@ -257,7 +271,21 @@ class Download:
             if refresh:
                 self._refresh()
 
+    def _publish(self) -> None:
+        """Send this reader's current record (shards held, shards claimed from the origin)."""
+        with self._announce_lock:
+            with self._cond:
+                mask, pending = self._mask, self._pending
+            if not self.announce(mask, pending):
+                self._refresh()  # raises the right error: unregistered or another version
+                raise P2PError(f"{self.m.name!r}: could not announce this reader's shards")
+
     def _fetch(self, shard: Shard, h: Holder) -> None:
+        claim = self.swarm and h.origin
+        if claim:  # tell the other readers, so they take other shards from the origin
+            with self._cond:
+                self._pending |= 1 << shard.index
+            self._publish()
         local = self.dest[shard.buf] + shard.offset
         remote = h.addrs[shard.buf] + shard.offset
         ok = False
@@ -277,6 +305,7 @@ class Download:
             del self._inflight[shard.index]
             self._load[h.segment] -= 1
             self._origin_busy -= h.origin
+            self._pending &= ~(1 << shard.index)
             if ok:
                 self._remaining.discard(shard.index)
                 self._mask |= 1 << shard.index
@@ -287,7 +316,6 @@ class Download:
                     self.stats.from_origin += 1
                 else:
                     self.stats.from_peers += 1
-                mask = self._mask
             elif read_failed:
                 self._dead.add(h.segment)
                 self.stats.failed += 1
@@ -301,10 +329,9 @@ class Download:
                     h.segment,
                 )
             self._cond.notify_all()
+        if ok or claim:
+            self._publish()
         if ok:
-            if not self.announce(mask):
-                self._refresh()  # raises the right error: unregistered or another version
-                raise P2PError(f"{self.m.name!r}: could not announce shard {shard.index}")
             self._report()
 
     def _report(self) -> None:

@@ -175,6 +175,7 @@ class Holder:
     addrs: list[int]
     origin: bool
     mask: int = 0  # bit i: has shard i
+    pending: int = 0  # bit i: fetching shard i from the original copy (a claim)
     pid: int = 0
     host: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -192,6 +193,7 @@ class Holder:
                 "addrs": self.addrs,
                 "origin": self.origin,
                 "mask": format(self.mask, "x"),
+                "pend": format(self.pending, "x"),
                 "pid": self.pid,
                 "host": self.host,
             },
@@ -206,6 +208,7 @@ class Holder:
             addrs=[int(a) for a in d["addrs"]],
             origin=bool(d.get("origin", False)),
             mask=int(str(d.get("mask", "0")) or "0", 16),
+            pending=int(str(d.get("pend", "0")) or "0", 16),
             pid=int(d.get("pid", 0)),
             host=str(d.get("host", "")),
         )

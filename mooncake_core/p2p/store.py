@@ -158,11 +158,12 @@ class P2PStore:
         return Manifest.from_json(got[0], got[1])
 
     def _holder_record(self, addrs: list[int], origin: bool) -> Holder:
-        return Holder(self.segment, addrs, origin, 0, os.getpid(), socket.gethostname())
+        return Holder(self.segment, addrs, origin, pid=os.getpid(), host=socket.gethostname())
 
-    def _announce(self, held: _Held, mask: int) -> bool:
+    def _announce(self, held: _Held, mask: int, pending: int = 0) -> bool:
         with held.lock:
-            held.holder.mask |= mask
+            held.holder.mask = mask
+            held.holder.pending = pending
             m = held.manifest
             return self.etcd.put_guarded(
                 self.keys.obj(m.name),
@@ -391,7 +392,7 @@ class P2PStore:
             manifest=m,
             dest_addrs=addrs,
             me=self.segment,
-            announce=lambda mask: self._announce(held, mask),
+            announce=lambda mask, pending: self._announce(held, mask, pending),
             swarm=swarm,
             concurrency=concurrency,
             origin_streams=origin_streams,
