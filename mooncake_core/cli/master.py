@@ -148,6 +148,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="most KV events waiting to be sent; the oldest are dropped beyond (65536)",
     )
     parser.add_argument(
+        "--tenant-quota",
+        action="append",
+        default=[],
+        metavar="NAME=SIZE",
+        help="byte quota of a tenant (64MB; NAME=SIZE:refuse refuses puts over it instead of "
+        "evicting the tenant's own LRU objects; NAME * = every other tenant); repeatable",
+    )
+    parser.add_argument(
+        "--tenant-quotas",
+        default=None,
+        metavar="FILE",
+        help='tenant quotas from a JSON file {"NAME": "64MB", ...}',
+    )
+    parser.add_argument(
         "--ready-file",
         default=None,
         help="write {rpc_port, http_port, metadata_port, pid} here once listening",
@@ -180,6 +194,7 @@ class Published:
     kv_events_endpoint: str = ""
     kv_events_queue: int | None = None
     kv_events_backend_id: str = ""
+    tenant_quota_file: str = ""
     log_level: str | None = None
     warnings: list[str] = field(default_factory=list)
 
@@ -292,6 +307,15 @@ def resolve_published(
     if "kv_events_queue_capacity" in values:
         out.kv_events_queue = int(values["kv_events_queue_capacity"])
     out.kv_events_backend_id = str(v("kv_events_backend_id", "") or "")
+    if v("enable_multi_tenants", False):
+        kind = str(v("tenant_quota_connector_type", "file") or "file")
+        if kind != "file":
+            raise ConfigError(
+                f"--tenant_quota_connector_type={kind}: not supported by mooncake-core (file only)"
+            )
+        out.tenant_quota_file = str(v("tenant_quota_connector_uri", "") or "")
+        if out.tenant_quota_file.startswith("file://"):
+            out.tenant_quota_file = out.tenant_quota_file[len("file://") :]
     if "minloglevel" in values:
         out.log_level = _GLOG_LEVELS.get(min(max(int(values["minloglevel"]), 0), 3), "INFO")
     if int(v("v", 0) or 0) > 0:
@@ -351,6 +375,11 @@ def run(args: argparse.Namespace) -> int:
         cluster_id = "mooncake_cluster" if published_mode else "default"
     if (pub.ha_url or args.ha_url) and host in _WILDCARD and not args.advertise:
         logger.warning("HA with a wildcard RPC address: set --rpc_address to this host's address")
+    from mooncake_core.store.tenants import parse_quotas, read_quota_file
+
+    quota_file = args.tenant_quotas or pub.tenant_quota_file
+    quotas = read_quota_file(quota_file) if quota_file else {}
+    quotas.update(parse_quotas(args.tenant_quota))
     install_uvloop()
     server = MasterServer(
         cfg.store,
@@ -371,6 +400,7 @@ def run(args: argparse.Namespace) -> int:
             else (pub.kv_events_queue if pub.kv_events_queue is not None else 65536)
         ),
         kv_events_backend_id=pub.kv_events_backend_id,
+        tenant_quotas=quotas,
     )
     metadata_host = pub.metadata_host or host
     metadata_port = pub.metadata_port

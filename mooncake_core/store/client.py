@@ -52,6 +52,7 @@ from mooncake_core.store.reads import RememberedReads
 from mooncake_core.store.rpc import MasterRPC
 from mooncake_core.store.ssd import SsdTier
 from mooncake_core.store.state import RESERVE_MAX_OBJECT
+from mooncake_core.store.tenants import check_tenant, user_key
 from mooncake_core.transfer import TransferEngine
 from mooncake_core.transfer.memory import ManagedBuffer, Region
 
@@ -90,6 +91,7 @@ class StoreClient(ReservationLending, RememberedReads):
         cluster_id: str = "default",
         failover_timeout_s: float = 15.0,
         prefault: bool = False,
+        tenant: str = "",
         **overrides: Any,
     ) -> None:
         self.config = config if config is not None else load_config(**overrides)
@@ -117,6 +119,9 @@ class StoreClient(ReservationLending, RememberedReads):
             spin_us=self.config.store.rpc_spin_us,
         )
         self._prefault = prefault
+        # keys live in this tenant's namespace; quotas per tenant (mooncake_core.store.tenants)
+        self.tenant = check_tenant(tenant)
+        self.rpc.tenant = self.tenant
         self._segments: dict[str, ManagedBuffer] = {}
         self._seg_names: list[str] = []
         self._started = False
@@ -720,7 +725,9 @@ class StoreClient(ReservationLending, RememberedReads):
         return int(self._call("remove_by_regex", (pattern, force)))
 
     def keys_by_regex(self, pattern: str) -> list[str]:
-        return list(self._call("keys_by_regex", (pattern, False)))
+        """Keys (of this client's tenant) matching ``pattern`` (``re.search``)."""
+        keys = self._call("keys_by_regex", (pattern, False))
+        return [user_key(k) for k in keys] if self.tenant else list(keys)
 
     def remove_all(self, *, force: bool = False) -> int:
         self._forget(None)
@@ -728,7 +735,10 @@ class StoreClient(ReservationLending, RememberedReads):
 
     def query(self, key: str) -> dict[str, Any]:
         """The master's view of ``key``: size, replicas (segment, client, offset), pins, lease."""
-        return dict(self._call("query_key", (key,)))
+        out = dict(self._call("query_key", (key,)))
+        if self.tenant:
+            out["key"] = user_key(str(out["key"]))
+        return out
 
     def stats(self) -> dict[str, Any]:
         return dict(self._call("stats", ()))

@@ -15,9 +15,11 @@ A store object is not a chain of token blocks: each event names one object. Its
 ``block_hashes`` is one 64-bit hash of the key (``key_hash``), ``parent_block_hash`` is
 None, ``token_ids`` is empty and ``block_size`` 0 (the vLLM-compatible fields). Store fields
 added to each event (ignored by vLLM's decoder, read by
-:mod:`mooncake_core.proxy.store_events`): ``object_key``, ``size``, ``holders`` (segment
-names of the memory replicas), ``tenant`` and ``backend_id``. ``medium`` is ``"CPU"`` for
-objects in the memory pool and ``"STORAGE"`` for objects only on a client's SSD tier.
+:mod:`mooncake_core.proxy.store_events`): ``object_key`` (the key as its client named it),
+``size``, ``holders`` (segment names of the memory replicas), ``tenant`` (the object's
+tenant, ``""`` for the default; :mod:`mooncake_core.store.tenants`) and ``backend_id``.
+``medium`` is ``"CPU"`` for objects in the memory pool and ``"STORAGE"`` for objects only
+on a client's SSD tier.
 
 Queue: the master's event loop only appends to a bounded queue (``queue_capacity``
 events); a publisher thread takes up to ``batch_max`` events at a time (waiting at most
@@ -238,7 +240,7 @@ class KVEventPublisher:
                 None,
                 medium,
                 None,
-                object_key=key,
+                object_key=key[len(tenant) + 1 :] if tenant else key,
                 size=o.size,
                 holders=list(holders),
                 tenant=tenant,
@@ -252,8 +254,9 @@ class KVEventPublisher:
             self._push(self._removed(key, old))
 
     def _removed(self, key: str, old: _Announced) -> BlockRemoved:
+        user = key[len(old[2]) + 1 :] if old[2] else key
         return BlockRemoved(
-            [key_hash(key)], old[0], object_key=key, tenant=old[2], backend_id=self.backend_id
+            [key_hash(key)], old[0], object_key=user, tenant=old[2], backend_id=self.backend_id
         )
 
     def _push(self, ev: Any) -> None:

@@ -67,6 +67,8 @@ class MasterServer:
             object stored, evicted or removed (:mod:`mooncake_core.store.kvevents`); "" = off.
         kv_events_queue: most events waiting to be sent (oldest dropped beyond).
         kv_events_backend_id: copied into every event.
+        tenant_quotas: byte quota per tenant (:mod:`mooncake_core.store.tenants`; ``"*"``: any
+            tenant without its own).
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class MasterServer:
         kv_events_endpoint: str = "",
         kv_events_queue: int = 65536,
         kv_events_backend_id: str = "",
+        tenant_quotas: dict[str, Any] | None = None,
     ) -> None:
         self.cfg = cfg or StoreConfig()
         self.state = MasterState(self.cfg)
@@ -106,6 +109,8 @@ class MasterServer:
         self.kv_events_queue = kv_events_queue
         self.kv_events_backend_id = kv_events_backend_id
         self.kv_events: Any = None  # KVEventPublisher once started
+        self.tenant_quotas = dict(tenant_quotas or {})
+        self.state.tenant_quotas = self.tenant_quotas
         self.id = uuid.uuid4().hex[:12]
         self.role = "starting"
         self.leader_hint = ""
@@ -253,9 +258,9 @@ class MasterServer:
             "get_size": lambda a, now: st.get_size(a.key),
             "remove": lambda a, now: st.remove(a.key, a.force, now),
             "batch_remove": lambda a, now: st.batch_remove(a.keys, a.force, now),
-            "remove_by_regex": lambda a, now: st.remove_by_regex(a.pattern, a.force, now),
-            "keys_by_regex": lambda a, now: st.keys_by_regex(a.pattern),
-            "remove_all": lambda a, now: st.remove_all(a.force, now),
+            "remove_by_regex": lambda a, now: st.remove_by_regex(a.pattern, a.force, now, a.tenant),
+            "keys_by_regex": lambda a, now: st.keys_by_regex(a.pattern, a.tenant),
+            "remove_all": lambda a, now: st.remove_all(a.force, now, a.tenant),
             "ping": lambda a, now: {"role": self.role, "id": self.id},
             "stats": lambda a, now: st.stats(),
             "query_key": lambda a, now: st.query_key(a.key),
@@ -422,6 +427,7 @@ class MasterServer:
             return
         seq, entries = snap
         self.state = MasterState(self.cfg)
+        self.state.tenant_quotas = self.tenant_quotas
         self.state.on_task = self._wake_poller
         self._handlers = self._make_handlers()
         self._apply([(seq - 1, entries)])
@@ -642,6 +648,11 @@ class MasterServer:
         app.router.add_get("/query_key", query_key)
         app.router.add_get("/segments", segments)
         app.router.add_get("/stats", stats)
+
+        async def tenants(_r: web.Request) -> web.Response:
+            return web.json_response(self.state.tenant_stats())
+
+        app.router.add_get("/tenants", tenants)
         if self.serve_metadata:
             from mooncake_core.metadata.http import add_metadata_routes
 
@@ -672,11 +683,13 @@ class MasterServer:
         rpc = self.advertise or f"{self.host}:{self.rpc_port}"
         if self.kv_events_endpoint and self.kv_events is None:
             from mooncake_core.store.kvevents import KVEventPublisher
+            from mooncake_core.store.tenants import tenant_of
 
             self.kv_events = KVEventPublisher(
                 self.kv_events_endpoint,
                 queue_capacity=self.kv_events_queue,
                 backend_id=self.kv_events_backend_id,
+                tenant_of=tenant_of,
             )
         self._tasks.append(asyncio.ensure_future(self._ticker()))
         if self.ha_url:

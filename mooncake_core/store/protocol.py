@@ -349,10 +349,12 @@ class BatchRemoveArgs(_A):
 class RegexArgs(_A):
     pattern: str
     force: bool = False
+    tenant: str = ""  # match only this tenant's keys (mooncake_core.store.tenants)
 
 
 class RemoveAllArgs(_A):
     force: bool = False
+    tenant: str = ""
 
 
 class NoArgs(_A):

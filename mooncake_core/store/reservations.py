@@ -160,6 +160,7 @@ class Reservations(StateCore):
                 f"put {key!r}: [{offset}, {offset + need}) is not a free part of reservation {rid}"
             )
         self._claim_key(key, now)
+        self._admit(key, size, now)
         if (
             r.rid not in self.reservations
         ):  # making room reclaimed expired reservations: not this live one

@@ -22,6 +22,7 @@ import msgspec
 
 from mooncake_core.errors import ConfigError, MasterUnavailable, MetadataError
 from mooncake_core.store import protocol as P
+from mooncake_core.store.tenants import namespaced
 
 __all__ = ["MasterRPC"]
 
@@ -35,7 +36,7 @@ class _Sock:
     RPC; on virtual machines that wake-up alone costs tens of microseconds.
     """
 
-    __slots__ = ("sock", "addr", "buf", "next_id", "poller", "spin_s", "__weakref__")
+    __slots__ = ("sock", "addr", "buf", "next_id", "poller", "spin_s", "ns", "__weakref__")
 
     def __init__(self, addr: str, timeout: float, spin_s: float = 100e-6) -> None:
         host, _, port = addr.rpartition(":")
@@ -44,6 +45,7 @@ class _Sock:
                 f"master_server_address: {addr!r} is not host:port or etcd://host:port"
             )
         self.addr = addr
+        self.ns = ""  # the client's tenant: keys are named in its namespace on the wire
         self.sock = socket.create_connection((host, int(port)), timeout=timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.setblocking(False)
@@ -92,6 +94,8 @@ class _Sock:
     def send_request(self, method: str, params: Any, deadline: float | None) -> int:
         """Send one request; returns its id (read the answer with :meth:`read_response`)."""
         self.next_id += 1
+        if self.ns:
+            params = namespaced(method, params, self.ns)
         self._send(P.encode_request(self.next_id, method, params), deadline)
         return self.next_id
 
@@ -186,6 +190,7 @@ class MasterRPC:
         self.failovers = 0
         # called before each request while set (the store client starts itself on first use)
         self.before_use: Callable[[], None] | None = None
+        self.tenant = ""  # set by a client with a tenant (mooncake_core.store.tenants)
 
     # ------------------------------------------------------------------ leader resolution
     def _resolve(self) -> str:
@@ -226,6 +231,7 @@ class MasterRPC:
             raise ConnectionError(
                 f"cannot connect to master {target}: {exc.strerror or exc}"
             ) from exc
+        s.ns = self.tenant
         with self._lock:
             self._open.add(s)
             closed = self._closed

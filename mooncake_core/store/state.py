@@ -67,6 +67,7 @@ from mooncake_core.store.state_core import (
     check_batch,
     check_key,
 )
+from mooncake_core.store.tenants import Quota, TenantObjects, TenantQuotas, tenant_of
 from mooncake_core.store.tiering import SsdTiering
 
 __all__ = [
@@ -84,7 +85,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class MasterState(Reservations, EvictionDriver, SsdTiering, Replication):
+class MasterState(Reservations, EvictionDriver, SsdTiering, Replication, TenantQuotas):
     """All master metadata (see module doc)."""
 
     def __init__(self, cfg: StoreConfig, *, rng: random.Random | None = None) -> None:
@@ -92,7 +93,9 @@ class MasterState(Reservations, EvictionDriver, SsdTiering, Replication):
         self.rng = rng or random.Random()
         self.clients: dict[str, ClientInfo] = {}
         self.segments: dict[str, Segment] = {}
-        self.objects: dict[str, Obj] = {}
+        self.objects: dict[str, Obj] = TenantObjects()  # counts bytes per tenant
+        self.tenant_quotas: dict[str, Quota] = {}
+        self.tenant_counters: dict[str, dict[str, int]] = {}
         self.lru: OrderedDict[str, None] = OrderedDict()
         self.early: dict[
             str, int
@@ -234,6 +237,7 @@ class MasterState(Reservations, EvictionDriver, SsdTiering, Replication):
             raise InvalidArgument(f"put {key!r}: soft_pin_ttl_s must not be negative")
         strategy = self._strategy(cfg, f"put {key!r}")
         self._claim_key(key, now)
+        self._admit(key, size, now)
         if not self.segments:
             raise NoSpace(
                 f"put {key!r}: no segment is mounted; start a store node or give clients a segment"
@@ -400,13 +404,21 @@ class MasterState(Reservations, EvictionDriver, SsdTiering, Replication):
         except re.error as exc:
             raise InvalidArgument(f"invalid regex {pattern!r}: {exc}") from None
 
-    def keys_by_regex(self, pattern: str) -> list[str]:
+    def keys_by_regex(self, pattern: str, tenant: str = "") -> list[str]:
+        """Complete keys of ``tenant`` whose key (without the tenant prefix) matches."""
         rx = self._regex(pattern)
-        return [k for k, o in self.objects.items() if o.complete and rx.search(k)]
+        if not tenant and not self.objects.count.keys() - {""}:  # type: ignore[attr-defined]
+            return [k for k, o in self.objects.items() if o.complete and rx.search(k)]
+        cut = len(tenant) + 1 if tenant else 0
+        return [
+            k
+            for k, o in self.objects.items()
+            if o.complete and tenant_of(k) == tenant and rx.search(k[cut:])
+        ]
 
-    def remove_by_regex(self, pattern: str, force: bool, now: float) -> int:
+    def remove_by_regex(self, pattern: str, force: bool, now: float, tenant: str = "") -> int:
         n = 0
-        for k in self.keys_by_regex(pattern):
+        for k in self.keys_by_regex(pattern, tenant):
             o = self.objects[k]
             if not force and (o.lease_until > now or o.hard_pin):
                 continue
@@ -414,8 +426,8 @@ class MasterState(Reservations, EvictionDriver, SsdTiering, Replication):
             n += 1
         return n
 
-    def remove_all(self, force: bool, now: float) -> int:
-        return self.remove_by_regex("", force, now)
+    def remove_all(self, force: bool, now: float, tenant: str = "") -> int:
+        return self.remove_by_regex("", force, now, tenant)
 
     def query_key(self, key: str) -> dict[str, Any]:
         o = self.objects.get(check_key(key))
@@ -457,6 +469,7 @@ class MasterState(Reservations, EvictionDriver, SsdTiering, Replication):
             "reservations": len(self.reservations),
             "reserved_bytes": sum(n for r in self.reservations.values() for n in r.blocks.values()),
             **self.counters,
+            "tenants": self.tenant_stats(),
         }
 
 

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import random
+import re
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,7 +53,23 @@ def check_key(key: object) -> str:
         raise InvalidArgument("key must be a non-empty string")
     if len(key) > MAX_KEY and len(key.encode()) > MAX_KEY:
         raise InvalidArgument(f"key is {len(key.encode())} bytes; the limit is {MAX_KEY}")
+    if "\x00" in key:  # only as a tenant separator
+        check_tenant_key(key)
     return key
+
+
+_TENANT = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def check_tenant_key(key: str) -> None:
+    """Refuse a NUL anywhere but as one tenant separator after a valid tenant name
+    (:mod:`mooncake_core.store.tenants`)."""
+    i = key.find("\x00")
+    if i <= 0 or "\x00" in key[i + 1 :] or i + 1 == len(key) or not _TENANT.match(key[:i]):
+        raise InvalidArgument(
+            f"key {key!r}: a NUL character is only allowed as the tenant separator "
+            "(set a tenant on the client instead)"
+        )
 
 
 def check_batch(keys: list[str]) -> None:
@@ -154,6 +171,7 @@ class StateCore:
         def _make_room_for_object(self, key: str, now: float) -> None: ...
         def evict_for(self, nbytes: int, now: float) -> int: ...
         def _offload(self, o: Obj, rep: list[SliceT]) -> bool: ...
+        def _admit(self, key: str, size: int, now: float) -> None: ...
 
     def _emit(self, *entry: Any) -> None:
         if self.on_change is not None:
