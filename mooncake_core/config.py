@@ -179,6 +179,8 @@ class TransferConfig:
     interfaces: str = ""
     stripe_interfaces: bool = False
     gid_index: int = 0  # RDMA: GID index of the port (also MC_GID_INDEX, as in Mooncake)
+    metrics_port: int = -1  # >= 0: serve this process's /metrics there (0 = any port)
+    metrics_host: str = "127.0.0.1"  # where that /metrics listens
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from aiohttp import web
 
 from mooncake_core.errors import ProxyError
 from mooncake_core.proxy.engine import DEFAULT_ENGINE, ProxyEngine, proxy_engine
+from mooncake_core.proxy.metrics import ProxyMetrics
 from mooncake_core.proxy.policy import (
     Instance,
     Job,
@@ -168,6 +169,8 @@ class ProxyServer:
         self.app.router.add_get("/v1/models", self._models)
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/proxy/stats", self._stats)
+        self.metrics = ProxyMetrics(self.policy.name, [*self.prefill, *self.decode])
+        self.app.router.add_get("/metrics", self.metrics.handler)
         self.app.on_cleanup.append(self._close_session)
 
     # ------------------------------------------------------------------ lifecycle
@@ -288,11 +291,14 @@ class ProxyServer:
         return await self._handle(request, "/v1/chat/completions", chat=True)
 
     async def _handle(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
+        request["mc_t0"] = t0 = time.monotonic()  # TTFT and end-to-end latency start here
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
+            self.metrics.outcome("bad_request")
             return _error(400, "request body is not valid JSON", "invalid_request_error")
         if not isinstance(body, dict):
+            self.metrics.outcome("bad_request")
             return _error(400, "request body must be a JSON object", "invalid_request_error")
         key, n_tokens = _prompt_of(body, chat)
         if isinstance(key, str) and self.tokenizer is not None:
@@ -307,20 +313,30 @@ class ProxyServer:
             place = self.policy.choose(job)
         except RequestRejected as exc:
             self.stats["rejected"] += 1
+            self.metrics.rejected()
             logger.info("request %d %s", job.rid, exc)
             return _error(429, str(exc), "rate_limit_exceeded")
+        self.metrics.routed_to(place.prefill.url, place.decode.url)
         ok = False
+        stage = place.prefill
         try:
             params = await self._prefill(place.prefill, path, body, job)
             self.policy.prefill_done(job, place)
+            stage = place.decode
             dbody = self.engine.decode_body(body, params)
             resp = await self._decode(
                 request, place, path, dbody, job, stream=bool(body.get("stream"))
             )
             ok = True
+            if not body.get("stream"):  # the whole answer is its first byte
+                self.metrics.first_byte(time.monotonic() - t0)
+            self.metrics.done(time.monotonic() - t0)
+            self.metrics.outcome("ok")
             return resp
         except UpstreamError as exc:
             self.stats["errors"] += 1
+            self.metrics.upstream_error(stage.role, stage.url, exc.status)
+            self.metrics.outcome("upstream_error")
             logger.warning("request %d failed: %s", job.rid, exc.message)
             return exc.response()
         finally:
@@ -376,6 +392,7 @@ class ProxyServer:
             inst.in_flight -= 1
             inst.tokens_in_flight -= job.prompt_tokens
         self.stats["prefill_s"] += time.monotonic() - t0
+        self.metrics.prefill.labels(inst.url).observe(time.monotonic() - t0)
         params = self.engine.handoff(answer)
         if not isinstance(params, dict):
             inst.errors += 1
@@ -425,8 +442,12 @@ class ProxyServer:
                     },
                 )
                 await out.prepare(request)
+                t_first = request.get("mc_t0")
                 async for chunk in r.content.iter_any():
                     await out.write(chunk)
+                    if t_first is not None:  # time to first token, as the client sees it
+                        self.metrics.first_byte(time.monotonic() - t_first)
+                        t_first = None
                 await out.write_eof()
                 inst.served += 1
                 return out

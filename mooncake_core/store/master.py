@@ -93,7 +93,7 @@ class MasterServer:
     ) -> None:
         self.cfg = cfg or StoreConfig()
         self.state = MasterState(self.cfg)
-        self.metrics = Metrics()
+        self.metrics = Metrics(self)
         self.host, self.rpc_port = host, rpc_port
         self.http_host, self.http_port = http_host, http_port
         self.ha_url = ha_url
@@ -314,7 +314,7 @@ class MasterServer:
             if code == P.Code.INTERNAL:
                 logger.exception("internal error in %s", method)
             out = P.encode_response(req.id, code, msg)
-        self.metrics.observe(method, time.perf_counter() - t0, ok)
+        self.metrics.observe(method, time.perf_counter() - t0, ok, args, result if ok else None)
         if method in CONFIRMS and args is not None:
             for k in args.keys if method == "batch_put_confirm" else (args.key,):
                 conn.early.pop(k, None)

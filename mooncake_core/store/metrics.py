@@ -1,157 +1,331 @@
-"""Master metrics: per-RPC counters and latency histograms, rendered as Prometheus text.
+"""Master metrics on the shared metrics layer (:mod:`mooncake_core.metrics`).
 
-Contract: :class:`Metrics` is owned by the master's event loop (not thread-safe);
-:meth:`Metrics.observe` is O(buckets) with no allocation per call; :func:`render`
-turns the metrics plus a :class:`~mooncake_core.store.state.MasterState` snapshot into
-the text exposition format (``/metrics``).
+Contract: one :class:`Metrics` per master, owned by the master's event loop (its
+``/metrics`` handler runs there too, so nothing here is locked). :meth:`Metrics.observe`
+is called once per RPC and keeps every counter current (requests, failures, latency,
+hits and misses, lease grants); a scrape reads those plus values the state keeps in
+O(1) or O(segments + clients) (key count, memory used, clients, SSD keys, HA role): it
+never walks the objects.
+
+Names: ours (``mooncake_master_*``) and, where the meaning is the same, the ones the
+published ``mooncake_master`` 0.3.13 exports (``master_key_count``,
+``master_allocated_bytes``, ``master_put_start_requests_total``, ``mem_cache_hit_nums_``,
+``valid_get_nums_``, ``master_evicted_key_count``, ``ha_oplog_last_sequence_id``...), so
+a dashboard built for the published master reads ours. docs/observability.md lists both.
 """
 
 from __future__ import annotations
 
-import bisect
 import time
-from typing import TYPE_CHECKING
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from mooncake_core.store.state import MasterState
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    UnknownMetricFamily,
+)
+from prometheus_client.registry import Collector
 
-__all__ = ["Metrics", "render", "BUCKETS"]
+from mooncake_core.metrics import LATENCY_BUCKETS, new_registry
+from mooncake_core.metrics import render as render_registry
 
-BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 50e-3, 0.25, 1.0)
+__all__ = ["Metrics", "render", "PUBLISHED_METHODS", "ROLES"]
+
+#: our RPC method -> the published master's name for the same call (its counters are
+#: ``master_<name>_requests_total`` / ``master_<name>_failures_total``).
+PUBLISHED_METHODS = {
+    "put_start": "put_start",
+    "put_end": "put_end",
+    "put_revoke": "put_revoke",
+    "batch_put_start": "batch_put_start",
+    "batch_put_end": "batch_put_end",
+    "get_replica_list": "get_replica_list",
+    "batch_get_replica_list": "batch_get_replica_list",
+    "exists": "exist_key",
+    "batch_exists": "batch_exist_key",
+    "remove": "remove",
+    "remove_by_regex": "remove_by_regex",
+    "remove_all": "remove_all",
+    "mount": "mount_segment",
+    "unmount": "unmount_segment",
+    "ping": "ping",
+}
+ROLES = ("leader", "standby", "starting", "deposed")
+_MAX_METHODS = 64  # unknown method names beyond this are lumped together as "other"
 
 
-class _Hist:
-    __slots__ = ("counts", "total", "n", "errors")
+class MasterView(Protocol):
+    """What the metrics read of a master (``MasterServer``)."""
+
+    state: Any
+    role: str
+
+
+class _Get:
+    """Hit/miss tallies of replica-list lookups (reads)."""
+
+    __slots__ = ("total", "valid", "mem", "file", "mem_bytes", "file_bytes")
 
     def __init__(self) -> None:
-        self.counts = [0] * (len(BUCKETS) + 1)
-        self.total = 0.0
-        self.n = 0
-        self.errors = 0
+        self.total = self.valid = self.mem = self.file = self.mem_bytes = self.file_bytes = 0
+
+    def hit(self, size: int, in_memory: bool) -> None:
+        self.total += 1
+        self.valid += 1
+        if in_memory:
+            self.mem += 1
+            self.mem_bytes += size
+        else:
+            self.file += 1
+            self.file_bytes += size
 
 
 class Metrics:
-    """Per-method request counts, error counts and latency histograms."""
+    """Per-RPC counters and latency histograms plus the master's gauges, in a registry of
+    its own (several masters may share a process)."""
 
-    def __init__(self) -> None:
-        self.ops: dict[str, _Hist] = {}
-        self.started = time.time()
-        self.bad_frames = 0
-
-    def observe(self, method: str, seconds: float, ok: bool) -> None:
-        h = self.ops.get(method)
-        if h is None:
-            if len(self.ops) > 64:  # bounded: unknown method names are lumped together
-                method = "other"
-                h = self.ops.get(method)
-            if h is None:
-                h = self.ops[method] = _Hist()
-        h.counts[bisect.bisect_left(BUCKETS, seconds)] += 1
-        h.total += seconds
-        h.n += 1
-        if not ok:
-            h.errors += 1
-
-
-def _esc(v: str) -> str:
-    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def render(m: Metrics, state: MasterState, role: str) -> str:
-    """Prometheus text for ``/metrics``."""
-    now = time.monotonic()
-    out: list[str] = []
-
-    def gauge(name: str, help_: str, value: float, labels: str = "") -> None:
-        out.append(f"# HELP {name} {help_}\n# TYPE {name} gauge\n{name}{labels} {value}")
-
-    def counter(name: str, help_: str, value: float) -> None:
-        out.append(f"# HELP {name} {help_}\n# TYPE {name} counter\n{name} {value}")
-
-    objs = [o for o in state.objects.values() if o.complete]
-    gauge(
-        "mooncake_master_is_leader",
-        "1 when this master is the leader",
-        1 if role == "leader" else 0,
-    )
-    gauge("mooncake_master_objects", "complete objects", len(objs))
-    gauge("mooncake_master_object_bytes", "bytes of complete objects", sum(o.size for o in objs))
-    gauge(
-        "mooncake_master_pending_puts",
-        "puts started and not yet ended",
-        len(state.objects) - len(objs),
-    )
-    gauge("mooncake_master_clients", "live clients", len(state.clients))
-    gauge(
-        "mooncake_master_leased_objects",
-        "objects with an unexpired read lease",
-        sum(1 for o in objs if o.lease_until > now),
-    )
-    gauge(
-        "mooncake_master_pinned_objects", "hard-pinned objects", sum(1 for o in objs if o.hard_pin)
-    )
-    gauge("mooncake_master_ssd_objects", "objects with an SSD copy", sum(1 for o in objs if o.disk))
-    used, total = state.usage()
-    gauge("mooncake_master_used_bytes", "allocated bytes over all segments", used)
-    gauge("mooncake_master_capacity_bytes", "mounted bytes over all segments", total)
-    out.append(
-        "# HELP mooncake_master_segment_used_bytes allocated bytes per segment\n"
-        "# TYPE mooncake_master_segment_used_bytes gauge"
-    )
-    for s in state.segments.values():
-        out.append(
-            f'mooncake_master_segment_used_bytes{{segment="{_esc(s.name)}",'
-            f'client="{_esc(s.client_id)}"}} '
-            f"{s.allocator.used}"
+    def __init__(self, server: MasterView | None = None) -> None:
+        self.server = server
+        self.registry = new_registry()
+        reg = self.registry
+        self._requests = Counter(
+            "mooncake_master_requests", "RPC requests by method", ["method"], registry=reg
         )
-    out.append(
-        "# HELP mooncake_master_segment_capacity_bytes size per segment\n"
-        "# TYPE mooncake_master_segment_capacity_bytes gauge"
-    )
-    for s in state.segments.values():
-        out.append(f'mooncake_master_segment_capacity_bytes{{segment="{_esc(s.name)}"}} {s.size}')
-    c = state.counters
-    counter(
-        "mooncake_master_evictions_total", "replicas evicted (dropped or offloaded)", c["evictions"]
-    )
-    counter("mooncake_master_evicted_bytes_total", "bytes evicted", c["evicted_bytes"])
-    counter("mooncake_master_ssd_offloads_total", "objects offloaded to SSD", c["offloads"])
-    counter("mooncake_master_ssd_promotions_total", "promotions from SSD started", c["promotions"])
-    counter(
-        "mooncake_master_expired_clients_total",
-        "clients dropped for missing heartbeats",
-        c["expired_clients"],
-    )
-    counter(
-        "mooncake_master_reclaimed_puts_total", "unfinished puts reclaimed", c["reclaimed_puts"]
-    )
-    counter(
-        "mooncake_master_bad_frames_total", "malformed RPC frames (connection closed)", m.bad_frames
-    )
-    out.append(
-        "# HELP mooncake_master_requests_total RPC requests by method\n"
-        "# TYPE mooncake_master_requests_total counter"
-    )
-    for meth, h in sorted(m.ops.items()):
-        out.append(f'mooncake_master_requests_total{{method="{meth}"}} {h.n}')
-    out.append(
-        "# HELP mooncake_master_request_errors_total RPC requests that failed, by method\n"
-        "# TYPE mooncake_master_request_errors_total counter"
-    )
-    for meth, h in sorted(m.ops.items()):
-        out.append(f'mooncake_master_request_errors_total{{method="{meth}"}} {h.errors}')
-    out.append(
-        "# HELP mooncake_master_request_seconds RPC handling latency\n"
-        "# TYPE mooncake_master_request_seconds histogram"
-    )
-    for meth, h in sorted(m.ops.items()):
-        acc = 0
-        for b, n in zip(BUCKETS, h.counts, strict=False):
-            acc += n
-            out.append(
-                f'mooncake_master_request_seconds_bucket{{method="{meth}",le="{b:g}"}} {acc}'
+        self._errors = Counter(
+            "mooncake_master_request_errors",
+            "RPC requests that failed, by method",
+            ["method"],
+            registry=reg,
+        )
+        self._seconds = Histogram(
+            "mooncake_master_request_seconds",
+            "RPC handling latency",
+            ["method"],
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self._bad_frames = Counter(
+            "mooncake_master_bad_frames", "malformed RPC frames (connection closed)", registry=reg
+        )
+        self._lease_grants = Counter(
+            "mooncake_master_lease_grants",
+            "read leases granted (replica lookups and exists that found the object)",
+            registry=reg,
+        )
+        self._pub: dict[str, tuple[Counter, Counter]] = {}
+        for ours, pub in PUBLISHED_METHODS.items():
+            self._pub[ours] = (
+                Counter(f"master_{pub}_requests", f"{pub} requests", registry=reg),
+                Counter(f"master_{pub}_failures", f"failed {pub} requests", registry=reg),
             )
-        out.append(f'mooncake_master_request_seconds_bucket{{method="{meth}",le="+Inf"}} {h.n}')
-        out.append(f'mooncake_master_request_seconds_sum{{method="{meth}"}} {h.total:.6f}')
-        out.append(f'mooncake_master_request_seconds_count{{method="{meth}"}} {h.n}')
-    return "\n".join(out) + "\n"
+        self._methods: dict[str, tuple[Any, Any, Any]] = {}
+        self.gets = _Get()
+        self.leases: OrderedDict[str, float] = OrderedDict()  # key -> lease expiry (monotonic)
+        reg.register(_StateCollector(self))
+
+    # ------------------------------------------------------------------ updates
+    @property
+    def bad_frames(self) -> int:
+        return int(self._bad_frames._value.get())
+
+    @bad_frames.setter
+    def bad_frames(self, value: int) -> None:
+        self._bad_frames.inc(max(0, value - self.bad_frames))
+
+    def _children(self, method: str) -> tuple[Any, Any, Any]:
+        ch = self._methods.get(method)
+        if ch is None:
+            if len(self._methods) >= _MAX_METHODS:
+                method = "other"
+                ch = self._methods.get(method)
+            if ch is None:
+                ch = self._methods[method] = (
+                    self._requests.labels(method),
+                    self._errors.labels(method),
+                    self._seconds.labels(method),
+                )
+        return ch
+
+    def observe(
+        self, method: str, seconds: float, ok: bool, args: Any = None, result: Any = None
+    ) -> None:
+        """One RPC ``method`` took ``seconds``; ``args``/``result`` (decoded arguments and the
+        handler's result when ``ok``) feed the hit/miss and lease counters."""
+        req, err, sec = self._children(method)
+        req.inc()
+        sec.observe(seconds)
+        if not ok:
+            err.inc()
+        pub = self._pub.get(method)
+        if pub is not None:
+            pub[0].inc()
+            if not ok:
+                pub[1].inc()
+        if args is None:
+            return
+        if method == "get_replica_list":
+            if ok:
+                size, reps, ttl, _tok = result
+                self.gets.hit(int(size), bool(reps))
+                self._leased(args.key, ttl)
+            else:
+                self.gets.total += 1
+        elif method == "batch_get_replica_list":
+            if ok:
+                for key, (code, size, reps, ttl, _tok) in zip(args.keys, result, strict=False):
+                    if code == 0:
+                        self.gets.hit(int(size), bool(reps))
+                        self._leased(key, ttl)
+                    else:
+                        self.gets.total += 1
+            else:
+                self.gets.total += len(getattr(args, "keys", ()) or ())
+        elif method == "exists" and ok and result:
+            self._leased(args.key, None)
+        elif method == "batch_exists" and ok:
+            for key, found in zip(args.keys, result, strict=False):
+                if found:
+                    self._leased(key, None)
+
+    def _leased(self, key: str, ttl: float | None) -> None:
+        if ttl is None:
+            server = self.server
+            ttl = float(server.state.cfg.lease_ttl_s) if server is not None else 0.0
+        self._lease_grants.inc()
+        self.leases[key] = time.monotonic() + float(ttl)
+        self.leases.move_to_end(key)
+
+    def leased_now(self) -> int:
+        """Keys with an unexpired lease (amortised O(1): expired grants are dropped here)."""
+        now = time.monotonic()
+        leases = self.leases
+        while leases:
+            key, until = next(iter(leases.items()))
+            if until > now:
+                break
+            leases.popitem(last=False)
+        return len(leases)
+
+
+def _g(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+class _StateCollector(Collector):
+    """Gauges read at scrape time from values the master keeps in O(1) or O(segments)."""
+
+    def __init__(self, m: Metrics) -> None:
+        self.m = m
+
+    def describe(self) -> list[Metric]:
+        return []  # collected on demand (names depend on nothing else in the registry)
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.m
+        server = m.server
+        role = server.role if server is not None else "starting"
+        yield _g("mooncake_master_is_leader", "1 when this master is the leader", role == "leader")
+        fam = GaugeMetricFamily("mooncake_master_role", "1 for this master's role", labels=["role"])
+        for r in ROLES:
+            fam.add_metric([r], 1 if role == r else 0)
+        yield fam
+        seq = int(getattr(server, "_seq", 0) or 0)
+        yield _g("ha_oplog_last_sequence_id", "last oplog sequence id written or read", seq)
+        yield _g("ha_oplog_applied_sequence_id", "last oplog sequence id applied", seq)
+        g = m.gets
+        for name, doc, val in (
+            ("mem_cache_hit_nums_", "replica lookups served from memory", g.mem),
+            ("file_cache_hit_nums_", "replica lookups served from the SSD tier", g.file),
+            ("valid_get_nums_", "replica lookups that found the object", g.valid),
+            ("total_get_nums_", "replica lookups", g.total),
+        ):
+            yield UnknownMetricFamily(name, doc + " (counter)", value=val)
+        yield _counter("mem_cache_hit_bytes", "bytes of lookups served from memory", g.mem_bytes)
+        yield _counter("file_cache_hit_bytes", "bytes of lookups served from SSD", g.file_bytes)
+        fam2 = _counter_family("mooncake_master_gets", "replica lookups by result", ["result"])
+        fam2.add_metric(["hit"], g.valid)
+        fam2.add_metric(["miss"], g.total - g.valid)
+        yield fam2
+        yield _g("mooncake_master_leased_objects", "keys with an unexpired lease", m.leased_now())
+        if server is None:
+            return
+        st = server.state
+        c = st.counters
+        for name, doc, key in (
+            ("mooncake_master_evictions", "replicas evicted (dropped or offloaded)", "evictions"),
+            ("mooncake_master_evicted_bytes", "bytes evicted", "evicted_bytes"),
+            ("mooncake_master_ssd_offloads", "objects offloaded to SSD", "offloads"),
+            ("mooncake_master_ssd_promotions", "promotions from SSD started", "promotions"),
+            (
+                "mooncake_master_expired_clients",
+                "clients dropped (no heartbeat)",
+                "expired_clients",
+            ),
+            ("mooncake_master_reclaimed_puts", "unfinished puts reclaimed", "reclaimed_puts"),
+        ):
+            yield _counter(name, doc, c.get(key, 0))
+        yield UnknownMetricFamily(
+            "master_evicted_key_count", "keys evicted (counter)", value=c.get("evictions", 0)
+        )
+        yield UnknownMetricFamily(
+            "master_evicted_size_bytes", "bytes evicted (counter)", value=c.get("evicted_bytes", 0)
+        )
+        keys = len(st.objects)
+        yield _g("mooncake_master_objects", "keys (complete objects and puts in flight)", keys)
+        yield _g("master_key_count", "keys managed by the master", keys)
+        clients = len(st.clients)
+        yield _g("mooncake_master_clients", "live clients", clients)
+        yield _g("master_active_clients", "live clients", clients)
+        used, total = st.usage()
+        yield _g("mooncake_master_used_bytes", "allocated bytes over all segments", used)
+        yield _g("mooncake_master_capacity_bytes", "mounted bytes over all segments", total)
+        yield _g("master_allocated_bytes", "allocated bytes over all segments", used)
+        yield _g("master_total_capacity_bytes", "mounted bytes over all segments", total)
+        ssd = sum(len(ci.disk_keys) for ci in st.clients.values())
+        yield _g("mooncake_master_ssd_objects", "objects with an SSD copy", ssd)
+        yield _g("file_cache_nums_", "objects with an SSD copy", ssd)
+        yield _g(
+            "mooncake_master_offload_pending_bytes",
+            "bytes queued for SSD offload",
+            sum(st.offload_pending.values()),
+        )
+        yield _g("mooncake_master_reservations", "extents lent to clients", len(st.reservations))
+        yield _g(
+            "mooncake_master_early_commits", "puts committed early, unconfirmed", len(st.early)
+        )
+        used_f = GaugeMetricFamily(
+            "mooncake_master_segment_used_bytes",
+            "allocated bytes per segment",
+            labels=["segment", "client"],
+        )
+        cap_f = GaugeMetricFamily(
+            "mooncake_master_segment_capacity_bytes", "size per segment", labels=["segment"]
+        )
+        keys_f = GaugeMetricFamily(
+            "mooncake_master_segment_keys", "replicas (keys) held per segment", labels=["segment"]
+        )
+        for s in st.segments.values():
+            used_f.add_metric([s.name, s.client_id], s.allocator.used)
+            cap_f.add_metric([s.name], s.size)
+            keys_f.add_metric([s.name], len(s.keys))
+        yield used_f
+        yield cap_f
+        yield keys_f
+
+
+def _counter_family(name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, labels=labels)
+
+
+def _counter(name: str, doc: str, value: float) -> Metric:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def render(m: Metrics, *_compat: Any) -> str:
+    """Prometheus text for ``/metrics`` (the extra arguments of the old signature are
+    ignored: the metrics read their master)."""
+    return render_registry(m.registry).decode()

@@ -44,6 +44,8 @@ from mooncake_core.errors import (
     TransportError,
 )
 from mooncake_core.metadata.base import MetadataBackend, open_backend
+from mooncake_core.metrics import serve_process
+from mooncake_core.metrics.transfer import TRANSFER
 from mooncake_core.plugins import transports as discover_transports
 from mooncake_core.transfer.batch import (
     OPS,
@@ -109,6 +111,7 @@ class TransferEngine:
         self._started = False
         self._closed = False
         self.stats = {"bytes_read": 0, "bytes_written": 0, "failovers": 0}
+        self.metrics_url = ""  # this process's /metrics when transfer.metrics_port >= 0
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> TransferEngine:
@@ -148,6 +151,9 @@ class TransferEngine:
         self._publish()
         self.segments.on_change.append(self._publish)
         self._started = True
+        if cfg.transfer.metrics_port >= 0:  # /metrics of this process (one per process)
+            t = cfg.transfer
+            self.metrics_url = serve_process(t.metrics_host, t.metrics_port).url
         logger.info(
             "transfer engine %s listening on %s port %d (transports: %s)",
             self.name,
@@ -679,11 +685,14 @@ class TransferEngine:
             todo = [it for it in items if not it.done and it.error is None]
             if not todo:
                 break
+            path = TRANSFER.path(name, t.name)
             if last is not None:
                 self.stats["failovers"] += 1
+                path.failover()
                 logger.info(
                     "failing over %d slice(s) to %s via %s: %s", len(todo), name, t.name, last
                 )
+            t0 = time.perf_counter()
             try:
                 t.execute(peer, todo, deadline)
                 last = None
@@ -695,6 +704,8 @@ class TransferEngine:
                 if isinstance(exc, PeerUnreachable) and t.carries_control:
                     self.forget_peer(name)
                 continue
+            finally:
+                path.record(todo, time.perf_counter() - t0)
         for it in items:
             if not it.done and it.error is None:
                 it.error = last or TransportError(f"transfer to {name!r} failed")

@@ -233,7 +233,7 @@ def test_http_metrics_health_and_query(cluster: tuple[Master, Agent, Agent, Agen
         "mooncake_master_segment_used_bytes",
         "mooncake_master_evictions_total",
         "mooncake_master_leased_objects",
-        'mooncake_master_request_seconds_bucket{method="put_start"',
+        'mooncake_master_request_seconds_bucket{le="+Inf",method="put_start"}',
     ):
         assert name in text
     status, body = m.http("/query_key?key=http/1")

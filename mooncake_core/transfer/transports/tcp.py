@@ -25,6 +25,7 @@ from mooncake_core.errors import (
     TransferTimeout,
     TransportError,
 )
+from mooncake_core.metrics.transfer import TRANSFER
 from mooncake_core.plugins import TransportInfo, hookimpl
 from mooncake_core.transfer.net import recv_exact, send_parts, tune_socket
 from mooncake_core.transfer.protocol import (
@@ -407,6 +408,7 @@ class TCPTransport(Transport):
                     f"retries: {err}"
                 ) from err
             self.retried_slices += len(pending)
+            TRANSFER.path(peer.name, "tcp").retry(len(pending))
             logger.debug(
                 "retrying %d slice(s) to %s (attempt %d): %s", len(pending), peer.name, attempt, err
             )
