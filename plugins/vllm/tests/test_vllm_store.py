@@ -86,6 +86,7 @@ def pool(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             block_size=BLOCK,
             kv_transfer_config=_store_config(addr, base / "stats" / n, by_name=n == "B"),
             env=corrupt_kv_env(base / "faults"),
+            log_stats=n == "B",  # B's connector stats feed its /metrics
         )
         for n in ("A", "B")
     ]
@@ -139,6 +140,36 @@ def test_shared_prefix_gets_a_partial_hit(pool: Pool) -> None:
     got = _text(pool.b.completion(second, MAX_TOKENS))
     assert pool.sched(pool.b).get("hit_pages", 0) - hits == 8  # the shared pages only
     assert got == _text(pool.a.completion(second, MAX_TOKENS))
+
+
+def _vllm_metric(server: VLLMServer, name: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
+
+
+def test_connector_stats_reach_vllm_metrics(pool: Pool) -> None:
+    """Hits, loads and saves go through vLLM's connector-stats interface to its /metrics."""
+    prompt = token_prompt(5 * BLOCK + 3, salt=12)
+    saved = pool.worker(pool.a).get("save_objects", 0)
+    pool.a.completion(prompt, MAX_TOKENS)
+    _saved(pool, pool.a, saved + 5 * 2)
+    before = _vllm_metric(pool.b, "vllm:mooncake_lookup_full_hits_total")
+    loaded = _vllm_metric(pool.b, "vllm:mooncake_load_bytes_total")
+    pool.b.completion(prompt, MAX_TOKENS)
+    wait_for(
+        lambda: _vllm_metric(pool.b, "vllm:mooncake_lookup_full_hits_total") == before + 1,
+        30,
+        "one more full hit on B's /metrics",
+    )
+    assert _vllm_metric(pool.b, "vllm:mooncake_load_bytes_total") > loaded
+    assert _vllm_metric(pool.b, "vllm:mooncake_lookup_requests_total") >= 1
 
 
 def test_loaded_pages_are_really_used(pool: Pool) -> None:

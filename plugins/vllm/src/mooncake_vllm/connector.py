@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from mooncake_vllm.metadata import PDMetadata
 from mooncake_vllm.scheduler import PDScheduler
+from mooncake_vllm.stats import ConnectorStatsMixin
 from mooncake_vllm.worker import PDWorker
 
 __all__ = ["MooncakeCoreConnector"]
@@ -51,7 +52,7 @@ def _tp_rank() -> int:
         return 0
 
 
-class MooncakeCoreConnector(KVConnectorBase_V1):
+class MooncakeCoreConnector(ConnectorStatsMixin, KVConnectorBase_V1):
     """PD connector: the decode instance pulls the prefill instance's KV blocks."""
 
     def __init__(

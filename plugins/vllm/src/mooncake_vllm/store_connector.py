@@ -50,6 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from mooncake_vllm.common import Counters, config_from_engine, option
+from mooncake_vllm.stats import ConnectorStatsMixin, lookup_outcome
 from mooncake_vllm.store_keys import StoreKeyScheme, key_prefix, page_chain, rank_dir
 
 __all__ = ["MooncakeCoreStoreConnector", "page_chain", "scheme_of"]
@@ -174,7 +175,8 @@ class _StoreScheduler:
         if start >= max_pages:
             return 0, False
         hit = self._lookup(st.pages[start:max_pages])
-        self.counters.add(lookup_requests=1, lookup_pages=max_pages - start)
+        asked = max_pages - start
+        self.counters.add(lookup_requests=1, lookup_pages=asked, **lookup_outcome(hit, asked))
         st.hit_pages = hit
         tokens = (start + hit) * bs - num_computed_tokens
         return max(0, tokens), False
@@ -325,9 +327,10 @@ class _StoreWorker:
 
         def run() -> None:
             try:
-                fut.set_result(
-                    self.client.batch_get_into(keys, addrs, [self.block_bytes] * len(keys))
-                )
+                t0 = time.monotonic()
+                res = self.client.batch_get_into(keys, addrs, [self.block_bytes] * len(keys))
+                self.counters.add(load_seconds=time.monotonic() - t0)
+                fut.set_result(res)
             except BaseException as exc:
                 fut.set_exception(exc)
 
@@ -427,7 +430,7 @@ class _StoreWorker:
             self.client.close()
 
 
-class MooncakeCoreStoreConnector(KVConnectorBase_V1):
+class MooncakeCoreStoreConnector(ConnectorStatsMixin, KVConnectorBase_V1):
     """Saves prompt KV pages into the mooncake-core store and loads them on prefix hits."""
 
     def __init__(
