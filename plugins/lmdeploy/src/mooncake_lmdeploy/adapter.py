@@ -14,6 +14,15 @@ ENGINE = "lmdeploy"
 ENGINE_MODULE = "lmdeploy"
 
 
+def conformance_status() -> str:
+    """The last conformance result recorded for this adapter (see docs/conformance.md)."""
+    if importlib.util.find_spec("mooncake_conformance") is None:
+        return "unknown (mooncake-conformance is not installed)"
+    from mooncake_conformance.status import describe
+
+    return describe(ENGINE, "mooncake_lmdeploy")
+
+
 @hookimpl
 def mooncake_adapter_info() -> AdapterInfo:
     """Describe this adapter for ``mooncake-core plugins``."""
@@ -22,6 +31,9 @@ def mooncake_adapter_info() -> AdapterInfo:
         package="mooncake-lmdeploy",
         engine="LMDeploy",
         engine_installed=importlib.util.find_spec(ENGINE_MODULE) is not None,
-        conformance="not yet run",
-        status="skeleton: registration only",
+        conformance=conformance_status(),
+        status="PD migration backend for --migration-backend Mooncake on our transfer engine "
+        "(tcp/shm/rdma; registered by mooncake_lmdeploy.pth); LMDeploy's "
+        "MooncakeStoreConnector on mooncake_core.compat; tested on LMDeploy's classes "
+        "with CPU pools (its engine needs a GPU)",
     )
