@@ -34,7 +34,7 @@ import threading
 import time
 from typing import Any
 
-from mooncake_core.config import parse_size
+from mooncake_core.config import environment, parse_size
 
 __all__ = ["main"]
 
@@ -171,7 +171,7 @@ class Hosts:
 class Worker:
     def __init__(self, prefix: list[str], url: str, ip: str) -> None:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = dict(os.environ)
+        env = dict(environment())
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
         self.proc = subprocess.Popen(
             [*prefix, PY, "-m", "mooncake_core.bench.p2p", "--worker", url, ip],
