@@ -16,6 +16,9 @@ keys that another client put sees at first). With ``--json`` the last
 line is one JSON object. ``get_vs_memcpy_16m`` compares 16 MiB gets with a numpy copy of
 the same bytes in the same pattern (as many distinct 16 MiB sources, read as often);
 ``get_vs_memcpy_hot_16m`` with copying one cache-resident buffer again and again.
+``put_gbps_1m_ratio_vs_socket`` / ``get_gbps_1m_ratio_vs_socket``: 1 MiB puts and gets
+against the bare-socket reference of the same round (at 1 MiB over loopback the bare socket,
+not another store, is the limit), median over rounds.
 
 ``--compare-mooncake PYTHON`` uses the hook :func:`run_mooncake`, which runs the same
 workload on the published Mooncake store through
@@ -372,6 +375,11 @@ def run_bench(quick: bool, transport: str, rounds: int) -> dict[str, Any]:
                 )
                 row["memcpy_cold_gbps_16m"] = _cold_memcpy(big, a)
                 row["memcpy_gbps_64m"] = _gbps(64 << 20, lambda: np.copyto(a, src), 4)
+                # the limit at 1 MiB over loopback is the bare socket: ours / it, in this round
+                for op in ("put", "get"):
+                    row[f"{op}_gbps_1m_ratio_vs_socket"] = (
+                        row[f"{op}_gbps_1m"] / row[f"raw_tcp_{op}_gbps_1m"]
+                    )
                 rows.append(row)
             meta = _meta(client, seg, quick)
         result: dict[str, Any] = {
@@ -483,6 +491,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{res['get_vs_memcpy_hot_16m']:.2f}x (one cache-resident buffer), "
         f"{res['get_vs_memcpy_cold_16m']:.2f}x (cold: {res['memcpy_cold_gbps_16m']:.2f} GB/s); "
         f"vs raw TCP {res['get_vs_raw_tcp_16m']:.2f}x"
+    )
+    print(
+        f"  1m vs a bare Python socket (same round): put {res['put_gbps_1m_ratio_vs_socket']:.2f}x "
+        f"(socket {res['raw_tcp_put_gbps_1m']:.2f} GB/s), get "
+        f"{res['get_gbps_1m_ratio_vs_socket']:.2f}x (socket {res['raw_tcp_get_gbps_1m']:.2f} GB/s)"
     )
     if "get_uncached_gbps_1m" in res:
         print(
