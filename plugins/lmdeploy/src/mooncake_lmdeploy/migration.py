@@ -62,7 +62,8 @@ __all__ = [
     "registered",
 ]
 
-logger = logging.getLogger(__name__)
+# a child of LMDeploy's own logger: our lines appear in its log, at its --log-level
+logger = logging.getLogger("lmdeploy.mooncake_lmdeploy")
 
 #: LMDeploy's ``MigrationBackend`` member whose registry entry we take over.
 BACKEND_NAME = "Mooncake"
