@@ -2,7 +2,11 @@
 # Set up a scratch venv with the PUBLISHED Mooncake wheel, so that our benchmarks and the
 # API-shape test can run the real thing next to ours.
 #
-# Usage: scripts/setup_mooncake_peer.sh [--sglang] [VENV_DIR]
+# Usage: scripts/setup_mooncake_peer.sh [--torch] [--sglang] [VENV_DIR]
+#   --torch (or MOONCAKE_PEER_TORCH=1) also installs the CPU torch from this machine's disk and
+#   safetensors, for the published tensor methods (tests/integration/test_compat_tensors.py
+#   compares them with ours; without torch that comparison skips, saying so). Opt-in: it
+#   takes about 2 minutes and 1 GB in a fresh venv, too much for every CI run.
 #   --sglang (or MOONCAKE_PEER_SGLANG=1) also installs SGLang's classes into that venv, for
 #   `mooncake-core bench sglang --compare-mooncake PY` (SGLang's built-in MooncakeStore
 #   backend on the published wheel): sglang --no-deps at the version scripts/setup.sh gives
@@ -16,10 +20,11 @@
 # The last line printed on stdout is the venv's python path.
 set -euo pipefail
 WITH_SGLANG="${MOONCAKE_PEER_SGLANG:-0}"
-if [ "${1:-}" = "--sglang" ]; then
-  WITH_SGLANG=1
+WITH_TORCH="${MOONCAKE_PEER_TORCH:-0}"
+while [ "${1:-}" = "--sglang" ] || [ "${1:-}" = "--torch" ]; do
+  if [ "$1" = "--sglang" ]; then WITH_SGLANG=1; else WITH_TORCH=1; fi
   shift
-fi
+done
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${1:-${MOONCAKE_PEER_VENV:-$ROOT/.scratch/mooncake-venv}}"
 PKG="${MOONCAKE_PEER_PACKAGE:-mooncake-transfer-engine-non-cuda}"
@@ -60,6 +65,13 @@ fi
 
 "$VENV/bin/python" -c 'import mooncake.engine, mooncake.store' \
   || { log "error: mooncake still fails to import in $VENV"; exit 1; }
+
+# --- optional: torch for the published tensor methods (--torch) -----------------------
+if [ "$WITH_TORCH" = 1 ] && ! "$VENV/bin/python" -c 'import torch, safetensors' >/dev/null 2>&1; then
+  log "installing torch==2.13.0 (CPU) and safetensors into $VENV (--torch; about 2 minutes)"
+  "$VENV/bin/python" -m pip install -q "torch==2.13.0" safetensors \
+    || { log "error: cannot install torch==2.13.0 (CPU) and safetensors into $VENV"; exit 1; }
+fi
 
 # --- optional: SGLang's classes next to the published wheel (--sglang) ---------------
 # Same pins as scripts/setup.sh installs into .venv, so both sides run the same SGLang code.

@@ -100,6 +100,10 @@ UPSTREAM_ENV: Mapping[str, tuple[str, str]] = {
         "metadata_server",
         "metadata server when initialize() gets an empty one",
     ),
+    "MC_MIN_RPC_PORT": ("", "low end of the handshake port range (default 15000)"),
+    "MC_MAX_RPC_PORT": ("", "high end of the handshake port range (default 17000)"),
+    "MC_STORE_CLIENT_MIN_PORT": ("", "low end of the store client's port range (default 12300)"),
+    "MC_STORE_CLIENT_MAX_PORT": ("", "high end of the store client's port range (default 14300)"),
 }
 
 # Published protocol strings -> ours. RDMA-family protocols go to our RDMA transport,

@@ -53,14 +53,16 @@ _MASTER_RPC = "needs a published-master RPC our master does not have"
 _SESSION = "session transfers are a published-master protocol feature our master does not have"
 _PARALLEL = "tensor-parallel layouts beyond plain TP splits (ParallelAxis): not implemented yet"
 _CUDA_T = "CUDA tensors; the non-CUDA wheel refuses them too"
-_PUB = "pub/sub tensors (published master's publication RPCs): not implemented"
 _POOL = "C++ buffer pools over the wheel's allocator: not implemented yet"
 _ENGRAM = "Engram embedding tables (a research feature of the wheel): out of scope"
 _DATAPROTO = "verl DataProto catalogs and bundles (RL training data plane): out of scope"
 _RPC = "the wheel's coroutine RPC channel (send_data/send_tensor): not implemented"
 _RESHARD = "weight resharding manifests (RL weight sync): out of scope"
 _CLI = "the published command-line tools; ours is `mooncake-core` (docs/store.md)"
-_SEG = "segment mounting at run time: our clients mount at setup only"
+_SEG = (
+    "file-backed and local-disk segments (mount_segment(path)): our segments are memory;"
+    " memory ones: allocate_and_mount_segment"
+)
 _TASKS = "replica copy/move tasks are published-master RPCs our master does not have"
 _TOPO = "the published engine's topology dump tool; ours: TransferEngine.get_local_topology()"
 _FABRIC = "probes the wheel's .so for fabric allocators (CUDA/NVLink): out of scope"
@@ -116,15 +118,6 @@ NOT_PROVIDED: dict[str, str] = {
     "mooncake.store:EngramStore": _ENGRAM,
     "mooncake.store:EngramStoreConfig": _ENGRAM,
     "mooncake.store:MooncakeDistributedNoFRegister": _NOF,
-    "mooncake.store:Descriptor": _MASTER_RPC + " (replica descriptors)",
-    "mooncake.store:DiskDescriptor": _MASTER_RPC + " (replica descriptors)",
-    "mooncake.store:MemoryDescriptor": _MASTER_RPC + " (replica descriptors)",
-    "mooncake.store:ReplicaDescriptor": _MASTER_RPC + " (replica descriptors)",
-    "mooncake.store:ReplicaStatus": _MASTER_RPC + " (replica descriptors)",
-    "mooncake.store:UNDEFINED": _MASTER_RPC + " (ReplicaStatus)",
-    "mooncake.store:INITIALIZED": _MASTER_RPC + " (ReplicaStatus)",
-    "mooncake.store:COMPLETE": _MASTER_RPC + " (ReplicaStatus)",
-    "mooncake.store:REMOVED": _MASTER_RPC + " (ReplicaStatus)",
     "mooncake.store:QueryTaskResponse": _TASKS,
     "mooncake.store:TaskStatus": _TASKS,
     "mooncake.store:TaskType": _TASKS,
@@ -144,16 +137,16 @@ NOT_PROVIDED: dict[str, str] = {
     " init: use setup()",
     "mooncake.*store:MooncakeDistributedStore*.alloc_from_mem_pool": _POOL,
     "mooncake.*store:MooncakeDistributedStore*.*_session_*": _SESSION,
-    "mooncake.*store:MooncakeDistributedStore*.batch_*_multi_buffer_ranges": "ranges over several"
-    " buffers per key: not implemented yet",
-    "mooncake.*store:MooncakeDistributedStore*.*get_replica_desc": _MASTER_RPC,
+    "mooncake.*store:MooncakeDistributedStore*.batch_*_multi_buffer_ranges": _SESSION
+    + " (these write/read ranges of objects opened by batch_*_session_start)",
     "mooncake.*store:MooncakeDistributedStore*.batch_replica_clear": _MASTER_RPC,
     "mooncake.*store:MooncakeDistributedStore*.get_offload_rpc_read_count": _MASTER_RPC,
     "mooncake.*store:MooncakeDistributedStore*.create_*_task": _TASKS,
     "mooncake.*store:MooncakeDistributedStore*.query_task": _TASKS,
-    "mooncake.*store:MooncakeDistributedStore*.*mount*": _SEG,
+    "mooncake.*store:MooncakeDistributedStore*.mount_segment": _SEG,
+    "mooncake.*store:MooncakeDistributedStore*.unmount_segment": _SEG,
+    "mooncake.*store:MooncakeDistributedStore*.unmount_local_disk_segment": _SEG,
     "mooncake.*store:MooncakeDistributedStore*.*_cuda": _CUDA_T,
-    "mooncake.*store:MooncakeDistributedStore*.*pub_tensor*": _PUB,
     "mooncake.*store:MooncakeDistributedStore*.*_with_parallelism*": _PARALLEL,
 }
 

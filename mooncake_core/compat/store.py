@@ -31,6 +31,19 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from mooncake_core.compat import engine as _compat_engine
+from mooncake_core.compat.store_replicas import (  # the published module's names, re-exported
+    COMPLETE,
+    INITIALIZED,
+    REMOVED,
+    UNDEFINED,
+    Descriptor,
+    DiskDescriptor,
+    MemoryDescriptor,
+    ReplicaDescriptor,
+    ReplicaMethods,
+    ReplicaStatus,
+)
+from mooncake_core.compat.store_segments import SegmentMethods
 from mooncake_core.compat.store_tensors import TensorMethods
 from mooncake_core.compat.store_types import (  # the published module's names, re-exported
     ACTIVATION,
@@ -95,6 +108,15 @@ __all__ = [
     "OPTIMIZER_STATE",
     "METADATA",
     "GENERAL",
+    "ReplicaStatus",
+    "ReplicaDescriptor",
+    "MemoryDescriptor",
+    "DiskDescriptor",
+    "Descriptor",
+    "UNDEFINED",
+    "INITIALIZED",
+    "COMPLETE",
+    "REMOVED",
 ]
 
 logger = logging.getLogger(__name__)
@@ -112,7 +134,7 @@ def _free_port(host: str, environ: Mapping[str, str]) -> int:
     return _compat_engine.free_port(host, lo, hi)
 
 
-class MooncakeDistributedStore(TensorMethods):
+class MooncakeDistributedStore(TensorMethods, ReplicaMethods, SegmentMethods):
     """The published ``mooncake.store.MooncakeDistributedStore`` on :class:`StoreClient`."""
 
     def __init__(self) -> None:

@@ -47,6 +47,8 @@ class TensorMethods:
         def _run(self, what: str, fn: Callable[[StoreClient], T]) -> T | int: ...
         def _put(self, what: str, fn: Callable[[StoreClient], None]) -> int: ...
         def _upsert(self, key: str, put: Callable[[], int]) -> int: ...
+        def _kw(self, config: Any) -> dict[str, Any]: ...
+        def _refused(self, what: str, config: Any, staged: bool) -> bool: ...
         def _host(self, addr: int, n: int) -> memoryview: ...
         def put_from(self, key: str, buffer_ptr: int, size: int, config: Any = None) -> int: ...
         def get_into(self, key: str, buffer_ptr: int, size: int) -> int: ...
@@ -72,15 +74,78 @@ class TensorMethods:
 
     def upsert_tensor(self, key: str, tensor: Any) -> int:
         """Insert or replace a tensor (remove, then put: not atomic)."""
+        return self._upsert_tensor(key, tensor, None)
+
+    def _upsert_tensor(self, key: str, tensor: Any, config: Any) -> int:
+        if self._refused(f"upsert tensor {key!r}", config, staged=False):
+            return INVALID_PARAMS
         try:
             packed = _fmt.pack(tensor)
         except _BAD_TENSOR as exc:
-            logger.error("upsert_tensor %r: %s", key, exc)
+            logger.error("upsert tensor %r: %s", key, exc)
             return INVALID_PARAMS
-        return self._upsert(key, lambda: self._put_packed([key], [packed])[0])
+        return self._upsert(key, lambda: self._put_packed([key], [packed], config)[0])
+
+    # ------------------------------------------------------------------ with a ReplicateConfig
+    # The published pub_* methods are the tensor puts that take a ReplicateConfig: the same
+    # object bytes (checked against the wheel), placed as the config says.
+    def pub_tensor(self, key: str, tensor: Any, config: Any = None) -> int:
+        """:meth:`put_tensor` with a ``ReplicateConfig``."""
+        return self._put_tensors(f"pub_tensor {key!r}", [key], [tensor], config)[0]
+
+    def upsert_pub_tensor(self, key: str, tensor: Any, config: Any = None) -> int:
+        """:meth:`upsert_tensor` with a ``ReplicateConfig``."""
+        return self._upsert_tensor(key, tensor, config)
+
+    def batch_pub_tensor(
+        self, keys: list[str], tensors_list: list[Any], config: Any = None
+    ) -> list[int]:
+        """:meth:`batch_put_tensor` with a ``ReplicateConfig``."""
+        return self._put_tensors("batch_pub_tensor", keys, tensors_list, config)
+
+    def batch_upsert_pub_tensor(
+        self, keys: list[str], tensors_list: list[Any], config: Any = None
+    ) -> list[int]:
+        """:meth:`batch_upsert_tensor` with a ``ReplicateConfig``."""
+        if len(keys) != len(tensors_list):
+            logger.error("batch_upsert_pub_tensor: %d keys but %d tensors", len(keys),
+                         len(tensors_list))  # fmt: skip
+            return [INVALID_PARAMS] * len(keys)
+        return [self._upsert_tensor(k, t, config) for k, t in zip(keys, tensors_list, strict=True)]
+
+    def pub_tensor_with_tp(
+        self,
+        key: str,
+        tensor: Any,
+        config: Any = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        split_dim: int = 0,
+    ) -> int:
+        """:meth:`put_tensor_with_tp` with a ``ReplicateConfig``."""
+        return self._put_tp([key], [tensor], tp_size, split_dim, config)[0]
+
+    def batch_pub_tensor_with_tp(
+        self,
+        base_keys: list[str],
+        tensors_list: list[Any],
+        config: Any = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        split_dim: int = 0,
+    ) -> list[int]:
+        """:meth:`batch_put_tensor_with_tp` with a ``ReplicateConfig``."""
+        return self._put_tp(base_keys, tensors_list, tp_size, split_dim, config)
 
     def batch_put_tensor(self, keys: list[str], tensors_list: list[Any]) -> list[int]:
         """Per key: 0 (stored, or already there) or a negative code."""
+        return self._put_tensors("batch_put_tensor", keys, tensors_list, None)
+
+    def _put_tensors(
+        self, what: str, keys: list[str], tensors_list: list[Any], config: Any
+    ) -> list[int]:
+        if self._refused(what, config, staged=False):
+            return [INVALID_PARAMS] * len(keys)
         if len(keys) != len(tensors_list):
             logger.error("batch_put_tensor: %d keys but %d tensors", len(keys), len(tensors_list))
             return [INVALID_PARAMS] * len(keys)
@@ -94,14 +159,16 @@ class TensorMethods:
                 logger.error("put tensor %r: %s", key, exc)
                 continue
             todo.append(i)
-        for i, rc in zip(todo, self._put_packed([keys[i] for i in todo], packed), strict=True):
+        done = self._put_packed([keys[i] for i in todo], packed, config)
+        for i, rc in zip(todo, done, strict=True):
             out[i] = rc
         return out
 
-    def _put_packed(self, keys: list[str], packed: list[bytes]) -> list[int]:
+    def _put_packed(self, keys: list[str], packed: list[bytes], config: Any = None) -> list[int]:
         if not keys:
             return []
-        res = self._run("put tensor", lambda c: c.put_batch(keys, packed))
+        kw = self._kw(config)
+        res = self._run("put tensor", lambda c: c.put_batch(keys, packed, **kw))
         if isinstance(res, int):
             return [res] * len(keys)
         return [0 if e is None or isinstance(e, ObjectExists) else _code(e) for e in res]
@@ -252,6 +319,14 @@ class TensorMethods:
         split_dim: int = 0,
     ) -> list[int]:
         """:meth:`put_tensor_with_tp` for many tensors; per key 0 or the first failure."""
+        return self._put_tp(base_keys, tensors_list, tp_size, split_dim, None)
+
+    def _put_tp(
+        self, base_keys: list[str], tensors_list: list[Any], tp_size: int, split_dim: int,
+        config: Any,
+    ) -> list[int]:  # fmt: skip
+        if self._refused("put tensor shards", config, staged=False):
+            return [INVALID_PARAMS] * len(base_keys)
         if len(base_keys) != len(tensors_list):
             logger.error("batch_put_tensor_with_tp: %d keys but %d tensors", len(base_keys),
                          len(tensors_list))  # fmt: skip
@@ -270,7 +345,7 @@ class TensorMethods:
             keys += [self._tp_key(key, r, tp_size) for r in range(len(shards))]
             packed += shards
             owner += [i] * len(shards)
-        for i, rc in zip(owner, self._put_packed(keys, packed), strict=True):
+        for i, rc in zip(owner, self._put_packed(keys, packed, config), strict=True):
             out[i] = out[i] or rc
         return out
 

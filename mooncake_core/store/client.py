@@ -733,6 +733,12 @@ class StoreClient(ReservationLending, RememberedReads):
         self._forget(None)
         return int(self._call("remove_all", (force,)))
 
+    def replicas(self, key: str) -> tuple[int, list[list[SliceW]]]:
+        """``(size, replicas)`` of ``key`` as a read sees them: per replica its slices
+        (segment, peer, absolute address, length, host). Grants a read lease, as a get does."""
+        ans = self._replicas(key)
+        return ans.size, ans.replicas
+
     def query(self, key: str) -> dict[str, Any]:
         """The master's view of ``key``: size, replicas (segment, client, offset), pins, lease."""
         out = dict(self._call("query_key", (key,)))

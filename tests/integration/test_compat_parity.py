@@ -697,3 +697,155 @@ def test_rpc_and_client_port_env_published(tmp_path: Path) -> None:
     real = _published_python()
     with harness.their_master(real) as master:
         assert _port_env_runs(real, tmp_path, False, master) == EXPECTED_PORTS
+
+
+REPLICAS = PRELUDE + textwrap.dedent(
+    """
+    from mooncake.store import (MooncakeDistributedStore, ReplicaStatus, Descriptor, COMPLETE,
+                                UNDEFINED, INITIALIZED, REMOVED)
+    master, metadata = sys.argv[1], sys.argv[2]
+    r = {}
+    s = MooncakeDistributedStore()
+    r["setup"] = s.setup("127.0.0.1", metadata, 64 << 20, 16 << 20, "tcp", "", master)
+    value = bytes(range(256)) * 4
+    s.put("a", value)
+    d = s.get_replica_desc("a")
+    rep = d[0]
+    r["one"] = [len(d), str(rep.status), int(rep.status), rep.status == 3,
+                rep.is_memory_replica(), rep.is_disk_replica(), rep.is_local_disk_replica()]
+    bd = rep.get_memory_descriptor().buffer_descriptor
+    r["desc"] = [bd.size, bd.transport_endpoint == s.get_hostname(),
+                 ctypes.string_at(bd.buffer_address, bd.size) == value,
+                 repr(bd) == "<Descriptor size=%d buffer_address=%d transport_endpoint=%s>" % (
+                     bd.size, bd.buffer_address, bd.transport_endpoint)]
+    try:
+        rep.get_disk_descriptor()
+        r["disk"] = "ok"
+    except Exception as e:
+        r["disk"] = [type(e).__name__, str(e)]
+    r["leased"] = s.remove("a")
+    r["missing"] = s.get_replica_desc("nope")
+    s.put("b", b"y" * 10)
+    r["batch"] = [[k, len(v), v[0].get_memory_descriptor().buffer_descriptor.size]
+                  for k, v in s.batch_get_replica_desc(["b", "nope", "b", "a"]).items()]
+    r["batch_empty"] = s.batch_get_replica_desc([])
+    r["status_names"] = [m.name for m in ReplicaStatus.__members__.values()]
+    r["status_ints"] = [int(x) for x in (UNDEFINED, INITIALIZED, COMPLETE, REMOVED)]
+    e = Descriptor()
+    r["new_descriptor"] = [e.size, e.buffer_address, e.transport_endpoint]
+    s.close()
+    print(json.dumps(r))
+    """
+)
+
+EXPECTED_REPLICAS: dict[str, Any] = {
+    "setup": 0,
+    "one": [1, "ReplicaStatus.COMPLETE", 3, False, True, False, False],
+    "desc": [1024, True, True, True],
+    "disk": ["RuntimeError", "Expected DiskDescriptor"],
+    "leased": -706,
+    "missing": [],
+    "batch": [["a", 1, 1024], ["b", 1, 10]],
+    "batch_empty": {},
+    "status_names": ["UNDEFINED", "INITIALIZED", "PROCESSING", "COMPLETE", "REMOVED", "FAILED"],
+    "status_ints": [0, 1, 3, 4],
+    "new_descriptor": [0, 0, ""],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_replica_descriptors_ours(tmp_path: Path) -> None:
+    script = _script(tmp_path, REPLICAS)
+    with harness.our_master() as (master, metadata):
+        got = _call(sys.executable, script, True, master, metadata)
+    assert _diff(got, EXPECTED_REPLICAS) == {}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_replica_descriptors_published(tmp_path: Path) -> None:
+    real = _published_python()
+    script = _script(tmp_path, REPLICAS)
+    with harness.their_master(real) as (master, metadata):
+        got = _call(real, script, False, master, metadata)
+    assert _diff(got, EXPECTED_REPLICAS) == {}
+
+
+SEGMENTS = PRELUDE + textwrap.dedent(
+    """
+    from mooncake.store import MooncakeDistributedStore
+    master, metadata = sys.argv[1], sys.argv[2]
+    r = {}
+    s = MooncakeDistributedStore()
+    r["setup"] = s.setup("127.0.0.1", metadata, 16 << 20, 16 << 20, "tcp", "", master)
+    def alloc(*a):
+        try:
+            d = s.allocate_and_mount_segment(*a)
+        except TypeError:
+            return "TypeError"
+        return [d["ret"], len(d["segment_ids"]), d["allocated_size"]], d["segment_ids"]
+    res = {}
+    for name, args in [("32m", (32 << 20,)), ("1m", (1 << 20,)), ("17m", (17 << 20,)),
+                       ("zero", (0,)), ("neg", (-1,)), ("proto", (16 << 20, "rdma", "cpu:0"))]:
+        out = alloc(*args)
+        r["alloc_" + name] = out if out == "TypeError" else out[0]
+        res[name] = [] if out == "TypeError" else out[1]
+    # the extra segments hold objects: 24 MiB do not fit in the first 16 MiB segment
+    n = 24 << 20
+    buf = (ctypes.c_char * n)()
+    p = ctypes.addressof(buf)
+    ctypes.memset(p, 7, n)
+    r["reg"] = s.register_buffer(p, n)
+    r["put_big"] = s.put_from("big", p, n)
+    r["got_big"] = s.get_size("big")
+    r["free"] = s.unmount_and_free_segment(res["32m"] + res["1m"] + res["17m"] + res["proto"], 0)
+    r["free_again"] = s.unmount_and_free_segment(res["32m"], 0)
+    r["free_unknown"] = s.unmount_and_free_segment(["bogus"], 0)
+    r["free_setup_segment"] = s.unmount_and_free_segment([s.get_hostname()], 0)
+    r["big_after"] = s.is_exist("big")
+    r["put_after"] = [s.put_from("small", p, 1 << 20), s.get_size("small")]
+    r["alloc_again"] = alloc(16 << 20)[0]
+    s.close()
+    print(json.dumps(r))
+    """
+)
+
+EXPECTED_SEGMENTS: dict[str, Any] = {
+    "setup": 0,
+    "alloc_32m": [0, 1, 33554432],
+    "alloc_1m": [0, 1, 16777216],
+    "alloc_17m": [0, 1, 33554432],
+    "alloc_zero": [-1, 0, 0],
+    "alloc_neg": "TypeError",
+    "alloc_proto": [0, 1, 16777216],
+    "reg": 0,
+    "put_big": 0,
+    "got_big": 25165824,
+    "free": 0,
+    "free_again": -1,
+    "free_unknown": -1,
+    "free_setup_segment": -1,
+    "big_after": 0,
+    "put_after": [0, 1048576],
+    "alloc_again": [0, 1, 16777216],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_segments_mounted_at_run_time_ours(tmp_path: Path) -> None:
+    script = _script(tmp_path, SEGMENTS)
+    with harness.our_master() as (master, metadata):
+        got = _call(sys.executable, script, True, master, metadata)
+    assert _diff(got, EXPECTED_SEGMENTS) == {}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_segments_mounted_at_run_time_published(tmp_path: Path) -> None:
+    real = _published_python()
+    script = _script(tmp_path, SEGMENTS)
+    with harness.their_master(real) as (master, metadata):
+        got = _call(real, script, False, master, metadata)
+    assert _diff(got, EXPECTED_SEGMENTS) == {}

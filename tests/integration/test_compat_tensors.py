@@ -30,7 +30,7 @@ TENSORS = (
     + """
 import hashlib, tempfile
 import torch
-from mooncake.store import MooncakeDistributedStore
+from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 master, metadata = sys.argv[1], sys.argv[2]
 r = {}
 
@@ -138,6 +138,23 @@ try:
     r["load_no_file"] = "ok"
 except TypeError:
     r["load_no_file"] = "TypeError"
+r["pub"] = [s.put_tensor("pa", w), s.pub_tensor("pb", w), raw("pa") == raw("pb")]
+c2 = ReplicateConfig()
+c2.replica_num = 2
+r["pub_two_replicas"] = [s.pub_tensor("pc", w, c2), len(s.get_replica_desc("pc"))]
+bad = ReplicateConfig()
+bad.soft_pin_ttl_ms = 5
+r["pub_bad_config"] = [s.pub_tensor("pd", w, bad), s.batch_pub_tensor(["pe"], [w], bad),
+                       s.pub_tensor_with_tp("pf", w, bad, tp_size=2), s.upsert_pub_tensor("pa", w, bad)]
+r["pub_again"] = [s.pub_tensor("pb", w * 2), desc(s.get_tensor("pb")) == desc(w)]
+r["upsert_pub"] = [s.upsert_pub_tensor("pb", w * 2), desc(s.get_tensor("pb")) == desc(w * 2)]
+r["pub_not_tensor"] = s.pub_tensor("pg", [1])
+r["batch_pub"] = s.batch_pub_tensor(["ph", "pi"], [w, "x"])
+r["batch_upsert_pub"] = [s.batch_upsert_pub_tensor(["ph", "pj"], [w * 3, w]),
+                         desc(s.get_tensor("ph")) == desc(w * 3)]
+r["pub_tp"] = [s.pub_tensor_with_tp("pk", w, tp_size=2, split_dim=1), raw("pk_tp_1") == raw("tf_tp_1")]
+r["batch_pub_tp"] = [s.batch_pub_tensor_with_tp(["pl", "pm"], [w, torch.zeros(3)], tp_size=2, split_dim=0),
+                     s.is_exist("pl_tp_1")]
 r["unreg"] = s.unregister_buffer(p)
 s.close()
 print(json.dumps(r))
@@ -232,6 +249,16 @@ EXPECTED: dict[str, Any] = {'setup': 0,
               ['torch.float16', [2, 3, 4], '40e4f6e29a2f373b']],
  'load_missing': None,
  'load_no_file': 'TypeError',
+ 'pub': [0, 0, True],
+ 'pub_two_replicas': [0, 1],
+ 'pub_bad_config': [-600, [-600], -600, -600],
+ 'pub_again': [0, True],
+ 'upsert_pub': [0, True],
+ 'pub_not_tensor': -600,
+ 'batch_pub': [0, -600],
+ 'batch_upsert_pub': [[0, 0], True],
+ 'pub_tp': [0, True],
+ 'batch_pub_tp': [[0, -600], 1],
  'unreg': 0}
 # fmt: on
 
