@@ -371,7 +371,7 @@ def _f(name: str, type_: str, default: str, kind: str, note: str = "") -> Flag:
 
 
 _NO_EFFECT_RPC = "the master serves RPC on one event loop"
-_SNAPSHOT = "published snapshots are not supported (HA compacts its oplog instead)"
+_SNAPSHOT = "snapshots go to --snapshot_backup_dir only (local files; HA compacts its oplog)"
 _KV_EVENTS = "not emitted on our events either"
 _KV_COMPAT = "our events always carry both the vLLM fields and object_key"
 _NOF = "NVMe-oF segments are not supported"
@@ -458,19 +458,19 @@ MASTER_FLAGS: tuple[Flag, ...] = (
     _f("enable_disk_eviction", "bool", "true", "noop", _OFFLOAD),
     _f("root_fs_dir", "string", "", "off", "shared-filesystem DISK replicas are not supported"),
     _f("global_file_segment_size", "int64", "9223372036854775807", "noop", "no file segments"),
-    _f("enable_snapshot", "bool", "false", "off", _SNAPSHOT),
-    _f("enable_snapshot_restore", "bool", "false", "off", _SNAPSHOT),
-    _f("snapshot_backup_dir", "string", "", "noop", _SNAPSHOT),
+    _f("enable_snapshot", "bool", "false", "map"),
+    _f("enable_snapshot_restore", "bool", "false", "map"),
+    _f("snapshot_backup_dir", "string", "", "map"),
     _f("snapshot_catalog_backend_connstring", "string", "", "noop", _SNAPSHOT),
     _f("snapshot_catalog_backend_type", "string", "", "noop", _SNAPSHOT),
     _f("snapshot_catalog_store_connstring", "string", "", "noop", _SNAPSHOT),
     _f("snapshot_catalog_store_type", "string", "", "noop", _SNAPSHOT),
     _f("snapshot_child_timeout_seconds", "uint64", "300", "noop", _SNAPSHOT),
-    _f("snapshot_interval_seconds", "uint64", "600", "noop", _SNAPSHOT),
+    _f("snapshot_interval_seconds", "uint64", "600", "map"),
     _f("snapshot_object_store_type", "string", "", "noop", _SNAPSHOT),
     _f("snapshot_payload_backend_type", "string", "", "noop", _SNAPSHOT),
     _f("snapshot_payload_store_type", "string", "", "noop", _SNAPSHOT),
-    _f("snapshot_retention_count", "uint32", "2", "noop", _SNAPSHOT),
+    _f("snapshot_retention_count", "uint32", "2", "map"),
     _f("enable_kv_events", "bool", "false", "map"),
     _f("kv_events_additional_salt", "string", "", "noop", _KV_EVENTS),
     _f("kv_events_backend_id", "string", "", "map"),

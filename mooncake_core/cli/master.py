@@ -162,6 +162,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='tenant quotas from a JSON file {"NAME": "64MB", ...}',
     )
     parser.add_argument(
+        "--snapshot-dir",
+        default=None,
+        metavar="DIR",
+        help="write metadata snapshots here and restore the newest at start (no HA)",
+    )
+    parser.add_argument(
+        "--snapshot-interval", type=float, default=None, help="seconds between snapshots (600)"
+    )
+    parser.add_argument("--snapshot-retention", type=int, default=None, help="snapshots kept (2)")
+    parser.add_argument(
+        "--no-snapshot-restore", action="store_true", help="with --snapshot-dir: start empty"
+    )
+    parser.add_argument(
         "--ready-file",
         default=None,
         help="write {rpc_port, http_port, metadata_port, pid} here once listening",
@@ -195,6 +208,10 @@ class Published:
     kv_events_queue: int | None = None
     kv_events_backend_id: str = ""
     tenant_quota_file: str = ""
+    snapshot_dir: str = ""
+    snapshot_interval_s: float | None = None
+    snapshot_retention: int | None = None
+    snapshot_restore: bool = False
     log_level: str | None = None
     warnings: list[str] = field(default_factory=list)
 
@@ -307,6 +324,18 @@ def resolve_published(
     if "kv_events_queue_capacity" in values:
         out.kv_events_queue = int(values["kv_events_queue_capacity"])
     out.kv_events_backend_id = str(v("kv_events_backend_id", "") or "")
+    if v("enable_snapshot", False):
+        out.snapshot_dir = str(v("snapshot_backup_dir", "") or "")
+        if not out.snapshot_dir:
+            raise ConfigError(
+                "--enable_snapshot: needs --snapshot_backup_dir=DIR (mooncake-core writes local "
+                "snapshot files only)"
+            )
+        out.snapshot_restore = bool(v("enable_snapshot_restore", False))
+    if "snapshot_interval_seconds" in values:
+        out.snapshot_interval_s = float(values["snapshot_interval_seconds"])
+    if "snapshot_retention_count" in values:
+        out.snapshot_retention = int(values["snapshot_retention_count"])
     if v("enable_multi_tenants", False):
         kind = str(v("tenant_quota_connector_type", "file") or "file")
         if kind != "file":
@@ -380,6 +409,20 @@ def run(args: argparse.Namespace) -> int:
     quota_file = args.tenant_quotas or pub.tenant_quota_file
     quotas = read_quota_file(quota_file) if quota_file else {}
     quotas.update(parse_quotas(args.tenant_quota))
+    snapshots = None
+    snap_dir = args.snapshot_dir or pub.snapshot_dir
+    if snap_dir:
+        if pub.ha_url or args.ha_url:
+            raise ConfigError("--snapshot-dir: not with HA (the oplog in etcd has its snapshots)")
+        from mooncake_core.store.snapshots import SnapshotService
+
+        snapshots = SnapshotService(
+            snap_dir,
+            args.snapshot_interval or pub.snapshot_interval_s or 600.0,
+            args.snapshot_retention or pub.snapshot_retention or 2,
+            restore=not args.no_snapshot_restore
+            and (bool(args.snapshot_dir) or pub.snapshot_restore),
+        )
     install_uvloop()
     server = MasterServer(
         cfg.store,
@@ -402,6 +445,7 @@ def run(args: argparse.Namespace) -> int:
         kv_events_backend_id=pub.kv_events_backend_id,
         tenant_quotas=quotas,
     )
+    server.snapshots = snapshots
     metadata_host = pub.metadata_host or host
     metadata_port = pub.metadata_port
 

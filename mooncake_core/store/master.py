@@ -109,6 +109,7 @@ class MasterServer:
         self.kv_events_queue = kv_events_queue
         self.kv_events_backend_id = kv_events_backend_id
         self.kv_events: Any = None  # KVEventPublisher once started
+        self.snapshots: Any = None  # a snapshots.SnapshotService: restore, periodic snapshots
         self.tenant_quotas = dict(tenant_quotas or {})
         self.state.tenant_quotas = self.tenant_quotas
         self.id = uuid.uuid4().hex[:12]
@@ -691,6 +692,7 @@ class MasterServer:
                 backend_id=self.kv_events_backend_id,
                 tenant_of=tenant_of,
             )
+        self._tasks += self.snapshots.attach(self) if self.snapshots is not None else []
         self._tasks.append(asyncio.ensure_future(self._ticker()))
         if self.ha_url:
             from mooncake_core.store.ha import LeaderInfo, StoreEtcd, leader_addresses

@@ -183,11 +183,11 @@ def test_flagfile_config_path_and_fromenv(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_unsupported_flag_is_one_line_exit_2(tmp_path: Path) -> None:
-    r = mc("master", "--rpc_port=1", "--enable_snapshot")
+    r = mc("master", "--rpc_port=1", "--enable_offload")
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
-    assert "--enable_snapshot=true" in lines[0] and "not supported" in lines[0]
+    assert "--enable_offload=true" in lines[0] and "not supported" in lines[0]
     r = mc("master", f"--flagfile={tmp_path / 'missing'}")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "--flagfile" in r.stderr
