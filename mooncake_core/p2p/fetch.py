@@ -12,8 +12,11 @@ How a shard is chosen (each of ``concurrency`` worker threads, under one lock):
    from the seeder and then trade them: the seeder sends each shard about once. Claims
    older than ``claim_wait_s`` without progress here are ignored (a slow claimant);
    a dead claimant's record vanishes with its lease;
-3. else wait for the holder list to change (it is re-read from etcd every ``refresh_s``
-   while a worker waits).
+3. else wait for the holder list to change.
+
+Off the fetching path, one thread re-reads the holder list every ``refresh_s`` (the
+manifest every fourth time) and another publishes this reader's record whenever it
+changed (claims and verified shards, coalesced), so a worker never waits for etcd.
 
 Every shard is checked against its xxh3-64 checksum on arrival; a mismatch or a failed
 read puts the shard back and excludes that holder for it (a failed read: for every shard),
@@ -37,7 +40,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from mooncake_core.errors import MooncakeError, TransportError
+from mooncake_core.errors import MetadataError, MooncakeError, TransportError
 from mooncake_core.p2p.errors import NameNotFound, P2PError, ShardUnavailable, VersionChanged
 from mooncake_core.p2p.meta import Holder, Keys, Manifest, P2PEtcd, Shard
 from mooncake_core.transfer import TransferEngine, TransferRequest
@@ -148,6 +151,8 @@ class Download:
         self._mask = 0
         self._pending = 0  # shards this reader is fetching from the original copy
         self._announce_lock = threading.Lock()
+        self._dirty = threading.Event()  # the record changed: the publisher sends it
+        self._over = threading.Event()
         self._done_bytes = 0
         self._error: BaseException | None = None
         self._refreshed = 0.0
@@ -156,23 +161,10 @@ class Download:
         self._rng = random.Random()
 
     # ------------------------------------------------------------------ etcd view
-    def _refresh(self) -> None:
-        """Re-read the manifest and the holder list (called without the lock)."""
-        got = self.etcd.get_rev(self.keys.obj(self.m.name))
-        if got is None:
-            raise NameNotFound(
-                f"{self.m.name!r} was unregistered during the download "
-                f"({self._done_bytes} of {self.m.size} bytes fetched; nothing returned)"
-            )
-        raw, rev = got
-        if rev != self.m.revision:
-            other = Manifest.from_json(raw, rev)
-            if other.version != self.m.version:
-                raise VersionChanged(
-                    f"{self.m.name!r} changed from version {self.m.version[:12]} to "
-                    f"{other.version[:12]} during the download; nothing returned "
-                    "(call get_replica again for the new version)"
-                )
+    def _refresh(self, check_manifest: bool = True) -> None:
+        """Re-read the holder list and (``check_manifest``) the manifest (lock not held)."""
+        if check_manifest:
+            self._check_manifest()
         holders: dict[str, Holder] = {}
         for raw_h, _ in self.etcd.get_prefix_rev(
             self.keys.holders(self.m.name, self.m.version)
@@ -188,6 +180,23 @@ class Download:
             self._refreshed = time.monotonic()
             self.stats.refreshes += 1
             self._cond.notify_all()
+
+    def _check_manifest(self) -> None:
+        got = self.etcd.get_rev(self.keys.obj(self.m.name))
+        if got is None:
+            raise NameNotFound(
+                f"{self.m.name!r} was unregistered during the download "
+                f"({self._done_bytes} of {self.m.size} bytes fetched; nothing returned)"
+            )
+        raw, rev = got
+        if rev != self.m.revision:
+            other = Manifest.from_json(raw, rev)
+            if other.version != self.m.version:
+                raise VersionChanged(
+                    f"{self.m.name!r} changed from version {self.m.version[:12]} to "
+                    f"{other.version[:12]} during the download; nothing returned "
+                    "(call get_replica again for the new version)"
+                )
 
     # ------------------------------------------------------------------ choice
     def _usable(self, h: Holder, shard: int) -> bool:
@@ -245,14 +254,13 @@ class Download:
 
     # ------------------------------------------------------------------ workers
     def _next(self) -> tuple[Shard, Holder] | None:
-        """Block until a fetch can start; None when the download is over (lock not held)."""
-        while True:
-            refresh = False
-            with self._cond:
+        """Block until a fetch can start; None when the download is over."""
+        with self._cond:
+            while True:
                 if self._error is not None or not self._remaining:
                     return None
                 now = time.monotonic()
-                job, stale = self._pick(now - self._refreshed < self.refresh_s)
+                job, _ = self._pick(now - self._refreshed < 3 * self.refresh_s)
                 if job is not None:
                     shard, h = job
                     self._inflight[shard.index] = h.segment
@@ -263,13 +271,38 @@ class Download:
                     self._error = ShardUnavailable(self._stalled_message())
                     self._cond.notify_all()
                     return None
-                if stale or now - self._refreshed >= self.refresh_s:
-                    self._refreshed = now  # one refresher at a time
-                    refresh = True
-                else:
-                    self._cond.wait(max(0.01, self.refresh_s - (now - self._refreshed)))
-            if refresh:
-                self._refresh()
+                self._cond.wait(self.refresh_s)  # the refresher notifies on every refresh
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = exc
+            self._cond.notify_all()
+
+    def _refresher(self) -> None:
+        """Keep the holder list fresh (and check the manifest every 4th time)."""
+        n = 0
+        while not self._over.wait(self.refresh_s):
+            n += 1
+            try:
+                self._refresh(check_manifest=n % 4 == 0)
+            except MetadataError as exc:  # etcd hiccup: keep the last view, try again
+                logger.warning("p2p %s: re-reading holders failed: %s", self.m.name, exc)
+            except BaseException as exc:
+                self._fail(exc)
+                return
+
+    def _publisher(self) -> None:
+        """Publish this reader's record whenever it changed (coalescing changes)."""
+        while not self._over.is_set():
+            if not self._dirty.wait(0.1):
+                continue
+            self._dirty.clear()
+            try:
+                self._publish()
+            except BaseException as exc:
+                self._fail(exc)
+                return
 
     def _publish(self) -> None:
         """Send this reader's current record (shards held, shards claimed from the origin)."""
@@ -285,7 +318,7 @@ class Download:
         if claim:  # tell the other readers, so they take other shards from the origin
             with self._cond:
                 self._pending |= 1 << shard.index
-            self._publish()
+            self._dirty.set()
         local = self.dest[shard.buf] + shard.offset
         remote = h.addrs[shard.buf] + shard.offset
         ok = False
@@ -330,7 +363,7 @@ class Download:
                 )
             self._cond.notify_all()
         if ok or claim:
-            self._publish()
+            self._dirty.set()
         if ok:
             self._report()
 
@@ -359,10 +392,7 @@ class Download:
                     return
                 self._fetch(*job)
         except BaseException as exc:
-            with self._cond:
-                if self._error is None:
-                    self._error = exc
-                self._cond.notify_all()
+            self._fail(exc)
 
     def run(self) -> DownloadStats:
         """Fetch everything; raise the first error (nothing is then complete)."""
@@ -373,10 +403,19 @@ class Download:
             threading.Thread(target=self._worker, name=f"mc-p2p-{i}", daemon=True)
             for i in range(self.concurrency)
         ]
-        for t in threads:
+        helpers = [
+            threading.Thread(target=self._refresher, name="mc-p2p-refresh", daemon=True),
+            threading.Thread(target=self._publisher, name="mc-p2p-publish", daemon=True),
+        ]
+        for t in [*threads, *helpers]:
             t.start()
         for t in threads:
             t.join()
+        self._over.set()
+        for t in helpers:
+            t.join()
+        if self._error is None:
+            self._publish()  # the final record: every shard, no claims
         self.stats.seconds = time.monotonic() - self._start
         if self._error is not None:
             err = self._error
