@@ -332,6 +332,11 @@ class MooncakeCoreMigrationBackend:
             await asyncio.wait_for(asyncio.shield(fut), timeout + _GRACE_S)
         except asyncio.TimeoutError:
             self.stats["failed"] += 1
+            logger.error(
+                "mooncake-lmdeploy: the transfer engine overran a migration's deadline by "
+                "%.0f s; its blocks may still be written",
+                _GRACE_S,
+            )
             raise MigrationError(
                 f"migration from {link.remote_engine_id!r} ({total} bytes in {len(reqs)} "
                 f"segments) did not finish within {timeout + _GRACE_S:.1f} s"

@@ -310,9 +310,19 @@ def link_pair(
 
 def main() -> int:
     """The rank loop (see the module doc)."""
+    # answers go to the original stdout; everything else printed (LMDeploy's logger
+    # writes to stdout) goes to stderr
+    chan = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     rank = _Rank()
-    print("READY", flush=True)
+
+    def say(text: str) -> None:
+        chan.write(text + "\n")
+        chan.flush()
+
+    say("READY")
     for line in sys.stdin:
         line = line.strip()
         if not line:
@@ -324,9 +334,9 @@ def main() -> int:
         try:
             out = getattr(rank, cmd)(msg)
         except Exception as exc:  # reported to the driver, which decides
-            print("ERR " + f"{type(exc).__name__}: {exc}".replace("\n", " "), flush=True)
+            say("ERR " + f"{type(exc).__name__}: {exc}".replace("\n", " "))
             continue
-        print("OK " + json.dumps(out), flush=True)
+        say("OK " + json.dumps(out))
     impl = getattr(rank.eng, "migration_backend_impl", None)
     if impl is not None and hasattr(impl, "close"):
         impl.close()
