@@ -283,3 +283,28 @@ def test_options_and_llm_args() -> None:
         w.close()
     with pytest.raises(ValueError, match="unknown mooncake_trtllm option"):
         MooncakeStoreConnectorScheduler(args, options={"retry_after": 1})
+
+
+def test_documented_yaml_builds_the_connector_as_tensorrt_llm_does() -> None:
+    """The ``kv_connector_config`` YAML of docs/trtllm.md names importable classes; built the
+    way TensorRT-LLM's py_executor_creator builds them (import the module, getattr each
+    class, call it with ``llm_args``)."""
+    import importlib
+    import re
+    from pathlib import Path
+
+    yaml = pytest.importorskip("yaml")
+    doc = Path(__file__).resolve().parents[3] / "docs" / "trtllm.md"
+    block = re.search(r"```yaml\n(.*?)```", doc.read_text(), re.S)
+    assert block is not None, "docs/trtllm.md has no yaml block"
+    cfg = yaml.safe_load(block.group(1))["kv_connector_config"]
+    mod = importlib.import_module(cfg["connector_module"])
+    args = FakeLlmArgs("m", kv_cache_config=FakeKvCacheConfig(tokens_per_block=16))
+    sched = getattr(mod, cfg["connector_scheduler_class"])(args)
+    worker = getattr(mod, cfg["connector_worker_class"])(args)
+    try:
+        assert isinstance(sched, base.SchedulerBase) and isinstance(worker, base.WorkerBase)
+        assert sched.page == 16 and worker.tp_rank == 0
+    finally:
+        worker.close()
+        sched.close()
