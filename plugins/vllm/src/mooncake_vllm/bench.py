@@ -4,14 +4,23 @@ A random local Llama of about 100M parameters (prefill of a few thousand tokens 
 on this CPU) runs in real vLLM servers on loopback, in two phases so they do not share
 the two cores:
 
-1. store: a master, instances A and B with ``MooncakeCoreStoreConnector``. A serves
-   ``prefix + suffix1``; B (fresh) serves ``prefix + suffix2`` (pool hit on the shared
-   prefix, only the suffix computed) and ``other_prefix + suffix`` (miss: recompute).
+1. store: a master, instances A and B with ``MooncakeCoreStoreConnector`` and a plain
+   vLLM P (no connector) on B's core. Per repeat: A serves ``prefix + suffix1``; P serves
+   the same (cold, plain) and then ``prefix + suffix2`` (vLLM's own prefix-cache hit: the
+   physical limit); B serves ``prefix + suffix2`` (pool hit on the shared prefix, only the
+   suffix computed) and ``other_prefix + suffix`` (miss: recompute, with the connector
+   looking up and saving). B's hit in the first repeat is its first request with a long
+   prompt at all, reported apart as ``ttft_store_first_hit_ms``.
 2. PD: prefill and decode instances with ``MooncakeCoreConnector`` plus the proxy; TTFT
    through the proxy vs the decode instance computing alone (monolithic), and output
    throughput of concurrent requests both ways; KV bytes moved and GB/s.
 
-JSON keys: ``ttft_recompute_ms``, ``ttft_store_hit_ms``, ``ttft_speedup_store_hit``,
+JSON keys: ``ttft_recompute_ms``, ``ttft_store_hit_ms`` (repeats after the first),
+``ttft_store_first_hit_ms``, ``ttft_local_prefix_hit_ms``, ``ttft_store_hit_vs_local_ratio``,
+``store_first_hit_connector_ms`` and ``store_hit_connector_ms`` (of a hit's TTFT, the time
+B's connector spent: the lookup plus the forward's waits for loads),
+``ttft_plain_cold_ms``, ``ttft_cold_overhead_pct`` (B's recompute against P's cold prefill of
+a prompt of the same length, same core), ``ttft_speedup_store_hit``,
 ``pd_ttft_ms``, ``mono_ttft_ms``, ``pd_tok_s``, ``mono_tok_s``, ``kv_bytes``, ``kv_gbps``,
 ``store_hit_pages``, plus the model shape. Not a test: numbers depend on the machine.
 Registered as ``bench.vllm`` in the entry-point group ``mooncake_core.cli``.
@@ -49,9 +58,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--suffix-tokens", type=int, default=64)
     p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=2, help="measurements per figure (median)")
+    p.add_argument("--repeats", type=int, default=3, help="measurements per figure (median)")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=4, help="concurrent requests for throughput")
+    p.add_argument(
+        "--no-warm-up",
+        action="store_true",
+        help="store connectors set up on first use, not at start (the old behaviour)",
+    )
     p.add_argument("--skip-pd", action="store_true", help="only the store phase")
     p.add_argument("--skip-store", action="store_true", help="only the PD phase")
     p.add_argument(
@@ -61,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--start-timeout", type=float, default=900.0)
     return p
+
+
+_HIT_PARTS = ("lookup_seconds", "load_wait_seconds")  # B's counters read around each hit
 
 
 def _prompt(n: int, salt: int) -> list[int]:
@@ -171,30 +188,39 @@ def _store_phase(
             log_path=work / f"{n}.log",
             env=pin[i],
             kv_transfer_config=store_transfer_config(
-                f"127.0.0.1:{port}", segment_size=seg, stats_dir=str(work / "stats" / n)
+                f"127.0.0.1:{port}",
+                segment_size=seg,
+                stats_dir=str(work / "stats" / n),
+                warm_up=not args.no_warm_up,
             ),
             **common,
         )
         for i, n in enumerate(("A", "B"))
     ]
+    # plain vLLM (no connector) on B's core: cold prefill and its own prefix-cache hit
+    servers.append(VLLMServer(model, name="P", log_path=work / "P.log", env=pin[1], **common))
+    url = "/v1/completions"
     try:
         t0 = time.monotonic()
         for s in servers:
             s.start()
         for s in servers:
             s.wait_ready(args.start_timeout)
-        log(f"store phase: master + 2 vLLM instances ready in {time.monotonic() - t0:.0f} s")
-        a, b = servers
-        http_json(a.url + "/v1/completions", {**body, "prompt": _prompt(64, 999)})
-        http_json(b.url + "/v1/completions", {**body, "prompt": _prompt(64, 998)})
+        log(f"store phase: master + 3 vLLM instances ready in {time.monotonic() - t0:.0f} s")
+        a, b, plain = servers
+        for i, s in enumerate(servers):  # a short request each (not a hit: one page at most)
+            http_json(s.url + url, {**body, "prompt": _prompt(64, 999 - i)})
         hit_t: list[float] = []
+        parts: list[dict[str, float]] = []  # B's connector time per hit (ms)
+        bstats = work / "stats" / "B"
         miss_t: list[float] = []
+        cold_t: list[float] = []
+        local_t: list[float] = []
         for r in range(args.repeats):
             prefix = _prompt(args.prefix_tokens, 10 + r)
             saved = read_counters(work / "stats" / "A", "store-worker-").get("save_objects", 0)
             ta, _ = stream_ttft(
-                a.url + "/v1/completions",
-                {**body, "prompt": prefix + _prompt(args.suffix_tokens, 50)},
+                a.url + url, {**body, "prompt": prefix + _prompt(args.suffix_tokens, 50)}
             )
             want = (L // args.block_size) * args.layers
             deadline = time.monotonic() + 120
@@ -205,12 +231,27 @@ def _store_phase(
                 if time.monotonic() > deadline:
                     raise RuntimeError("instance A did not save its pages within 120 s")
                 time.sleep(0.2)
+            # B first: its first hit must not follow a long prompt of its own
+            before = {
+                **read_counters(bstats, "store-worker-"),
+                **read_counters(bstats, "store-sched-"),
+            }
             th, _ = stream_ttft(
-                b.url + "/v1/completions",
-                {**body, "prompt": prefix + _prompt(args.suffix_tokens, 60)},
+                b.url + url, {**body, "prompt": prefix + _prompt(args.suffix_tokens, 60)}
+            )
+            after = {
+                **read_counters(bstats, "store-worker-"),
+                **read_counters(bstats, "store-sched-"),
+            }
+            parts.append({k: (after.get(k, 0) - before.get(k, 0)) * 1e3 for k in _HIT_PARTS})
+            tc, _ = stream_ttft(
+                plain.url + url, {**body, "prompt": prefix + _prompt(args.suffix_tokens, 50)}
+            )
+            tl, _ = stream_ttft(
+                plain.url + url, {**body, "prompt": prefix + _prompt(args.suffix_tokens, 60)}
             )
             tm, _ = stream_ttft(
-                b.url + "/v1/completions",
+                b.url + url,
                 {
                     **body,
                     "prompt": _prompt(args.prefix_tokens, 500 + r)
@@ -219,15 +260,42 @@ def _store_phase(
             )
             hit_t.append(th)
             miss_t.append(tm)
+            cold_t.append(tc)
+            local_t.append(tl)
             log(
-                f"repeat {r}: A computes {ta * 1e3:.0f} ms; B store hit {th * 1e3:.0f} ms; "
+                f"repeat {r}: A computes {ta * 1e3:.0f} ms; B store hit {th * 1e3:.0f} ms "
+                f"(lookup {parts[-1]['lookup_seconds']:.0f} ms, forward waited for loads "
+                f"{parts[-1]['load_wait_seconds']:.0f} ms); "
+                f"P cold {tc * 1e3:.0f} ms, local hit {tl * 1e3:.0f} ms; "
                 f"B recompute {tm * 1e3:.0f} ms"
             )
         sched = read_counters(work / "stats" / "B", "store-sched-")
+        later = hit_t[1:] or hit_t
         out.update(
             ttft_recompute_ms=round(med(miss_t), 1),
-            ttft_store_hit_ms=round(med(hit_t), 1),
+            ttft_plain_cold_ms=round(med(cold_t), 1),
+            ttft_store_first_hit_ms=round(hit_t[0] * 1e3, 1),
+            ttft_store_hit_ms=round(med(later), 1),
+            ttft_local_prefix_hit_ms=round(med(local_t), 1),
             store_hit_pages=sched.get("hit_pages", 0),
+        )
+        out["ttft_cold_overhead_pct"] = round(
+            100.0 * (out["ttft_recompute_ms"] / max(out["ttft_plain_cold_ms"], 1e-3) - 1.0), 1
+        )
+        out["ttft_store_hit_vs_local_ratio"] = round(
+            out["ttft_store_hit_ms"] / max(out["ttft_local_prefix_hit_ms"], 1e-3), 2
+        )
+        out["store_first_hit_connector_ms"] = round(
+            parts[0]["lookup_seconds"] + parts[0]["load_wait_seconds"], 1
+        )
+        out["store_hit_connector_ms"] = round(
+            statistics.median(
+                p["lookup_seconds"] + p["load_wait_seconds"] for p in parts[1:] or parts
+            ),
+            1,
+        )
+        out["ttft_store_first_vs_later_ratio"] = round(
+            out["ttft_store_first_hit_ms"] / max(out["ttft_store_hit_ms"], 1e-3), 2
         )
         out["ttft_speedup_store_hit"] = round(
             out["ttft_recompute_ms"] / max(out["ttft_store_hit_ms"], 1e-3), 2

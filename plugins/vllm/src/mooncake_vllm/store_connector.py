@@ -30,12 +30,20 @@ cache into the pool); ``get_transfer_results`` reports requests whose saves fini
 Options (``kv_connector_extra_config``): ``mooncake`` (config overrides, e.g.
 ``master_server_address``), ``segment_size`` (memory this instance lends to the pool,
 default the config's ``global_segment_size``; ``0`` lends none), ``stats_dir``,
-``lookup_timeout_s`` (2), ``retry_after_s`` (10).
+``lookup_timeout_s`` (2), ``retry_after_s`` (10), ``warm_up`` (true).
+
+Start-up does the first-use work, so the first store hit costs what later ones do: the
+scheduler connects to the master when the engine starts (not at its first lookup); the
+worker, once its KV cache is registered, starts its load and save threads and sends one
+probe page through the whole path (exists, put, get, remove), which opens the master
+connections, the local transport and the code paths a hit takes (``warm_up: false``
+leaves all of it to the first request, as before).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -49,6 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from mooncake_core.config import parse_bool
 from mooncake_vllm.common import Counters, config_from_engine, option
 from mooncake_vllm.stats import ConnectorStatsMixin, lookup_outcome
 from mooncake_vllm.store_keys import StoreKeyScheme, key_prefix, page_chain, rank_dir
@@ -56,6 +65,10 @@ from mooncake_vllm.store_keys import StoreKeyScheme, key_prefix, page_chain, ran
 __all__ = ["MooncakeCoreStoreConnector", "page_chain", "scheme_of"]
 
 logger = logging.getLogger(__name__)
+
+_WARM_PREFIX = "mcv-warm-up"  # keys of the start-up probe (never a KV page: no "mcv/")
+_LOAD_THREADS = 4  # layers read from the store at once
+_SAVE_NICE = 10  # niceness of the save thread
 
 
 @dataclass
@@ -130,18 +143,47 @@ class _StoreScheduler:
         self.reqs: dict[str, _Req] = {}
         self._loads: list[PageJob] = []
         self._saves: list[PageJob] = []
+        self.warm_up_s: float | None = None  # how long the start-up connection took
+        if parse_bool(option(extra, "warm_up", True), "warm_up"):
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """Connect to the master now and ask it once, so the first lookup pays no set-up.
+
+        A master that does not answer is not fatal: lookups retry as before."""
+        t0 = time.monotonic()
+        try:
+            self._connect().batch_exists([f"{_WARM_PREFIX}/lookup"])
+        except Exception as exc:
+            logger.warning(
+                "mooncake_vllm: KV store master not reachable at start-up (%s); "
+                "the first lookup tries again",
+                exc,
+            )
+            return
+        self.warm_up_s = time.monotonic() - t0
+        logger.info(
+            "mooncake_vllm: store scheduler connected to the master in %.0f ms",
+            self.warm_up_s * 1e3,
+        )
+
+    def _connect(self) -> Any:
+        if self.client is None:
+            client = self._make_client()
+            client.start()  # closes itself when it fails
+            self.client = client
+        return self.client
 
     def _lookup(self, pages: list[str]) -> int:
         """How many of ``pages`` (in order) the store holds; 0 while the master is down."""
         if not pages or time.monotonic() < self._down_until:
             return 0
+        t0 = time.monotonic()
         try:
-            if self.client is None:
-                client = self._make_client()
-                client.start()  # closes itself when it fails
-                self.client = client
+            client = self._connect()
             # a page is a hit only when every TP rank's shard of it is in the store
-            n = self.scheme.held_pages(self.client.batch_exists(self.scheme.exists_keys(pages)))
+            n = self.scheme.held_pages(client.batch_exists(self.scheme.exists_keys(pages)))
+            self.counters.add(lookup_seconds=time.monotonic() - t0)
         except Exception as exc:
             self._down_until = time.monotonic() + self.retry_after_s
             self.counters.add(lookup_failures=1)
@@ -241,6 +283,15 @@ class _StoreScheduler:
             self.client = None
 
 
+def _lower_priority() -> None:
+    """Run the calling thread at nice 10 or lower priority (Linux: per thread)."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(_SAVE_NICE, os.getpriority(os.PRIO_PROCESS, tid)))
+    except (AttributeError, OSError) as exc:  # not Linux, or not allowed: run as is
+        logger.debug("save thread keeps its priority: %s", exc)
+
+
 class _StoreWorker:
     def __init__(
         self, vllm_config: Any, extra: dict[str, Any], engine_id: str, tp_rank: int
@@ -256,7 +307,18 @@ class _StoreWorker:
         self.block_bytes = 0
         self._loading: dict[str, list[tuple[Any, list[int]]]] = {}  # layer -> [(batch, block ids)]
         self._load_errors: set[int] = set()
-        self._save_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mc-vllm-save")
+        # saves are off the critical path: the save thread yields the core to the forward
+        self._save_pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="mc-vllm-save", initializer=_lower_priority
+        )
+        self._load_pool = ThreadPoolExecutor(
+            max_workers=_LOAD_THREADS, thread_name_prefix="mc-vllm-load"
+        )
+        self.warm = parse_bool(option(extra, "warm_up", True), "warm_up")
+        self.warm_up_s: float | None = None  # how long the start-up probe took (None: not run)
+        self._load_t0 = 0.0
+        self._load_waited = 0.0
+        self._loads_logged = 0
         self._saves: dict[str, list[Future[None]]] = {}
         self._finished_waiting: set[str] = set()
         self._lock = threading.Lock()
@@ -299,6 +361,56 @@ class _StoreWorker:
             self.scheme.rank_prefix(self.tp_rank),
             self.scheme.seed,
         )
+        if self.warm and self.layers:
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """Do at start-up what the first hit would otherwise pay for.
+
+        Starts the load and save threads and sends one probe page through the whole path
+        (exists, put, get, remove): the master connections, the local transport and the
+        code a hit runs are then in place. A failing probe is logged, never fatal.
+        """
+        import torch
+
+        assert self.client is not None
+        t0 = time.monotonic()
+        for f in [self._load_pool.submit(time.sleep, 0.01) for _ in range(_LOAD_THREADS)]:
+            f.result()  # the sleeps make every pool thread start
+        self._save_pool.submit(time.sleep, 0).result()
+        n = self.block_bytes
+        probe = torch.empty(2 * n, dtype=torch.uint8)
+        probe[:n] = torch.randint(0, 256, (n,), dtype=torch.uint8)
+        key = f"{_WARM_PREFIX}/{self.client.client_id}"
+        src, dst = int(probe.data_ptr()), int(probe.data_ptr()) + n
+        try:
+            self.client.register_buffer(probe)
+            try:
+                self.client.batch_exists([key])
+                put = self.client.batch_put_from([key], [src], [n])
+                if put[0] is not None and type(put[0]).__name__ != "ObjectExists":
+                    raise put[0]
+                got = self._load_pool.submit(self.client.batch_get_into, [key], [dst], [n])
+                res = got.result()
+                if isinstance(res[0], BaseException):
+                    raise res[0]
+                if not torch.equal(probe[:n], probe[n:]):
+                    raise RuntimeError("the probe page came back changed")
+                self.client.batch_remove([key], force=True)
+            finally:
+                self.client.unregister_buffer(probe)
+        except Exception as exc:
+            logger.warning(
+                "mooncake_vllm: start-up probe of the KV store failed (%s); the first hit "
+                "sets up what is missing",
+                exc,
+            )
+            return
+        self.warm_up_s = time.monotonic() - t0
+        logger.info(
+            "mooncake_vllm: store worker warmed up in %.0f ms (threads, master, transport)",
+            self.warm_up_s * 1e3,
+        )
 
     def _keys(self, pages: list[str], layer: int) -> list[str]:
         return self.scheme.layer_keys(pages, self.tp_rank, layer)
@@ -308,6 +420,8 @@ class _StoreWorker:
         if not meta.loads or self.client is None:
             return
         bb = self.block_bytes
+        self._load_t0 = time.monotonic()
+        self._load_waited = 0.0
         for li, (name, t) in enumerate(self.layers):
             base = int(t.data_ptr())
             for job in meta.loads:
@@ -322,7 +436,7 @@ class _StoreWorker:
         )
 
     def _save_pool_free_load(self, keys: list[str], addrs: list[int]) -> Future[list[Any]]:
-        """Start one layer's reads on a short-lived thread (the save thread may be busy)."""
+        """Start one layer's reads on the load threads (the save thread may be busy)."""
         fut: Future[list[Any]] = Future()
 
         def run() -> None:
@@ -334,13 +448,30 @@ class _StoreWorker:
             except BaseException as exc:
                 fut.set_exception(exc)
 
-        threading.Thread(target=run, name="mc-vllm-load", daemon=True).start()
+        self._load_pool.submit(run)
         return fut
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         jobs = self._loading.pop(layer_name, None)
         if not jobs:
             return
+        t0 = time.monotonic()
+        self._wait_layer(layer_name, jobs)
+        self._load_waited += time.monotonic() - t0
+        if not self._loading:  # the last layer of this step's loads
+            took = time.monotonic() - self._load_t0
+            self.counters.add(load_wait_seconds=self._load_waited)
+            self._loads_logged += 1
+            logger.log(
+                logging.INFO if self._loads_logged <= 3 else logging.DEBUG,
+                "mooncake_vllm: store load %d: %d layers in %.1f ms, the forward waited %.1f ms",
+                self._loads_logged,
+                len(self.layers),
+                took * 1e3,
+                self._load_waited * 1e3,
+            )
+
+    def _wait_layer(self, layer_name: str, jobs: list[tuple[Any, list[int]]]) -> None:
         for fut, blocks in jobs:
             try:
                 res = fut.result()
@@ -426,6 +557,7 @@ class _StoreWorker:
 
     def close(self) -> None:
         self._save_pool.shutdown(wait=True)
+        self._load_pool.shutdown(wait=True)
         if self.client is not None:
             self.client.close()
 

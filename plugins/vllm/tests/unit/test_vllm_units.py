@@ -129,7 +129,7 @@ def test_store_keys_carry_tp_size_and_hits_need_every_rank() -> None:
     assert _key_prefix(vc(1)) + _rank_dir(0, _tp_size(vc(1))) != _key_prefix(vc(2)) + _rank_dir(
         0, _tp_size(vc(2))
     )
-    sched = _StoreScheduler(vc(2), {}, "t")
+    sched = _StoreScheduler(vc(2), {"warm_up": False}, "t")
     asked: list[list[str]] = []
 
     class Client:

@@ -1,0 +1,114 @@
+"""Start-up warm-up of the store connector: the first hit must find everything set up.
+
+A real master (in a thread) and the connector's real scheduler and worker halves; no
+engine (the engine tests in ``test_vllm_store.py`` cover hits end to end). Speed is the
+benchmark's business (``ttft_store_first_hit_ms`` in ``bench vllm``); these tests assert
+that the connections, registrations and threads exist before the first request, which
+was not so before (the scheduler connected at its first lookup, the worker started its
+load threads at its first load).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from vllm_helpers import HAVE_VLLM
+
+pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed")
+
+
+def _vc() -> SimpleNamespace:
+    return SimpleNamespace(
+        model_config=SimpleNamespace(model="/m/warm", dtype="float32"),
+        cache_config=SimpleNamespace(block_size=32),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+    )
+
+
+@pytest.fixture()
+def master() -> Iterator[Any]:
+    from mooncake_core.store.master import MasterServer
+
+    m = MasterServer(rpc_port=0, http_port=-1).start_in_thread()
+    yield m
+    m.shutdown()
+
+
+def _extra(master: Any, **kw: Any) -> dict[str, Any]:
+    return {"mooncake": {"master_server_address": master.address}, **kw}
+
+
+def test_scheduler_registers_with_the_master_before_any_request(master: Any) -> None:
+    from mooncake_vllm.store_connector import _StoreScheduler
+
+    sched = _StoreScheduler(_vc(), _extra(master), "warm")
+    try:
+        assert sched.client is not None and sched.warm_up_s is not None
+        assert sched.client.client_id in master.state.clients
+    finally:
+        sched.close()
+    # warm_up=false keeps the old behaviour: nothing until the first lookup
+    lazy = _StoreScheduler(_vc(), _extra(master, warm_up=False), "lazy")
+    try:
+        assert lazy.client is None
+        assert lazy._lookup(["p0"]) == 0
+        assert lazy.client is not None
+    finally:
+        lazy.close()
+
+
+def test_worker_is_warm_after_registering_its_kv_cache(master: Any) -> None:
+    import torch
+    from mooncake_vllm.store_connector import _LOAD_THREADS, _StoreWorker
+
+    kv = {f"model.layers.{i}.self_attn.attn": torch.zeros(4, 2, 32, 64) for i in range(2)}
+    worker = _StoreWorker(_vc(), _extra(master, segment_size="4MiB"), "warm", 0)
+    try:
+        worker.register_kv_caches(kv)
+        assert worker.warm_up_s is not None
+        client = worker.client
+        assert client is not None and client.client_id in master.state.clients
+        loaders = [t for t in threading.enumerate() if t.name.startswith("mc-vllm-load")]
+        assert len(loaders) >= _LOAD_THREADS
+        # the save thread runs at a lower priority than the forward (off the critical path)
+        saver = next(t for t in threading.enumerate() if t.name.startswith("mc-vllm-save"))
+        assert saver.native_id is not None
+        base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        assert os.getpriority(os.PRIO_PROCESS, saver.native_id) == max(10, base)
+        assert all(os.getpriority(os.PRIO_PROCESS, t.native_id or 0) == base for t in loaders)
+        # the probe page is gone and never touched the KV cache
+        assert client.batch_exists([f"mcv-warm-up/{client.client_id}"]) == [False]
+        assert all(not t.any() for t in kv.values())
+        # the warmed path serves a real page: put from layer 0 block 1, load into block 2
+        kv["model.layers.0.self_attn.attn"][1].fill_(3.5)
+        bb = worker.block_bytes
+        base = kv["model.layers.0.self_attn.attn"].data_ptr()
+        assert client.batch_put_from(["page"], [base + bb], [bb]) == [None]
+        res = worker._save_pool_free_load(["page"], [base + 2 * bb]).result()
+        assert res == [bb]
+        assert torch.equal(
+            kv["model.layers.0.self_attn.attn"][2], kv["model.layers.0.self_attn.attn"][1]
+        )
+    finally:
+        worker.close()
+
+
+def test_warm_up_without_a_master_is_not_fatal() -> None:
+    from mooncake_vllm.store_connector import _StoreScheduler
+    from mooncake_vllm.testing import free_port
+
+    extra = {
+        "mooncake": {"master_server_address": f"127.0.0.1:{free_port()}"},
+        "lookup_timeout_s": 0.3,
+    }
+    sched = _StoreScheduler(_vc(), extra, "nomaster")
+    try:
+        assert sched.client is None and sched.warm_up_s is None
+        assert sched._lookup(["p0"]) == 0  # a miss, as before
+    finally:
+        sched.close()
