@@ -129,9 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         _store_phase(args, model, common, body, out, pin, work, log, med)
     if not args.skip_pd:
         _pd_phase(args, model, common, body, out, pin, work, log, med, L)
-    print(f"\n{'figure':<26}{'value':>14}")
+    print(f"\n{'figure':<34}{'value':>14}")
     for k, v in out.items():
-        print(f"{k:<26}{v:>14}")
+        print(f"{k:<34}{v:>14}")
     if args.json:
         print(json.dumps(out, sort_keys=True))
     return 0
