@@ -31,6 +31,7 @@ from mooncake_core.config import load_config
 from mooncake_core.errors import ConfigError
 from mooncake_core.p2p import P2PStore, Progress
 from mooncake_core.p2p.errors import BadName
+from mooncake_core.p2p.meta import check_name, check_shard_size
 
 __all__ = ["add_arguments", "run"]
 
@@ -159,6 +160,8 @@ def _seed(args: argparse.Namespace) -> int:
     if not path.exists():
         raise BadName(f"p2p seed: {args.path!r} does not exist")
     layout = "dir" if path.is_dir() else "file"
+    check_name(args.name)
+    check_shard_size(args.shard_size)
     with _store(args) as store:
         rep = store.register(
             args.name,
@@ -209,6 +212,7 @@ def _write_out(out: Path, labels: list[str], buffers: list[memoryview], layout: 
 
 def _get(args: argparse.Namespace) -> int:
     out = Path(args.out)
+    check_name(args.name)
     with _store(args) as store:
         bar = Bar(not args.no_progress)
         t0 = time.monotonic()
@@ -271,6 +275,7 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _rm(args: argparse.Namespace) -> int:
+    check_name(args.name)
     with _store(args) as store:
         store.unregister(args.name)
     print(f"unregistered {args.name}")

@@ -372,5 +372,67 @@ def test_bad_names_sizes_and_shard_sizes_are_one_line_errors(store: Any, etcd_ur
     store.unregister(name)
 
 
+@pytest.mark.slow
+def test_cli_seeds_a_directory_and_get_writes_it_back_byte_for_byte(
+    etcd_url: str, tmp_path: Path
+) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    cli = [sys.executable, "-m", "mooncake_core", "p2p", "--etcd", etcd_url]
+    src = tmp_path / "ckpt"
+    (src / "sub").mkdir(parents=True)
+    (src / "model-00001.safetensors").write_bytes(bytes(blob(3 << 20, 8)))
+    (src / "sub" / "config.json").write_bytes(b'{"layers": 2}')
+    name, ready = unique("cli"), tmp_path / "ready.json"
+    seed = subprocess.Popen(
+        [
+            *cli,
+            "seed",
+            str(src),
+            "--name",
+            name,
+            "--shard-size",
+            "512KB",
+            "--ready-file",
+            str(ready),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        end = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < end and seed.poll() is None:
+            time.sleep(0.1)
+        assert ready.exists(), seed.stderr.read() if seed.stderr else ""
+        out = tmp_path / "out"
+        r = subprocess.run([*cli, "get", name, str(out)], env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert "fetched" in r.stdout and "ETA" in r.stderr and "peers" in r.stderr
+        for rel in ("model-00001.safetensors", "sub/config.json"):
+            assert (out / rel).read_bytes() == (src / rel).read_bytes()
+        r = subprocess.run([*cli, "ls", "--json", name], env=env, capture_output=True, text=True)
+        (row,) = [json.loads(x) for x in r.stdout.splitlines()]
+        assert row["files"] == ["model-00001.safetensors", "sub/config.json"]
+        assert row["size"] == (3 << 20) + 13 and row["complete"] == 1
+        r = subprocess.run(
+            [*cli, "get", "no such", str(out)], env=env, capture_output=True, text=True
+        )
+        assert r.returncode == 2 and "Traceback" not in r.stderr
+        assert r.stderr.splitlines() == [
+            "mooncake-core: error: name 'no such': use letters, digits and . _ - / : @ + = "
+            "(starting with a letter or digit, no empty path part)"
+        ]
+        r = subprocess.run([*cli, "rm", name], env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert seed.wait(15) == 0  # the seeder noticed and stopped serving
+        assert "stopped serving" in (seed.stdout.read() if seed.stdout else "")
+    finally:
+        if seed.poll() is None:
+            seed.kill()
+            seed.wait()
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     worker(sys.argv[2], sys.argv[3] == "1", float(sys.argv[4]))
