@@ -184,11 +184,13 @@ def test_the_signature_comparison_catches_a_renamed_or_defaulted_parameter() -> 
 
 
 def test_the_comparison_catches_a_missing_and_a_dishonest_name() -> None:
-    theirs = {"mooncake.store": {"MooncakeDistributedStore": ["put", "brand_new", "pub_tensor"]}}
-    ours = {"mooncake.store": {"MooncakeDistributedStore": ["put", "pub_tensor"]}}
+    theirs = {
+        "mooncake.store": {"MooncakeDistributedStore": ["put", "brand_new", "create_copy_task"]}
+    }
+    ours = {"mooncake.store": {"MooncakeDistributedStore": ["put", "create_copy_task"]}}
     missing, dishonest = compare(theirs, ours)
     assert missing == ["mooncake.store:MooncakeDistributedStore.brand_new"]
-    assert dishonest == ["mooncake.store:MooncakeDistributedStore.pub_tensor"]
+    assert dishonest == ["mooncake.store:MooncakeDistributedStore.create_copy_task"]
 
 
 def test_docs_mirror_the_not_provided_table() -> None:
