@@ -511,7 +511,9 @@ class MasterServer:
                     await loop.run_in_executor(None, etcd.revoke_lease, lease)
                     lease = await loop.run_in_executor(None, etcd.grant_lease, self.ha_lease_ttl_s)
                     stale_lease = False
-                    logger.warning("HA loop: our etcd lease had expired; campaigning with a new one")
+                    logger.warning(
+                        "HA loop: our etcd lease had expired; campaigning with a new one"
+                    )
                 if not loaded:
                     await self._load_snapshot()
                     loaded = True
