@@ -196,8 +196,17 @@ class Metrics:
             server = self.server
             ttl = float(server.state.cfg.lease_ttl_s) if server is not None else 0.0
         self._lease_grants.inc()
-        self.leases[key] = time.monotonic() + float(ttl)
-        self.leases.move_to_end(key)
+        now = time.monotonic()
+        leases = self.leases
+        leases[key] = now + float(ttl)
+        leases.move_to_end(key)
+        # Drop a few expired grants from the front on every grant, so the table stays bounded
+        # by the keys leased within one TTL even when nobody scrapes (unique KV-cache keys
+        # would otherwise grow it without end).
+        for _ in range(4):
+            if not leases or next(iter(leases.values())) > now:
+                break
+            leases.popitem(last=False)
 
     def leased_now(self) -> int:
         """Keys with an unexpired lease (amortised O(1): expired grants are dropped here)."""

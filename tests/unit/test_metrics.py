@@ -261,3 +261,13 @@ def test_leases_expire_from_the_gauge() -> None:
         m.metrics.observe("exists", 1e-5, True, SimpleNamespace(key=f"k{i}"), True)
     assert _values(m)["mooncake_master_leased_objects"] == 0
     assert _values(m)["mooncake_master_lease_grants_total"] == 1000
+
+
+def test_lease_table_stays_bounded_without_scrapes() -> None:
+    """Grants of unique keys must not pile up between scrapes (a master nobody scrapes)."""
+    from mooncake_core.config import StoreConfig
+
+    m = MasterServer(StoreConfig(lease_ttl_s=0.0), rpc_port=0, http_port=-1)
+    for i in range(5000):
+        m.metrics.observe("exists", 1e-5, True, SimpleNamespace(key=f"u{i}"), True)
+    assert len(m.metrics.leases) <= 2
