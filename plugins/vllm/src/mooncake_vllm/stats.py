@@ -102,6 +102,22 @@ class MooncakeKVStats(KVConnectorStats):
         return not any(self.data.values())
 
 
+_prom_lock = threading.Lock()
+_prom_counters: dict[tuple[Any, str, tuple[str, ...]], Any] = {}
+
+
+def _shared_counter(cls: Any, name: str, doc: str, labelnames: list[str]) -> Any:
+    """One counter per name in the process. Both our connectors (PD and store) under vLLM's
+    MultiConnector build their metrics; registering the same name twice would stop vLLM at
+    start with DuplicateTimeseries, so the second one adds to the first one's counter."""
+    key = (cls, name, tuple(labelnames))
+    with _prom_lock:
+        c = _prom_counters.get(key)
+        if c is None:
+            c = _prom_counters[key] = cls(name=name, documentation=doc, labelnames=labelnames)
+        return c
+
+
 class MooncakePromMetrics(KVConnectorPromMetrics):
     """One vLLM counter per entry of :data:`PROM_COUNTERS`, per engine."""
 
@@ -115,9 +131,7 @@ class MooncakePromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.counters: dict[str, dict[int, Any]] = {}
         for key, doc in PROM_COUNTERS.items():
-            c = self._counter_cls(
-                name=f"vllm:mooncake_{key}", documentation=doc, labelnames=labelnames
-            )
+            c = _shared_counter(self._counter_cls, f"vllm:mooncake_{key}", doc, labelnames)
             self.counters[key] = {
                 idx: c.labels(*vals) for idx, vals in per_engine_labelvalues.items()
             }

@@ -84,3 +84,26 @@ def test_prom_metrics_count_per_engine() -> None:
     assert 'vllm:mooncake_lookup_misses_total{engine="0",model_name="m"} 2.0' in text
     typed = [ln for ln in text.splitlines() if ln.startswith("# TYPE vllm:mooncake_")]
     assert sum(ln.endswith(" counter") for ln in typed) == len(PROM_COUNTERS)
+
+
+def test_both_connectors_under_multiconnector_share_their_counters() -> None:
+    """vLLM's MultiConnector builds the metrics of every connector class it holds (our PD and
+    store connectors both): the same names must not be registered twice (vLLM would stop at
+    start with DuplicateTimeseries), and both connectors' counts must land."""
+    reg = CollectorRegistry()
+
+    class BoundCounter(Counter):  # type: ignore[misc]
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            super().__init__(*a, registry=reg, **kw)
+
+    types = {Counter: BoundCounter, Gauge: Gauge, Histogram: Histogram}
+
+    class Cfg:
+        kv_transfer_config = None
+
+    pd = MooncakePromMetrics(Cfg(), types, ["model_name", "engine"], {0: ["m", "0"]})
+    store = MooncakePromMetrics(Cfg(), types, ["model_name", "engine"], {0: ["m", "0"]})
+    pd.observe({"load_bytes": 100}, 0)
+    store.observe({"load_bytes": 28}, 0)
+    text = generate_latest(reg).decode()
+    assert 'vllm:mooncake_load_bytes_total{engine="0",model_name="m"} 128.0' in text
