@@ -42,7 +42,7 @@ from mooncake_core.store.master_conn import (
     early_key,
     install_uvloop,
 )
-from mooncake_core.store.metrics import Metrics, render
+from mooncake_core.store.metrics import Metrics
 from mooncake_core.store.state import MasterState, error_tuple
 
 __all__ = ["MasterServer", "install_uvloop"]
@@ -598,69 +598,9 @@ class MasterServer:
 
     # ------------------------------------------------------------------ HTTP
     def _http_app(self) -> web.Application:
-        app = web.Application()
+        from mooncake_core.store.master_http import build_http_app
 
-        async def metrics(_r: web.Request) -> web.Response:
-            return web.Response(
-                text=render(self.metrics, self.state, self.role), content_type="text/plain"
-            )
-
-        async def health(_r: web.Request) -> web.Response:
-            ok = self.role in ("leader", "standby")
-            return web.json_response(
-                {"status": "ok" if ok else self.role, "role": self.role}, status=200 if ok else 503
-            )
-
-        async def role(_r: web.Request) -> web.Response:
-            return web.json_response({"role": self.role, "id": self.id, "leader": self.leader_hint})
-
-        async def query_key(r: web.Request) -> web.Response:
-            key = r.query.get("key", "")
-            try:
-                return web.json_response(self.state.query_key(key))
-            except Exception as exc:
-                code, msg = error_tuple(exc)
-                return web.json_response(
-                    {"error": msg}, status=404 if code == P.Code.NOT_FOUND else 400
-                )
-
-        async def segments(_r: web.Request) -> web.Response:
-            return web.json_response(
-                [
-                    {
-                        "name": s.name,
-                        "client": s.client_id,
-                        "peer": s.peer,
-                        "size": s.size,
-                        "used": s.allocator.used,
-                        "objects": len(s.keys),
-                    }
-                    for s in self.state.segments.values()
-                ]
-            )
-
-        async def stats(_r: web.Request) -> web.Response:
-            out = self.state.stats()
-            if self.kv_events is not None:
-                out = {**out, "kv_events": self.kv_events.stats()}
-            return web.json_response(out)
-
-        app.router.add_get("/metrics", metrics)
-        app.router.add_get("/health", health)
-        app.router.add_get("/role", role)
-        app.router.add_get("/query_key", query_key)
-        app.router.add_get("/segments", segments)
-        app.router.add_get("/stats", stats)
-
-        async def tenants(_r: web.Request) -> web.Response:
-            return web.json_response(self.state.tenant_stats())
-
-        app.router.add_get("/tenants", tenants)
-        if self.serve_metadata:
-            from mooncake_core.metadata.http import add_metadata_routes
-
-            add_metadata_routes(app)
-        return app
+        return build_http_app(self)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
