@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -201,16 +202,19 @@ def test_unreachable_prefill_is_502() -> None:
         assert st == 502 and "unreachable" in body["error"]["message"]
 
     async def main() -> None:
-        r, dead = await _serve(_prefill_ok([]))
-        await r.cleanup()  # nothing listens there any more
-        r2, durl = await _serve(_decode_ok([]))
-        proxy = ProxyServer(ProxyConfig(prefill=(dead,), decode=(durl,), port=0))
-        url = await proxy.start()
-        try:
-            await client(url, proxy)
-        finally:
-            await proxy.stop()
-            await r2.cleanup()
+        # A port held by a bound socket that never listens: connecting is refused, and no
+        # server started later in this test can be given the same port by the kernel.
+        with socket.socket() as held:
+            held.bind(("127.0.0.1", 0))
+            dead = f"http://127.0.0.1:{held.getsockname()[1]}"
+            r2, durl = await _serve(_decode_ok([]))
+            proxy = ProxyServer(ProxyConfig(prefill=(dead,), decode=(durl,), port=0))
+            url = await proxy.start()
+            try:
+                await client(url, proxy)
+            finally:
+                await proxy.stop()
+                await r2.cleanup()
 
     asyncio.run(main())
 
