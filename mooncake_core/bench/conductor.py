@@ -14,6 +14,10 @@ Measures:
 The trace is ``--trace``, else ``$MOONCAKE_TRACE_DIR/conversation_trace.jsonl``, else the
 shared copy next to the repository (``../shared/traces``), else the shipped test excerpt.
 Prints a table; with ``--json`` one JSON object on the last line.
+
+``--live`` (``--quick`` for the short variant) instead replays a slice of the trace through
+``mooncake-core proxy`` on real engine instances, ``global-cache`` against ``least-load``
+(:mod:`mooncake_core.bench.conductor_live`; the engines come from an installed adapter).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from mooncake_core import config
+from mooncake_core.bench import conductor_live
 from mooncake_core.conductor.policy import POLICIES
 from mooncake_core.conductor.scheduler import Conductor, ConductorConfig
 from mooncake_core.conductor.simulator import DEFAULT_CLUSTER, simulate
@@ -78,11 +83,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument(
         "--decisions", type=int, default=2000, help="timed decisions per size (default 2000)"
     )
+    conductor_live.add_live_arguments(ap)
     args = ap.parse_args(argv)
     path = Path(args.trace) if args.trace else find_trace()
     if path is None:
         print("mooncake-core bench conductor: no trace found; pass --trace FILE")
         return 2
+    if args.live:  # real engines behind the proxy (mooncake_core.bench.conductor_live)
+        return conductor_live.run_live(args, path)
     reqs = load_trace(path)
     out: dict[str, Any] = {"trace": str(path), "requests": len(reqs)}
     warm = min(len(reqs) // 2, 3000)
