@@ -217,6 +217,14 @@ class StoreConfig:
         4096  # keys whose last replica a client remembers: their gets read while asking (0: off)
     )
     early_commit: bool = True  # one-RPC puts send the commit with the write (masters without HA)
+    # hot keys and tier moves (mooncake_core.store.hotkeys, docs/store.md)
+    hot_key_replicas: int = 0  # most memory replicas of a hot key, the first included (0/1: off)
+    hot_key_reads: int = 64  # reads within the window that make a key hot (cools below half)
+    hot_key_window_s: float = 2.0
+    hot_key_max_bytes: int = 256 << 20  # all extra hot-key replicas together
+    ssd_promote_after: int = 2  # reads within the window before an SSD object stays in memory
+    ssd_promote_window_s: float = 30.0
+    ssd_offload_queue: int = 256 << 20  # bytes of SSD offloads in flight; beyond, eviction drops
 
 
 @dataclass(frozen=True)

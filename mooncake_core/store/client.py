@@ -45,6 +45,7 @@ from mooncake_core.store import protocol as P
 from mooncake_core.store import values
 from mooncake_core.store.buffers import LocalBuffer, as_view
 from mooncake_core.store.client_core import Job
+from mooncake_core.store.hotkeys import run_copy_task
 from mooncake_core.store.lending import ReservationLending
 from mooncake_core.store.locations import LocationCache, ReplicaAnswer
 from mooncake_core.store.protocol import ReplicaCfg, SliceW
@@ -145,6 +146,7 @@ class StoreClient(ReservationLending, RememberedReads):
         )  # see mooncake_core.store.locations
         self._where_max = self._where.capacity
         self.location_hits = 0  # gets served by the remembered replica
+        self.reads_by_segment: dict[str, int] = {}  # slices read, per segment read from
         self.location_misses = (
             0  # gets that read a remembered replica in vain (stale, or its holder failed)
         )
@@ -294,6 +296,10 @@ class StoreClient(ReservationLending, RememberedReads):
         if kind == "delete_disk":
             if self.ssd is not None:
                 self.ssd.delete(key)
+            return
+        if kind == "copy":  # an extra replica of a hot key (store/hotkeys.py)
+            ok, detail = run_copy_task(self, t)
+            self._call("task_done", (self.client_id, kind, key, token, ok, detail))
             return
         if self.ssd is None:
             self._call(

@@ -64,6 +64,7 @@ class ClientCore:
     _where_max: int
     location_hits: int
     location_misses: int
+    reads_by_segment: dict[str, int]  # slices read, per segment read from (store/hotkeys.py)
 
     # ------------------------------------------------------------------ the master
     def _register(self) -> None:
@@ -150,10 +151,13 @@ class ClientCore:
         self, op: str, jobs: Sequence[tuple[LocalBuffer, Sequence[SliceW]]]
     ) -> list[TransferRequest]:
         reqs: list[TransferRequest] = []
+        rb = self.reads_by_segment if op == "read" else None
         for local, slices in jobs:
             off = 0
             for s in slices:
                 n = s.length
+                if rb is not None:
+                    rb[s.segment] = rb.get(s.segment, 0) + 1
                 if self._own(s) is not None:
                     la = local.address() + off
                     if op == "read":

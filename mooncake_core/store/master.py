@@ -478,6 +478,7 @@ class MasterServer:
                 self.state.expire_clients(now)
                 self.state.reclaim(now)
                 self.state.check_watermarks(now)
+                self.state.tier_tick(now)
                 if self._parked:  # early commits that timed out
                     self._unpark_resolved()
             except Exception:

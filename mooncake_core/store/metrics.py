@@ -275,8 +275,11 @@ class _StateCollector(Collector):
                 "expired_clients",
             ),
             ("mooncake_master_reclaimed_puts", "unfinished puts reclaimed", "reclaimed_puts"),
+            *_TIER_COUNTERS,
         ):
             yield _counter(name, doc, c.get(key, 0))
+        for name, doc, key in _TIER_GAUGES:  # store/hotkeys.py
+            yield _g(name, doc, st.hot_stats()[key])
         yield UnknownMetricFamily(
             "master_evicted_key_count", "keys evicted (counter)", value=c.get("evictions", 0)
         )
@@ -328,6 +331,40 @@ class _StateCollector(Collector):
 
 def _counter_family(name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, labels=labels)
+
+
+_TIER_COUNTERS = (  # hot keys and tier moves (store/hotkeys.py, store/tiering.py)
+    (
+        "mooncake_master_hot_replicas_added",
+        "extra replicas given to hot keys",
+        "hot_replicas_added",
+    ),
+    (
+        "mooncake_master_hot_replicas_dropped",
+        "extra replicas freed, key cooled",
+        "hot_replicas_dropped",
+    ),
+    ("mooncake_master_hot_copies_failed", "hot-key copies failed or lost", "hot_copies_failed"),
+    (
+        "mooncake_master_ssd_offload_dropped",
+        "evictions dropped: offload queue full",
+        "offload_dropped",
+    ),
+    (
+        "mooncake_master_ssd_promotions_admitted",
+        "SSD promotions kept in memory",
+        "promotions_admitted",
+    ),
+    (
+        "mooncake_master_ssd_promotions_transient",
+        "promoted copies freed again",
+        "promotions_transient",
+    ),
+)
+_TIER_GAUGES = (
+    ("mooncake_master_hot_keys", "keys counted as hot", "hot_keys"),
+    ("mooncake_master_hot_bytes", "bytes of extra hot-key replicas", "hot_bytes"),
+)
 
 
 def _counter(name: str, doc: str, value: float) -> Metric:

@@ -94,7 +94,10 @@ class RememberedReads(ClientCore):
                     f"get {key!r}: the read took longer than the {ttl:.1f}s lease; retry"
                 )
             self.location_hits += 1
-            self._where.touch(key)
+            if len(reps) > 1:  # several replicas (a hot key): the next read picks one again
+                self._where.remember(key, gen, token2, size, self._rank(reps)[0])
+            else:
+                self._where.touch(key)
             return size
         self.location_misses += 1
         self._where.forget([key])

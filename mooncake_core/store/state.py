@@ -48,6 +48,7 @@ from mooncake_core.config import StoreConfig, format_size
 from mooncake_core.errors import NoSpace, ObjectNotFound
 from mooncake_core.store.allocator import OffsetAllocator
 from mooncake_core.store.eviction import EvictionDriver
+from mooncake_core.store.hotkeys import HotKeys
 from mooncake_core.store.protocol import (
     MAX_KEY,
     InvalidArgument,
@@ -85,7 +86,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class MasterState(Reservations, EvictionDriver, SsdTiering, Replication, TenantQuotas):
+class MasterState(Reservations, EvictionDriver, SsdTiering, HotKeys, Replication, TenantQuotas):
     """All master metadata (see module doc)."""
 
     def __init__(self, cfg: StoreConfig, *, rng: random.Random | None = None) -> None:
@@ -119,6 +120,8 @@ class MasterState(Reservations, EvictionDriver, SsdTiering, Replication, TenantQ
             "reserved_puts": 0,
             "reservations_reclaimed": 0,
         }
+        self._tier_init()  # SSD tier moves and hot keys (tiering.py, hotkeys.py)
+        self._hot_init()
 
     def register_client(
         self, client_id: str, host: str, peer: str, ssd: bool, now: float
@@ -343,6 +346,10 @@ class MasterState(Reservations, EvictionDriver, SsdTiering, Replication, TenantQ
         o = self._complete(key)
         if not o.replicas:
             self._promote(o, now)
+        if self.hot_on:
+            self._hot_hit(key, now)
+        if self.promo_transient and key in self.promo_transient:
+            self._admit_read(key, now)
         o.lease_until = now + self.cfg.lease_ttl_s
         self.lru.move_to_end(key)
         return o.size, [self._slices_out(rep) for rep in o.replicas], self.cfg.lease_ttl_s, o.token
@@ -469,6 +476,7 @@ class MasterState(Reservations, EvictionDriver, SsdTiering, Replication, TenantQ
             "reservations": len(self.reservations),
             "reserved_bytes": sum(n for r in self.reservations.values() for n in r.blocks.values()),
             **self.counters,
+            **self.hot_stats(),
             "tenants": self.tenant_stats(),
         }
 

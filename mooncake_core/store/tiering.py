@@ -5,15 +5,28 @@ master queues tasks for a client (delivered by its ``poll``): ``offload`` (write
 to your SSD), ``promote`` (read your SSD copy into these slices), ``delete_disk``. The client
 reports with ``task_done``; only then does the master drop the memory replica (offload) or
 list the new one (promotion, under a new version token).
+
+Tier moves (issue 21):
+
+- Offload on eviction is bounded: at most ``store.ssd_offload_queue`` bytes of offloads are in
+  flight; beyond that an evicted replica is dropped instead, and counted (``offload_dropped``).
+- Promotion on hit is admitted by reads: a read of an SSD-only object always loads it into
+  memory (the reader needs the bytes there), but below ``store.ssd_promote_after`` reads within
+  ``store.ssd_promote_window_s`` that memory copy is transient: it is freed again once no read
+  lease is left on it (``promotions_transient``). The read that reaches the threshold admits it
+  (``promotions_admitted``); from then on it is an ordinary memory replica.
+- ``tier_tick`` (every master tick) frees transient copies and runs the hot-key part
+  (:mod:`~mooncake_core.store.hotkeys`).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mooncake_core.config import format_size
 from mooncake_core.errors import NoSpace, ObjectNotFound
+from mooncake_core.store.hotkeys import WindowCounter
 from mooncake_core.store.protocol import InvalidArgument, ReplicaCfg, RetryLater
 from mooncake_core.store.state_core import Obj, SliceT, StateCore
 
@@ -25,6 +38,49 @@ logger = logging.getLogger(__name__)
 class SsdTiering(StateCore):
     """Offloads to and promotions from clients' SSD tiers (see module doc)."""
 
+    promo_reads: WindowCounter
+    promo_transient: dict[str, list[Any]]  # key -> [object, skip the next read]
+    hot_on: bool
+    hot_copies: dict[int, Any]
+
+    if TYPE_CHECKING:  # provided by HotKeys
+
+        def hot_tick(self, now: float) -> None: ...
+        def hot_copy_done(self, token: int, ok: bool, detail: str) -> None: ...
+
+    def _tier_init(self) -> None:
+        self.promo_reads = WindowCounter(self.cfg.ssd_promote_window_s)
+        self.promo_transient = {}
+        for k in ("offload_dropped", "promotions_admitted", "promotions_transient"):
+            self.counters[k] = 0
+
+    def _admit_read(self, key: str, now: float) -> None:
+        """A read of a transient promoted copy: admit it at the threshold."""
+        ent = self.promo_transient[key]
+        if ent[1]:  # the read that started the promotion, retried
+            ent[1] = False
+            return
+        if self.promo_reads.hit(key, now) >= self.cfg.ssd_promote_after:
+            del self.promo_transient[key]
+            self.counters["promotions_admitted"] += 1
+
+    def tier_tick(self, now: float) -> None:
+        """Free transient promoted copies nobody reads any more; hot-key replication."""
+        for key, ent in list(self.promo_transient.items()):
+            o: Obj = ent[0]
+            if self.objects.get(key) is not o or not o.disk:
+                del self.promo_transient[key]
+            elif not o.busy and o.lease_until <= now:
+                del self.promo_transient[key]
+                if o.replicas and o.disk in self.clients:
+                    for rep in o.replicas:
+                        self._free_replica(key, rep)
+                    o.replicas = []
+                    self.counters["promotions_transient"] += 1
+                    self._emit(*self._obj_entry(o))
+        if self.hot_on or self.hot_copies:
+            self.hot_tick(now)
+
     def _offload(self, o: Obj, rep: list[SliceT]) -> bool:
         """Queue an SSD offload of ``rep`` (single-slice, holder with SSD, no copy yet)."""
         if o.disk or len(o.replicas) > 1 or len(rep) != 1:
@@ -32,6 +88,10 @@ class SsdTiering(StateCore):
         s = self.segments.get(rep[0][0])
         c = self.clients.get(s.client_id) if s is not None else None
         if c is None or not c.ssd or s is None:
+            return False
+        pending = sum(self.offload_pending.values())
+        if pending and pending + rep[0][2] > self.cfg.ssd_offload_queue:
+            self.counters["offload_dropped"] += 1  # the queue is full: the caller drops it
             return False
         o.offloading = self._next_token()
         o.offload_seg = s.name
@@ -75,6 +135,11 @@ class SsdTiering(StateCore):
                 raise NoSpace(
                     f"get {o.key!r}: no memory to promote it from SSD ({format_size(o.size)})"
                 )
+            if self.promo_reads.hit(o.key, now) < self.cfg.ssd_promote_after:
+                self.promo_transient[o.key] = [o, True]
+            else:
+                self.promo_transient.pop(o.key, None)
+                self.counters["promotions_admitted"] += 1
             o.promoting = self._next_token()
             o.promo_replica = reps[0]
             self._index_replica(o.key, reps[0])
@@ -137,6 +202,8 @@ class SsdTiering(StateCore):
             o.replicas.append(rep)
             o.token = token  # a new memory replica: a new version (never seen by any client)
             self._emit(*self._obj_entry(o))
+        elif kind == "copy":
+            self.hot_copy_done(token, ok, detail)
         else:
             raise InvalidArgument(f"task_done: unknown task kind {kind!r}")
 
