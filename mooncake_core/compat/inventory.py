@@ -49,9 +49,17 @@ _CUDA = "needs CUDA / torch.distributed GPU kernels; the non-CUDA wheel cannot r
 _TORCH_DIST = "a torch.distributed backend (process groups over the transfer engine): out of scope"
 _SSD = "remote SSD provisioning over SSH (paramiko, SPDK targets): an operator tool, out of scope"
 _NOF = "NVMe-over-Fabrics segments: needs NoF hardware and the published master's NoF RPCs"
-_MASTER_RPC = "needs a published-master RPC our master does not have"
-_SESSION = "session transfers are a published-master protocol feature our master does not have"
-_PARALLEL = "tensor-parallel layouts beyond plain TP splits (ParallelAxis): not implemented yet"
+_SESSION = (
+    "put/get sessions (reserve, write or read byte ranges, then commit or revoke): our master"
+    " has the phases (put_start/put_end/put_revoke) but the client calls that write ranges"
+    " into a reserved object and keep a get session's replicas are not written yet"
+)
+_PARALLEL = (
+    "sharded tensors described by ParallelAxis (dp/pp/ep/tp kinds, expert and stage ids),"
+    " ReadTarget modes and writer partitions: the wheel documents none of their layouts or"
+    " key names, and they were not worked out by running it; plain TP splits are provided"
+    " (put_tensor_with_tp & co.)"
+)
 _CUDA_T = "CUDA tensors; the non-CUDA wheel refuses them too"
 _POOL = "C++ buffer pools over the wheel's allocator: not implemented yet"
 _ENGRAM = "Engram embedding tables (a research feature of the wheel): out of scope"
@@ -63,7 +71,11 @@ _SEG = (
     "file-backed and local-disk segments (mount_segment(path)): our segments are memory;"
     " memory ones: allocate_and_mount_segment"
 )
-_TASKS = "replica copy/move tasks are published-master RPCs our master does not have"
+_TASKS = (
+    "replica copy/move tasks need a master that adds or drops one replica of a stored"
+    " object; ours writes all replicas at put time and drops whole objects (a client-side"
+    " remove and re-put would hide the object from readers meanwhile)"
+)
 _TOPO = "the published engine's topology dump tool; ours: TransferEngine.get_local_topology()"
 _FABRIC = "probes the wheel's .so for fabric allocators (CUDA/NVLink): out of scope"
 _VLLM = "the published vLLM connector and proxy; ours live in the vLLM adapter (plugins/vllm)"
@@ -131,16 +143,16 @@ NOT_PROVIDED: dict[str, str] = {
     "mooncake.store:TensorParallelism": _PARALLEL,
     "mooncake.store:ReadTarget": _PARALLEL,
     # mooncake.store: MooncakeDistributedStore members
-    "mooncake.*store:MooncakeDistributedStore*.setup_dummy": "a dummy client over a shared-memory"
-    " standalone store (ipc_socket_path): not implemented",
-    "mooncake.*store:MooncakeDistributedStore*.init_all": "the published all-in-one"
-    " init: use setup()",
+    "mooncake.*store:MooncakeDistributedStore*.setup_dummy": "a dummy client attaches over"
+    " an IPC socket and shared memory to a separate `mooncake_client` process that holds the"
+    " real client; we have no such standalone client service",
+    "mooncake.*store:MooncakeDistributedStore*.init_all": "crashes (SIGSEGV) in the"
+    " published 0.3.13 wheel before connecting anywhere, with or without a master and etcd at"
+    " its defaults: there is no published behaviour to follow; use setup()",
     "mooncake.*store:MooncakeDistributedStore*.alloc_from_mem_pool": _POOL,
     "mooncake.*store:MooncakeDistributedStore*.*_session_*": _SESSION,
     "mooncake.*store:MooncakeDistributedStore*.batch_*_multi_buffer_ranges": _SESSION
     + " (these write/read ranges of objects opened by batch_*_session_start)",
-    "mooncake.*store:MooncakeDistributedStore*.batch_replica_clear": _MASTER_RPC,
-    "mooncake.*store:MooncakeDistributedStore*.get_offload_rpc_read_count": _MASTER_RPC,
     "mooncake.*store:MooncakeDistributedStore*.create_*_task": _TASKS,
     "mooncake.*store:MooncakeDistributedStore*.query_task": _TASKS,
     "mooncake.*store:MooncakeDistributedStore*.mount_segment": _SEG,

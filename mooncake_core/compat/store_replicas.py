@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
-from mooncake_core.errors import ObjectNotFound
+from mooncake_core.errors import ObjectNotFound, StoreError
 
 if TYPE_CHECKING:
     from mooncake_core.store import StoreClient
@@ -163,6 +163,58 @@ class ReplicaMethods:
 
         res = self._run(f"get_replica_desc {key!r}", run)
         return [] if isinstance(res, int) else res
+
+    def batch_replica_clear(self, keys: list[str], segment_name: str = "") -> list[str]:
+        """Remove the objects among ``keys`` that this client put and that nobody holds a read
+        lease on; with ``segment_name``, only those whose every replica lies on that segment.
+        Returns the keys cleared (each once, in the order given).
+
+        As published: another client's objects, leased or missing keys are left alone (not
+        listed). ``segment_name`` is a client's segment name (its ``get_hostname()``), which
+        covers every segment that client mounted. An object with a replica on some other
+        segment is left whole (the published store leaves it too): our master drops
+        whole objects, never one replica of several."""
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            raise TypeError("batch_replica_clear(): keys must be a list of str")
+        if not isinstance(segment_name, str):
+            raise TypeError("batch_replica_clear(): segment_name must be a str")
+
+        def on_segment(name: str) -> bool:
+            return name == segment_name or name.startswith(segment_name + "#")
+
+        def run(c: StoreClient) -> list[str]:
+            out: list[str] = []
+            for key in dict.fromkeys(keys):
+                try:
+                    q = c.query(key)
+                except ObjectNotFound:
+                    continue
+                if q.get("owner") != c.client_id or not q.get("complete"):
+                    continue
+                if float(q.get("lease_s", 0.0)) > 0 or q.get("hard_pin"):
+                    continue
+                slices = [s for rep in q.get("replicas", []) for s in rep]
+                if segment_name and (
+                    q.get("ssd") or not slices or not all(on_segment(s["segment"]) for s in slices)
+                ):
+                    continue
+                try:
+                    c.remove(key)
+                except StoreError as exc:  # leased or removed meanwhile: not cleared
+                    logger.debug("batch_replica_clear %r: %s", key, exc)
+                    continue
+                out.append(key)
+            return out
+
+        res = self._run("batch_replica_clear", run)
+        return [] if isinstance(res, int) else res
+
+    def get_offload_rpc_read_count(self) -> int:
+        """How many reads this client served over the published store's offload RPC (reads of
+        an object from another client's local-disk segment). Ours has no such read path: an
+        object whose only copy is on a client's SSD is first promoted back to memory by that
+        client and then read like any other, so this count is always 0 here."""
+        return 0
 
     def batch_get_replica_desc(self, keys: list[str]) -> dict[str, list[ReplicaDescriptor]]:
         """``{key: replicas}`` for the keys that exist, in key order (as published)."""

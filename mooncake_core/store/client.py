@@ -125,6 +125,7 @@ class StoreClient(ReservationLending, RememberedReads):
         self.rpc.tenant = self.tenant
         self._segments: dict[str, ManagedBuffer] = {}
         self._seg_names: list[str] = []
+        self._mounts = 0  # segments ever mounted: names are never reused after an unmount
         self._started = False
         self._closed = False
         self._start_lock = threading.RLock()
@@ -199,14 +200,13 @@ class StoreClient(ReservationLending, RememberedReads):
         if size <= 0:
             raise P.InvalidArgument(f"segment size must be positive, got {size}")
         with self._mount_lock:
-            name = (
-                self.engine.name
-                if not self._seg_names
-                else f"{self.engine.name}#{len(self._seg_names)}"
-            )
-            buf = self.engine.allocate(
-                size, name=f"store-{len(self._seg_names)}", prefault=self._prefault
-            )
+            # the first segment is named after the engine, later ones #1, #2, ... by a
+            # counter that never goes back, so no name is ever given twice by this client
+            # (an unmounted segment's name may still be in flight in readers' caches)
+            seq = self._mounts
+            self._mounts += 1
+            name = self.engine.name if seq == 0 else f"{self.engine.name}#{seq}"
+            buf = self.engine.allocate(size, name=f"store-{seq}", prefault=self._prefault)
             try:
                 self.rpc.call(
                     "mount",

@@ -445,6 +445,7 @@ class MasterState(Reservations, EvictionDriver, SsdTiering, HotKeys, Replication
             "key": key,
             "size": o.size,
             "complete": o.complete,
+            "owner": o.owner,  # the client that put it (compat batch_replica_clear)
             "replicas": [
                 [
                     {

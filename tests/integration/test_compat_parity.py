@@ -806,6 +806,18 @@ SEGMENTS = PRELUDE + textwrap.dedent(
     r["big_after"] = s.is_exist("big")
     r["put_after"] = [s.put_from("small", p, 1 << 20), s.get_size("small")]
     r["alloc_again"] = alloc(16 << 20)[0]
+    # mount A and B, free A, mount C: every id differs and B keeps its objects
+    a, b = alloc(16 << 20)[1], alloc(16 << 20)[1]
+    ids = res["32m"] + res["1m"] + res["17m"] + res["proto"] + a + b
+    r["free_a"] = s.unmount_and_free_segment(a, 0)
+    out_c = alloc(16 << 20)
+    r["alloc_c"] = out_c[0]
+    ids += out_c[1]
+    r["ids_unique"] = [len(ids), len(set(ids))]
+    r["put_fills"] = [s.put_from("fill%d" % i, p, 8 << 20) for i in range(5)]
+    r["free_b"] = s.unmount_and_free_segment(b, 0)
+    r["alloc_d"] = alloc(16 << 20)[0]
+    r["fills_readable"] = [s.get_into("fill%d" % i, p, n) in (8 << 20, -704) for i in range(5)]
     s.close()
     print(json.dumps(r))
     """
@@ -829,6 +841,13 @@ EXPECTED_SEGMENTS: dict[str, Any] = {
     "big_after": 0,
     "put_after": [0, 1048576],
     "alloc_again": [0, 1, 16777216],
+    "free_a": 0,
+    "alloc_c": [0, 1, 16777216],
+    "ids_unique": [7, 7],
+    "put_fills": [0] * 5,
+    "free_b": 0,
+    "alloc_d": [0, 1, 16777216],
+    "fills_readable": [True] * 5,
 }
 
 
@@ -849,3 +868,84 @@ def test_segments_mounted_at_run_time_published(tmp_path: Path) -> None:
     with harness.their_master(real) as (master, metadata):
         got = _call(real, script, False, master, metadata)
     assert _diff(got, EXPECTED_SEGMENTS) == {}
+
+
+REPLICA_CLEAR = PRELUDE + textwrap.dedent(
+    """
+    from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+    master, metadata = sys.argv[1], sys.argv[2]
+    r = {}
+    s, t = MooncakeDistributedStore(), MooncakeDistributedStore()
+    r["setup"] = [x.setup("127.0.0.1", metadata, 32 << 20, 16 << 20, "tcp", "", master)
+                  for x in (s, t)]
+    hs, ht = s.get_hostname(), t.get_hostname()
+    two, ons, ont = ReplicateConfig(), ReplicateConfig(), ReplicateConfig()
+    two.replica_num, ons.preferred_segment, ont.preferred_segment = 2, hs, ht
+    r["puts"] = [s.put("r2", b"2" * 100, two), s.put("s1", b"s" * 100, ons),
+                 s.put("t1", b"t" * 100, ont), t.put("byt", b"y" * 100, ons),
+                 s.put("s2", b"s" * 100, ons), s.put("lz", b"z" * 100, ons)]
+    r["lz"] = s.get("lz").decode()[:1]  # a read leases "lz"
+    r["segment"] = s.batch_replica_clear(["s1", "t1", "byt", "nope"], hs)
+    r["segment_partial"] = s.batch_replica_clear(["r2"], hs)  # one of its 2 replicas is on hs
+    r["leased"] = s.batch_replica_clear(["lz"])
+    r["other_client"] = t.batch_replica_clear(["s2"])
+    r["bogus_segment"] = s.batch_replica_clear(["s2"], "nope:1")
+    r["empty"] = s.batch_replica_clear([])
+    r["dups"] = s.batch_replica_clear(["t1", "s2", "s2"])
+    r["t_wrong_segment"] = t.batch_replica_clear(["byt"], ht)
+    r["t_own"] = t.batch_replica_clear(["byt"])
+    for name, args in [("str", ("abc",)), ("ints", (["a", 1],)), ("seg_int", (["a"], 3))]:
+        try:
+            r["type_" + name] = s.batch_replica_clear(*args)
+        except TypeError:
+            r["type_" + name] = "TypeError"
+    r["after"] = [s.is_exist(k) for k in ["s1", "t1", "byt", "s2", "lz"]]
+    r["r2_replicas"] = len(s.get_replica_desc("r2"))
+    r["offload_reads"] = s.get_offload_rpc_read_count()
+    s.close(); t.close()
+    print(json.dumps(r))
+    """
+)
+
+EXPECTED_CLEAR: dict[str, Any] = {
+    "setup": [0, 0],
+    "puts": [0] * 6,
+    "lz": "z",
+    "segment": ["s1"],
+    "leased": [],
+    "other_client": [],
+    "bogus_segment": [],
+    "empty": [],
+    "dups": ["t1", "s2"],
+    "t_wrong_segment": [],
+    "t_own": ["byt"],
+    "type_str": "TypeError",
+    "type_ints": "TypeError",
+    "type_seg_int": "TypeError",
+    "after": [0, 0, 0, 0, 1],
+    "offload_reads": 0,
+}
+# The one difference (docs/compat.md): with a segment name, the published store drops just
+# that segment's replica of an object kept elsewhere too; our master drops whole objects
+# only, so ours leaves such an object whole and does not list it.
+CLEAR_PARTIAL_PUBLISHED = {"segment_partial": ["r2"], "r2_replicas": 1}
+CLEAR_PARTIAL_OURS = {"segment_partial": [], "r2_replicas": 2}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_batch_replica_clear_ours(tmp_path: Path) -> None:
+    script = _script(tmp_path, REPLICA_CLEAR)
+    with harness.our_master() as (master, metadata):
+        got = _call(sys.executable, script, True, master, metadata)
+    assert _diff(got, EXPECTED_CLEAR | CLEAR_PARTIAL_OURS) == {}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_batch_replica_clear_published(tmp_path: Path) -> None:
+    real = _published_python()
+    script = _script(tmp_path, REPLICA_CLEAR)
+    with harness.their_master(real) as (master, metadata):
+        got = _call(real, script, False, master, metadata)
+    assert _diff(got, EXPECTED_CLEAR | CLEAR_PARTIAL_PUBLISHED) == {}
