@@ -14,21 +14,19 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import multiprocessing as mp
 import os
 import shutil
-import socket
-import subprocess
 import tempfile
 import time
-import urllib.request
 from typing import Any
 
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save_file
 
+from mooncake_core.errors import MooncakeError
+from mooncake_core.etcd import LocalEtcd
 from mooncake_core.p2p import P2PStore
 
 NAME = "example/ckpt"
@@ -103,46 +101,6 @@ def reader_main(url: str, idx: int, q: Any, stop: Any) -> None:
         stop.wait(300)  # keep serving until everyone is done
 
 
-def start_etcd(tmp: str) -> tuple[subprocess.Popen[bytes], str]:
-    exe = shutil.which("etcd") or "/usr/bin/etcd"
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-    c, p = ports
-    proc = subprocess.Popen(
-        [
-            exe,
-            "--name",
-            "ex",
-            "--data-dir",
-            os.path.join(tmp, "etcd"),
-            "--listen-client-urls",
-            f"http://127.0.0.1:{c}",
-            "--advertise-client-urls",
-            f"http://127.0.0.1:{c}",
-            "--listen-peer-urls",
-            f"http://127.0.0.1:{p}",
-            "--initial-advertise-peer-urls",
-            f"http://127.0.0.1:{p}",
-            "--initial-cluster",
-            f"ex=http://127.0.0.1:{p}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    for _ in range(100):
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{c}/health", timeout=1) as r:
-                if json.loads(r.read()).get("health") == "true":
-                    return proc, f"etcd://127.0.0.1:{c}"
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise SystemExit("etcd did not start (is Debian's etcd-server installed?)")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
     ap.add_argument("--readers", type=int, default=4)
@@ -154,7 +112,11 @@ def main() -> int:
     etcd = None
     url = args.etcd
     if url is None:
-        etcd, url = start_etcd(tmp)
+        try:
+            etcd = LocalEtcd(os.path.join(tmp, "etcd"), name="ex")
+        except MooncakeError as exc:
+            raise SystemExit(f"etcd did not start: {exc}") from None
+        url = etcd.url
     ctx = mp.get_context("spawn")
     q, stop = ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=seeder_main, args=(url, os.path.join(tmp, "ckpt"), q, stop))]
@@ -186,8 +148,7 @@ def main() -> int:
             if p.is_alive():
                 p.kill()
         if etcd is not None:
-            etcd.terminate()
-            etcd.wait(10)
+            etcd.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -1,23 +1,44 @@
-"""A small synchronous etcd client (over ``aetcd``, run on a private event loop thread).
+"""A small synchronous etcd client (over ``aetcd``, run on a private event loop thread),
+and :class:`LocalEtcd`, a single-member etcd server process for tests, benchmarks and
+examples.
 
-Used by the etcd metadata backend and by the store's leader election. Keys written with
-a lease disappear when the writer dies (the lease is kept alive by a refresh thread).
+The client is used by the etcd metadata backend, the store's leader election and the P2P
+store. Keys written with a lease disappear when the writer dies (the lease is kept alive
+by a refresh thread); :meth:`EtcdClient.watch` calls back on every change of a key or a
+prefix.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import urllib.parse
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+import urllib.request
+from collections.abc import Callable, Coroutine, Sequence
+from typing import IO, Any, TypeVar
 
 from mooncake_core.errors import ConfigError, MetadataError, MissingDependency
 
-__all__ = ["EtcdClient", "parse_etcd_url"]
+__all__ = [
+    "EtcdClient",
+    "parse_etcd_url",
+    "LocalEtcd",
+    "etcd_executable",
+    "find_etcd",
+    "etcd_command",
+    "wait_etcd_healthy",
+    "free_port",
+]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -184,6 +205,67 @@ class EtcdClient:
 
         return self._run(f())
 
+    # ------------------------------------------------------------------ watches
+    def watch(
+        self,
+        key: str,
+        on_event: Callable[[str, bytes | None, int], None],
+        *,
+        prefix: bool = False,
+        start_revision: int | None = None,
+        on_error: Callable[[BaseException], None] | None = None,
+    ) -> Callable[[], None]:
+        """Call ``on_event(key, value, mod_revision)`` for every change of ``key`` (or of
+        every key under it, with ``prefix``), from ``start_revision`` on; ``value`` is None
+        for a deletion. Callbacks run on the client's event-loop thread, in revision order,
+        and must be quick. ``on_error`` is called once if the watch breaks (etcd lost).
+        Returns a function that cancels the watch.
+
+        Raises:
+            MetadataError: the watch could not be created.
+        """
+        made: dict[str, Any] = {}
+        cancelled = threading.Event()
+
+        async def create() -> Any:
+            if prefix:
+                return await self._client.watch_prefix(key.encode(), start_revision=start_revision)
+            return await self._client.watch(key.encode(), start_revision=start_revision)
+
+        async def pump(w: Any) -> None:
+            try:
+                async for ev in w:
+                    kv = ev.kv
+                    gone = "DELETE" in str(ev.kind)
+                    try:
+                        on_event(
+                            kv.key.decode(),
+                            None if gone else bytes(kv.value),
+                            int(kv.mod_revision),
+                        )
+                    except Exception:  # a bad callback must not end the watch
+                        logger.exception("etcd watch callback for %s failed", key)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if not cancelled.is_set():
+                    logger.warning("etcd watch on %s ended: %s", key, exc)
+                    if on_error is not None:
+                        on_error(exc)
+
+        w = self._run(create())
+        made["task"] = asyncio.run_coroutine_threadsafe(pump(w), self._loop)
+
+        def cancel() -> None:
+            if cancelled.is_set():
+                return
+            cancelled.set()
+            with contextlib.suppress(MetadataError):
+                self._run(w.cancel(), timeout=2.0)
+            made["task"].cancel()
+
+        return cancel
+
     # ------------------------------------------------------------------ leases
     def grant_lease(self, ttl: float) -> int:
         """Grant a lease of ``ttl`` seconds, kept alive until :meth:`revoke_lease` or close."""
@@ -226,3 +308,198 @@ class EtcdClient:
                 pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+
+
+# ---------------------------------------------------------------------- a local server
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` at the moment of the call."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def find_etcd() -> str | None:
+    """Path of the ``etcd`` server binary (Debian's etcd-server), or None."""
+    exe = shutil.which("etcd") or "/usr/bin/etcd"
+    return exe if os.path.exists(exe) else None
+
+
+def etcd_executable() -> str:
+    """Path of the ``etcd`` server binary.
+
+    Raises:
+        ConfigError: it is not installed.
+    """
+    exe = find_etcd()
+    if exe is None:
+        raise ConfigError(
+            "etcd is not installed (scripts/setup.sh installs Debian's etcd-server as root)"
+        )
+    return exe
+
+
+def etcd_command(exe: str, data_dir: str, client: str, peer: str, name: str = "mc") -> list[str]:
+    """Command line of a single-member etcd serving clients at ``client`` (``host:port``)
+    and its (unused) peer port at ``peer``."""
+    return [
+        exe,
+        "--name",
+        name,
+        "--data-dir",
+        data_dir,
+        "--listen-client-urls",
+        f"http://{client}",
+        "--advertise-client-urls",
+        f"http://{client}",
+        "--listen-peer-urls",
+        f"http://{peer}",
+        "--initial-advertise-peer-urls",
+        f"http://{peer}",
+        "--initial-cluster",
+        f"{name}=http://{peer}",
+    ]
+
+
+_HEALTH = (
+    "import sys,urllib.request,json;"
+    "sys.exit(0 if json.loads(urllib.request.urlopen(sys.argv[1],timeout=1).read())"
+    ".get('health')=='true' else 1)"
+)
+
+
+def _healthy(http: str, exec_prefix: Sequence[str]) -> bool:
+    if exec_prefix:  # e.g. inside a network namespace the caller cannot reach
+        r = subprocess.run(
+            [*exec_prefix, sys.executable, "-c", _HEALTH, f"{http}/health"],
+            capture_output=True,
+        )
+        return r.returncode == 0
+    try:
+        with urllib.request.urlopen(f"{http}/health", timeout=1) as r:
+            return bool(json.loads(r.read()).get("health") == "true")
+    except (OSError, ValueError):
+        return False
+
+
+def wait_etcd_healthy(
+    http: str,
+    proc: subprocess.Popen[Any],
+    timeout: float = 20.0,
+    *,
+    exec_prefix: Sequence[str] = (),
+    log_hint: str = "",
+) -> None:
+    """Wait until etcd at ``http://host:port`` reports healthy.
+
+    Raises:
+        MetadataError: it exited, or was not healthy within ``timeout`` seconds.
+    """
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if _healthy(http, exec_prefix):
+            return
+        if proc.poll() is not None:
+            raise MetadataError(
+                f"etcd exited with {proc.returncode}" + (f"; see {log_hint}" if log_hint else "")
+            )
+        time.sleep(0.1)
+    raise MetadataError(f"etcd at {http} did not become healthy within {timeout:.0f} s")
+
+
+class LocalEtcd:
+    """A single-member etcd server process (Debian's etcd-server) for tests, benchmarks
+    and examples; its data and log live in ``data_dir`` (default a new temporary directory
+    on /dev/shm, removed by :meth:`close`).
+
+    Args:
+        host: address it listens on for clients (default loopback).
+        client_port / peer_port: 0 picks free ports on this host's network namespace.
+        exec_prefix: command prefix to start it (and check its health) with, e.g.
+            ``["ip", "netns", "exec", NS]``; give explicit ports then.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | None = None,
+        *,
+        host: str = "127.0.0.1",
+        client_port: int = 0,
+        peer_port: int = 0,
+        name: str = "mc",
+        exec_prefix: Sequence[str] = (),
+        timeout: float = 20.0,
+        start: bool = True,
+    ) -> None:
+        self.exe = etcd_executable()
+        self.host = host
+        self.client_port = client_port or free_port(host)
+        self.peer_port = peer_port or free_port("127.0.0.1")
+        self.name = name
+        self.exec_prefix = list(exec_prefix)
+        self.timeout = timeout
+        self._own_dir = data_dir is None
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.data = data_dir or tempfile.mkdtemp(prefix="mc-etcd-", dir=base)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log: IO[bytes] | None = None
+        if start:
+            self.start()
+
+    @property
+    def url(self) -> str:
+        """``etcd://host:port`` (what :class:`EtcdClient` and ``--etcd`` options take)."""
+        return f"etcd://{self.host}:{self.client_port}"
+
+    @property
+    def http(self) -> str:
+        return f"http://{self.host}:{self.client_port}"
+
+    def start(self) -> None:
+        """Start it (again, on the same ports and data) and wait until it is healthy."""
+        os.makedirs(self.data, exist_ok=True)
+        log_path = os.path.join(self.data, "etcd.log")
+        self.log = open(log_path, "ab")  # noqa: SIM115 - owned by the process
+        cmd = etcd_command(
+            self.exe,
+            os.path.join(self.data, "d"),
+            f"{self.host}:{self.client_port}",
+            f"127.0.0.1:{self.peer_port}",
+            self.name,
+        )
+        self.proc = subprocess.Popen([*self.exec_prefix, *cmd], stdout=self.log, stderr=self.log)
+        try:
+            wait_etcd_healthy(
+                self.http,
+                self.proc,
+                self.timeout,
+                exec_prefix=self.exec_prefix,
+                log_hint=log_path,
+            )
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Stop the process (the data stays: :meth:`start` brings it back)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+
+    def close(self) -> None:
+        """Stop it and remove its data directory (when this object made it)."""
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.data, ignore_errors=True)
+
+    def __enter__(self) -> LocalEtcd:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

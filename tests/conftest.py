@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import socket
-import subprocess
 import sys
-import tempfile
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from mooncake_core.etcd import LocalEtcd, find_etcd
+from mooncake_core.jsonpipe import JsonLinesProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER_SCRIPT = Path(__file__).resolve().parent / "integration" / "peer_proc.py"
@@ -27,83 +24,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class EtcdServer:
+class EtcdServer(LocalEtcd):
     """A real etcd (Debian's etcd-server) on free loopback ports, data dir on /dev/shm."""
 
     def __init__(self) -> None:
-        exe = shutil.which("etcd") or "/usr/bin/etcd"
-        if not os.path.exists(exe):
+        if find_etcd() is None:
             pytest.skip(
                 "etcd is not installed (scripts/setup.sh installs Debian's etcd-server as root)"
             )
-        self.exe = exe
-        self.client_port = free_port()
-        self.peer_port = free_port()
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        self.data = tempfile.mkdtemp(prefix="mc-etcd-", dir=base)
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.start()
-
-    @property
-    def url(self) -> str:
-        return f"etcd://127.0.0.1:{self.client_port}"
-
-    @property
-    def http(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
-
-    def start(self) -> None:
-        c, p = self.client_port, self.peer_port
-        self.log = open(os.path.join(self.data, "etcd.log"), "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [
-                self.exe,
-                "--name",
-                "t",
-                "--data-dir",
-                os.path.join(self.data, "d"),
-                "--listen-client-urls",
-                f"http://127.0.0.1:{c}",
-                "--advertise-client-urls",
-                f"http://127.0.0.1:{c}",
-                "--listen-peer-urls",
-                f"http://127.0.0.1:{p}",
-                "--initial-advertise-peer-urls",
-                f"http://127.0.0.1:{p}",
-                "--initial-cluster",
-                f"t=http://127.0.0.1:{p}",
-            ],
-            stdout=self.log,
-            stderr=self.log,
-        )
-        end = time.monotonic() + 20
-        while time.monotonic() < end:
-            try:
-                with urllib.request.urlopen(f"{self.http}/health", timeout=1) as r:
-                    if json.loads(r.read()).get("health") == "true":
-                        return
-            except OSError:
-                pass
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"etcd exited with {self.proc.returncode}; see {self.data}/etcd.log"
-                )
-            time.sleep(0.1)
-        raise RuntimeError("etcd did not become healthy within 20 s")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-
-    def close(self) -> None:
-        self.stop()
-        shutil.rmtree(self.data, ignore_errors=True)
+        super().__init__(name="t")
 
 
 @pytest.fixture(scope="session")
@@ -121,7 +50,7 @@ def etcd_url(etcd_server: EtcdServer) -> str:
     return etcd_server.url
 
 
-class Peer:
+class Peer(JsonLinesProcess):
     """A transfer-engine peer in its own process, driven by JSON lines over stdin/stdout."""
 
     def __init__(
@@ -133,55 +62,13 @@ class Peer:
         e = dict(os.environ)
         e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
         e.update(env or {})
-        self.proc = subprocess.Popen(
+        super().__init__(
             [*(prefix or []), sys.executable, str(PEER_SCRIPT), *(args or [])],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
             env=e,
-            bufsize=1,
+            label="peer process",
         )
-        hello = self._read(timeout=60)
-        self.name: str = hello["name"]
-        self.pid: int = hello["pid"]
-
-    def _read(self, timeout: float = 60) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        import selectors
-
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout):
-            raise TimeoutError("peer process did not answer")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"peer process exited ({self.proc.poll()})")
-        out: dict[str, Any] = json.loads(line)
-        if "error" in out:
-            raise RuntimeError(out["error"])
-        return out
-
-    def call(self, cmd: str, timeout: float = 60, **kw: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"cmd": cmd, **kw}) + "\n")
-        self.proc.stdin.flush()
-        return self._read(timeout)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.call("exit", timeout=10)
-            except (OSError, RuntimeError, TimeoutError, ValueError):
-                pass
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        self.name: str = self.hello["name"]
+        self.pid: int = self.hello["pid"]
 
 
 @pytest.fixture()

@@ -24,7 +24,6 @@ import hashlib
 import json
 import os
 import resource
-import selectors
 import shutil
 import socket
 import subprocess
@@ -35,10 +34,14 @@ import time
 from typing import Any
 
 from mooncake_core.config import environment, parse_size
+from mooncake_core.etcd import LocalEtcd
+from mooncake_core.jsonpipe import JsonLinesProcess
 
 __all__ = ["main"]
 
 PY = sys.executable
+DEFAULT_CONCURRENCY = 4
+DEFAULT_ORIGIN_STREAMS = 2
 
 
 # ---------------------------------------------------------------------- worker (in a namespace)
@@ -84,7 +87,10 @@ def worker_main(url: str, ip: str) -> None:
             elif cmd == "get":
                 t0 = time.monotonic()
                 rep = store.get_replica(
-                    req["name"], swarm=req["swarm"], concurrency=4, origin_streams=2
+                    req["name"],
+                    swarm=req["swarm"],
+                    concurrency=req["conc"],
+                    origin_streams=req["origin"],
                 )
                 dt = time.monotonic() - t0
                 digest = hashlib.sha256(rep.buffers[0]).hexdigest()
@@ -168,112 +174,42 @@ class Hosts:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-class Worker:
+class Worker(JsonLinesProcess):
+    """One host's long-lived :func:`worker_main` process, inside its namespace."""
+
     def __init__(self, prefix: list[str], url: str, ip: str) -> None:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(environment())
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-        self.proc = subprocess.Popen(
+        super().__init__(
             [*prefix, PY, "-m", "mooncake_core.bench.p2p", "--worker", url, ip],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
             env=env,
-            bufsize=1,
+            label=f"bench worker {ip}",
+            hello_timeout=90,
         )
-        self.segment = self.read(90)["segment"]
-
-    def send(self, cmd: str, **kw: Any) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"cmd": cmd, **kw}) + "\n")
-        self.proc.stdin.flush()
+        self.segment = self.hello["segment"]
 
     def read(self, timeout: float = 600) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout):
-            raise TimeoutError("a bench worker did not answer")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"a bench worker exited ({self.proc.poll()})")
-        out: dict[str, Any] = json.loads(line)
-        if "error" in out:
-            raise RuntimeError(out["error"])
-        return out
+        return super().read(timeout)
 
     def call(self, cmd: str, timeout: float = 600, **kw: Any) -> dict[str, Any]:
-        self.send(cmd, **kw)
-        return self.read(timeout)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.call("exit", timeout=10)
-                self.proc.wait(10)
-            except (OSError, RuntimeError, TimeoutError, ValueError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-
-
-def _start_etcd(hosts: Hosts, tmp: str) -> subprocess.Popen[bytes]:
-    exe = shutil.which("etcd") or "/usr/bin/etcd"
-    if not os.path.exists(exe):
-        raise RuntimeError("bench p2p needs etcd (Debian's etcd-server; scripts/setup.sh)")
-    ip = hosts.ip[0]
-    log = open(os.path.join(tmp, "etcd.log"), "ab")  # noqa: SIM115 - owned by the process
-    proc = subprocess.Popen(
-        [
-            *hosts.exec(0),
-            exe,
-            "--name",
-            "b",
-            "--data-dir",
-            os.path.join(tmp, "etcd"),
-            "--listen-client-urls",
-            f"http://{ip}:2379",
-            "--advertise-client-urls",
-            f"http://{ip}:2379",
-            "--listen-peer-urls",
-            "http://127.0.0.1:2380",
-            "--initial-advertise-peer-urls",
-            "http://127.0.0.1:2380",
-            "--initial-cluster",
-            "b=http://127.0.0.1:2380",
-        ],
-        stdout=log,
-        stderr=log,
-    )
-    end = time.monotonic() + 20
-    while time.monotonic() < end:
-        r = subprocess.run(
-            [*hosts.exec(0), PY, "-c", _HEALTH, f"http://{ip}:2379/health"],
-            capture_output=True,
-            text=True,
-        )
-        if r.returncode == 0:
-            return proc
-        if proc.poll() is not None:
-            raise RuntimeError(f"etcd exited ({proc.returncode}); see {tmp}/etcd.log")
-        time.sleep(0.2)
-    raise RuntimeError("etcd did not become healthy within 20 s")
-
-
-_HEALTH = (
-    "import sys,urllib.request,json;"
-    "sys.exit(0 if json.loads(urllib.request.urlopen(sys.argv[1],timeout=1).read())"
-    ".get('health')=='true' else 1)"
-)
+        return super().call(cmd, timeout, **kw)
 
 
 # ---------------------------------------------------------------------- the runs
 def _one_run(
-    seeder: Worker, readers: list[Worker], name: str, swarm: bool, sha: str
+    seeder: Worker,
+    readers: list[Worker],
+    name: str,
+    swarm: bool,
+    sha: str,
+    conc: int,
+    origin: int,
 ) -> dict[str, Any]:
     cpu0 = [w.call("cpu")["cpu"] for w in [seeder, *readers]]
     t0 = time.monotonic()
     for r in readers:
-        r.send("get", name=name, swarm=swarm)
+        r.send("get", name=name, swarm=swarm, conc=conc, origin=origin)
     res = [r.read() for r in readers]
     wall = time.monotonic() - t0
     cpu1 = [seeder.call("cpu")["cpu"]] + [x["cpu"] for x in res]
@@ -291,16 +227,32 @@ def _one_run(
     }
 
 
-def run(quick: bool, rate: str, size: int, shard: int, ns_list: list[int]) -> dict[str, Any]:
+def run(
+    rate: str,
+    size: int,
+    shard: int,
+    ns_list: list[int],
+    *,
+    baseline: bool = True,
+    conc: int = 4,
+    origin: int = 2,
+) -> dict[str, Any]:
     nmax = max(ns_list)
     hosts = Hosts(nmax + 1, rate)
     tmp = tempfile.mkdtemp(prefix="mc-p2p-bench-", dir="/dev/shm")
-    etcd: subprocess.Popen[bytes] | None = None
+    etcd: LocalEtcd | None = None
     workers: list[Worker] = []
     try:
         hosts.setup()
-        etcd = _start_etcd(hosts, tmp)
-        url = f"etcd://{hosts.ip[0]}:2379"
+        etcd = LocalEtcd(
+            tmp,
+            host=hosts.ip[0],
+            client_port=2379,
+            peer_port=2380,
+            name="b",
+            exec_prefix=hosts.exec(0),
+        )
+        url = etcd.url
         made: list[Worker | BaseException | None] = [None] * (nmax + 1)
 
         def start(i: int) -> None:
@@ -331,10 +283,10 @@ def run(quick: bool, rate: str, size: int, shard: int, ns_list: list[int]) -> di
         raw = readers[0].call("raw_get", host=hosts.ip[0], port=port, size=size)
         out: dict[str, Any] = {"raw_link_s": round(raw["s"], 3)}
         for n in ns_list:
-            for swarm in (True, False):
+            for swarm in (True, False) if baseline else (True,):
                 label = "swarm" if swarm else "seeder_only"
                 key = f"{label}_s_n{n}"
-                r = _one_run(seeder, readers[:n], name, swarm, sha)
+                r = _one_run(seeder, readers[:n], name, swarm, sha, conc, origin)
                 out[key] = round(r["s"], 3)
                 out[f"{label}_cpu_util_n{n}"] = round(r["cpu_util"], 3)
                 if swarm:
@@ -352,11 +304,7 @@ def run(quick: bool, rate: str, size: int, shard: int, ns_list: list[int]) -> di
         for w in workers:
             w.close()
         if etcd is not None:
-            etcd.terminate()
-            try:
-                etcd.wait(10)
-            except subprocess.TimeoutExpired:
-                etcd.kill()
+            etcd.close()
         hosts.teardown()
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -378,6 +326,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", default="400mbit", help="NIC rate of every host (tc tbf)")
     ap.add_argument("--size", default=None, help="blob size (default 512MiB, --quick 64MiB)")
     ap.add_argument("--shard-size", default="4MiB", help="shard size (default 4MiB)")
+    ap.add_argument(
+        "--readers", default=None, help="reader counts to run, e.g. 1,8 (default 1,2,4,8)"
+    )
+    ap.add_argument("--no-baseline", action="store_true", help="swarm only (no seeder-only runs)")
+    ap.add_argument("--concurrency", type=int, default=None, help="shards fetched at once")
+    ap.add_argument(
+        "--origin-streams", type=int, default=None, help="of them, at most from the seeder"
+    )
     ap.add_argument("--worker", nargs=2, metavar=("ETCD", "IP"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -397,8 +353,27 @@ def main(argv: list[str] | None = None) -> int:
     size = parse_size(args.size or ("64MiB" if args.quick else "512MiB"), "--size")
     shard = parse_size(args.shard_size, "--shard-size")
     ns_list = [1, 2, 4] if args.quick else [1, 2, 4, 8]
+    if args.readers:
+        try:
+            ns_list = sorted({int(x) for x in args.readers.split(",")})
+        except ValueError:
+            ns_list = []
+        if not ns_list or ns_list[0] < 1 or ns_list[-1] > 16:
+            print(
+                f"mooncake-core: error: --readers {args.readers!r}: give counts in 1..16, e.g. 1,8",
+                file=sys.stderr,
+            )
+            return 2
     t0 = time.time()
-    r = run(args.quick, args.rate, size, shard, ns_list)
+    r = run(
+        args.rate,
+        size,
+        shard,
+        ns_list,
+        baseline=not args.no_baseline,
+        conc=args.concurrency or DEFAULT_CONCURRENCY,
+        origin=args.origin_streams or DEFAULT_ORIGIN_STREAMS,
+    )
     nmax = max(ns_list)
     r.update(
         {
@@ -407,23 +382,34 @@ def main(argv: list[str] | None = None) -> int:
             "blob_mib": size >> 20,
             "shard_mib": round(shard / (1 << 20), 3),
             "ideal_s": round(size * 8 / bits, 3),
-            f"swarm_scaling_n{nmax}": round(r[f"swarm_s_n{nmax}"] / r["swarm_s_n1"], 3),
-            f"speedup_vs_seeder_only_n{nmax}": round(
-                r[f"seeder_only_s_n{nmax}"] / r[f"swarm_s_n{nmax}"], 3
-            ),
+            "concurrency": args.concurrency or DEFAULT_CONCURRENCY,
+            "origin_streams": args.origin_streams or DEFAULT_ORIGIN_STREAMS,
             "wall_s": round(time.time() - t0, 1),
         }
     )
+    if "swarm_s_n1" in r:
+        r[f"swarm_scaling_n{nmax}"] = round(r[f"swarm_s_n{nmax}"] / r["swarm_s_n1"], 3)
+    if f"seeder_only_s_n{nmax}" in r:
+        r[f"speedup_vs_seeder_only_n{nmax}"] = round(
+            r[f"seeder_only_s_n{nmax}"] / r[f"swarm_s_n{nmax}"], 3
+        )
     print(f"{'N':>3} | {'swarm s':>8} | {'seeder-only s':>13} | {'speedup':>7}")
     for n in ns_list:
-        sw, so = r[f"swarm_s_n{n}"], r[f"seeder_only_s_n{n}"]
-        print(f"{n:>3} | {sw:8.2f} | {so:13.2f} | {so / sw:7.2f}")
-    print(
+        sw, so = r[f"swarm_s_n{n}"], r.get(f"seeder_only_s_n{n}")
+        so_text = f"{so:13.2f} | {so / sw:7.2f}" if so else f"{'-':>13} | {'-':>7}"
+        print(f"{n:>3} | {sw:8.2f} | {so_text}")
+    line = (
         f"NIC {r['rate_mbit']} Mbit/s; blob {r['blob_mib']} MiB: ideal {r['ideal_s']:.2f}s, "
-        f"raw socket {r['raw_link_s']:.2f}s; swarm_scaling_n{nmax} "
-        f"{r[f'swarm_scaling_n{nmax}']:.2f} (target <= 1.5), speedup_vs_seeder_only_n{nmax} "
-        f"{r[f'speedup_vs_seeder_only_n{nmax}']:.2f} (target >= 4 at N=8)"
+        f"raw socket {r['raw_link_s']:.2f}s"
     )
+    if f"swarm_scaling_n{nmax}" in r:
+        line += f"; swarm_scaling_n{nmax} {r[f'swarm_scaling_n{nmax}']:.2f} (target <= 1.5)"
+    if f"speedup_vs_seeder_only_n{nmax}" in r:
+        line += (
+            f", speedup_vs_seeder_only_n{nmax} {r[f'speedup_vs_seeder_only_n{nmax}']:.2f} "
+            "(target >= 4 at N=8)"
+        )
+    print(line)
     if args.json:
         print(json.dumps(r))
     return 0

@@ -6,9 +6,7 @@ Everything listens on 127.0.0.1 and lives in one temporary directory (logs, etcd
 from __future__ import annotations
 
 import json
-import os
 import selectors
-import shutil
 import signal
 import socket
 import subprocess
@@ -18,7 +16,8 @@ import urllib.request
 from pathlib import Path
 from typing import IO, Any
 
-from mooncake_core.errors import ConfigError
+from mooncake_core.errors import ConfigError, MetadataError
+from mooncake_core.etcd import etcd_command, etcd_executable, find_etcd, wait_etcd_healthy
 
 
 def free_port() -> int:
@@ -75,30 +74,18 @@ class Etcd(Proc):
     """Debian's etcd on free loopback ports, data in the run directory."""
 
     def __init__(self, logdir: Path) -> None:
-        exe = shutil.which("etcd") or "/usr/bin/etcd"
-        if not os.path.exists(exe):
+        if find_etcd() is None:
             raise ConfigError("bench soak: etcd is not installed (apt-get install etcd-server)")
         c, p = free_port(), free_port()
         self.url = f"etcd://127.0.0.1:{c}"
-        cmd = [exe, "--name", "soak", "--data-dir", str(logdir / "etcd-data")]
-        cmd += ["--listen-client-urls", f"http://127.0.0.1:{c}"]
-        cmd += ["--advertise-client-urls", f"http://127.0.0.1:{c}"]
-        cmd += ["--listen-peer-urls", f"http://127.0.0.1:{p}"]
-        cmd += ["--initial-advertise-peer-urls", f"http://127.0.0.1:{p}"]
-        cmd += ["--initial-cluster", f"soak=http://127.0.0.1:{p}"]
+        cmd = etcd_command(
+            etcd_executable(), str(logdir / "etcd-data"), f"127.0.0.1:{c}", f"127.0.0.1:{p}", "soak"
+        )
         super().__init__("etcd", cmd, logdir)
-        end = time.monotonic() + 30
-        while time.monotonic() < end:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{c}/health", timeout=1) as r:
-                    if json.loads(r.read()).get("health") == "true":
-                        return
-            except OSError:
-                pass
-            if not self.alive():
-                raise RuntimeError(f"etcd exited early; see {logdir}/etcd.log")
-            time.sleep(0.1)
-        raise RuntimeError("etcd did not become healthy within 30 s")
+        try:
+            wait_etcd_healthy(f"http://127.0.0.1:{c}", self.proc, 30, log_hint=f"{logdir}/etcd.log")
+        except MetadataError as exc:
+            raise RuntimeError(str(exc)) from None
 
 
 def _wait_file(path: Path, p: Proc, timeout: float) -> dict[str, Any]:

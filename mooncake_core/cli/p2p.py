@@ -43,7 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--etcd",
         default=None,
         help="etcd://host:port[,host:port] coordinating the swarm "
-        "(default: metadata_server when it is an etcd URL)",
+        "(default: metadata_server when it is an etcd URL); without etcd, for one seeder "
+        "and one reader: P2PHANDSHAKE on the seeder, the p2p://host:port it prints on the "
+        "reader",
     )
     parser.add_argument(
         "--config", default=None, help="mooncake.json (default $MOONCAKE_CONFIG_PATH)"
@@ -127,7 +129,8 @@ def _store(args: argparse.Namespace) -> P2PStore:
             raise ConfigError(
                 "p2p: give --etcd etcd://host:port (or set metadata_server to an etcd URL)"
             )
-    return P2PStore(url, config=cfg)
+    # P2PHANDSHAKE (a seeder without etcd) serves its records where its engine is reached
+    return P2PStore(url, config=cfg, listen=f"{cfg.local_hostname}:0")
 
 
 def _wait_stop(store: P2PStore, name: str, version: str) -> str:
@@ -172,13 +175,23 @@ def _seed(args: argparse.Namespace) -> int:
         )
         print(
             f"serving {args.name} ({_human(rep.size)} in {len(rep.buffers)} file(s), "
-            f"version {rep.version[:12]}) from {store.segment}; Ctrl-C to stop",
+            f"version {rep.version[:12]}) from {store.segment}"
+            + ("" if store.address == args.etcd else f" (readers: --etcd {store.address})")
+            + "; Ctrl-C to stop",
             flush=True,
         )
         if args.ready_file:
             tmp = args.ready_file + ".tmp"
             with open(tmp, "w") as fh:
-                json.dump({"name": args.name, "version": rep.version, "segment": store.segment}, fh)
+                json.dump(
+                    {
+                        "name": args.name,
+                        "version": rep.version,
+                        "segment": store.segment,
+                        "address": store.address,
+                    },
+                    fh,
+                )
             os.replace(tmp, args.ready_file)
         why = _wait_stop(store, args.name, rep.version)
         print(f"stopped serving {args.name} ({why})", flush=True)

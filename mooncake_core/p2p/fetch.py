@@ -14,23 +14,30 @@ How a shard is chosen (each of ``concurrency`` worker threads, under one lock):
    a dead claimant's record vanishes with its lease;
 3. else wait for the holder list to change.
 
-Off the fetching path, one thread re-reads the holder list every ``refresh_s`` (the
-manifest every fourth time) and another publishes this reader's record whenever it
-changed (claims and verified shards, coalesced), so a worker never waits for etcd.
+The view of the holders comes from etcd watches (holder records, corruption reports and
+the manifest), so a reader learns of a new holder or shard as soon as it is announced; a
+full re-read every ``resync_s`` is a safety net. Without watches (the HTTP coordinator of
+the two-process case) one thread re-reads the holder list every ``refresh_s`` instead.
+Another thread publishes this reader's record whenever it changed (claims and verified
+shards, coalesced), so a worker never waits for etcd.
 
 Every shard is checked against its xxh3-64 checksum on arrival; a mismatch or a failed
 read puts the shard back and excludes that holder for it (a failed read: for every shard),
-so it is fetched again from another holder. A verified shard is announced at once (this
-reader's holder record gains the shard, in a transaction guarded by the manifest's
-revision), so later readers can fetch it from here while this download continues.
+so it is fetched again from another holder. A mismatch is also *reported* (a key under the
+holder's lease): every reader then skips that holder's copy of the shard, and the holder
+re-verifies it and stops announcing it if it is corrupt. A verified shard is announced at
+once (this reader's holder record gains the shard, in a transaction guarded by the
+manifest's revision), so later readers can fetch it from here while this download
+continues.
 
-The manifest is re-read with the holder list: when it is gone or is another version, the
-download stops with :class:`~mooncake_core.p2p.errors.NameNotFound` /
+The manifest is watched (and re-read with every full re-read): when it is gone or is
+another version, the download stops with :class:`~mooncake_core.p2p.errors.NameNotFound` /
 :class:`~mooncake_core.p2p.errors.VersionChanged`, and nothing is returned.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
@@ -42,7 +49,7 @@ import xxhash
 
 from mooncake_core.errors import MetadataError, MooncakeError, TransportError
 from mooncake_core.p2p.errors import NameNotFound, P2PError, ShardUnavailable, VersionChanged
-from mooncake_core.p2p.meta import Holder, Keys, Manifest, P2PEtcd, Shard
+from mooncake_core.p2p.meta import Coordinator, Holder, Keys, Manifest, Shard
 from mooncake_core.transfer import TransferEngine, TransferRequest
 from mooncake_core.transfer.memory import host_view
 
@@ -107,7 +114,7 @@ class Download:
         self,
         *,
         engine: TransferEngine,
-        etcd: P2PEtcd,
+        etcd: Coordinator,
         keys: Keys,
         manifest: Manifest,
         dest_addrs: list[int],
@@ -121,6 +128,9 @@ class Download:
         stall_timeout_s: float = 20.0,
         timeout_s: float | None = None,
         progress: Callable[[Progress], None] | None = None,
+        report: Callable[[Holder, int], None] | None = None,
+        watch: bool = True,
+        resync_s: float = 1.0,
     ) -> None:
         if concurrency < 1 or origin_streams < 1:
             raise P2PError("concurrency and origin_streams must be at least 1")
@@ -139,6 +149,9 @@ class Download:
         self.stall_timeout_s = stall_timeout_s
         self.timeout_s = timeout_s
         self.progress = progress
+        self.report = report
+        self.use_watch = watch
+        self.resync_s = resync_s
         self.stats = DownloadStats()
         self._cond = threading.Condition()
         self._remaining = {s.index for s in manifest.shards if s.length > 0}
@@ -146,6 +159,10 @@ class Download:
         self._load: dict[str, int] = {}  # fetches running per holder
         self._origin_busy = 0  # fetches running from the original copy
         self._holders: dict[str, Holder] = {}
+        self._holder_rev: dict[str, int] = {}  # mod revision of each holder's record seen
+        self._reported: set[tuple[str, int]] = set()  # (holder, shard) reported corrupt
+        self._watching = False
+        self._cancels: list[Callable[[], None]] = []
         self._dead: set[str] = set()  # holders whose reads failed
         self._bad: set[tuple[str, int]] = set()  # (holder, shard) that failed the checksum
         self._mask = 0
@@ -161,28 +178,115 @@ class Download:
         self._rng = random.Random()
 
     # ------------------------------------------------------------------ etcd view
-    def _refresh(self, check_manifest: bool = True) -> None:
-        """Re-read the holder list and (``check_manifest``) the manifest (lock not held)."""
+    def _holder_event(self, key: str, raw: bytes | None, rev: int) -> None:
+        """A change of one holder record (from the watch or a re-read)."""
+        seg = self.keys.last_parts(key, 1)[0]
+        h: Holder | None = None
+        if raw is not None:
+            try:
+                h = Holder.from_json(raw)
+            except (ValueError, KeyError, TypeError):
+                return
+            seg = h.segment
+        if seg == self.me:
+            return
+        with self._cond:
+            if rev < self._holder_rev.get(seg, 0):
+                return  # older than what this view already has
+            self._holder_rev[seg] = rev
+            if h is not None and len(h.addrs) == len(self.m.sizes):
+                self._holders[seg] = h
+            else:
+                self._holders.pop(seg, None)
+            self._cond.notify_all()
+
+    def _report_event(self, key: str, raw: bytes | None, rev: int) -> None:
+        """A report that a holder's copy of a shard failed a reader's checksum."""
+        try:
+            seg, shard_text = self.keys.last_parts(key, 2)
+            shard = int(shard_text)
+        except ValueError:
+            return
+        with self._cond:
+            if raw is None:
+                self._reported.discard((seg, shard))  # the holder re-verified it
+            else:
+                self._reported.add((seg, shard))
+            self._cond.notify_all()
+
+    def _manifest_event(self, key: str, raw: bytes | None, rev: int) -> None:
+        try:
+            self._judge_manifest(None if raw is None else (raw, rev))
+        except P2PError as exc:
+            self._fail(exc)
+
+    def _refresh(self, check_manifest: bool = True) -> int:
+        """Re-read the holder list, the reports and (``check_manifest``) the manifest (lock
+        not held); returns the store revision of the read."""
         if check_manifest:
             self._check_manifest()
-        holders: dict[str, Holder] = {}
-        for raw_h, _ in self.etcd.get_prefix_rev(
-            self.keys.holders(self.m.name, self.m.version)
-        ).values():
-            try:
-                h = Holder.from_json(raw_h)
-            except (ValueError, KeyError, TypeError):
-                continue
-            if h.segment != self.me and len(h.addrs) == len(self.m.sizes):
-                holders[h.segment] = h
+        got, rev = self.etcd.get_prefix_at(self.keys.holders(self.m.name, self.m.version))
+        reports, rev2 = self.etcd.get_prefix_at(self.keys.reports(self.m.name, self.m.version))
         with self._cond:
-            self._holders = holders
+            listed = set()
+            for raw_h, mod in got.values():
+                try:
+                    h = Holder.from_json(raw_h)
+                except (ValueError, KeyError, TypeError):
+                    continue
+                listed.add(h.segment)
+                if h.segment == self.me or mod < self._holder_rev.get(h.segment, 0):
+                    continue
+                self._holder_rev[h.segment] = mod
+                if len(h.addrs) == len(self.m.sizes):
+                    self._holders[h.segment] = h
+            for seg in list(self._holders):  # gone, unless a newer event brought it back
+                if seg not in listed and self._holder_rev.get(seg, 0) <= rev:
+                    del self._holders[seg]
+            fresh = set()
+            for key in reports:
+                with contextlib.suppress(ValueError):
+                    seg, shard_text = self.keys.last_parts(key, 2)
+                    fresh.add((seg, int(shard_text)))
+            self._reported = fresh
             self._refreshed = time.monotonic()
             self.stats.refreshes += 1
             self._cond.notify_all()
+        return min(rev, rev2)
+
+    def _watch(self, rev: int) -> None:
+        """Follow holders, reports and the manifest through etcd watches from ``rev`` on."""
+        watch = getattr(self.etcd, "watch", None)
+        if not self.use_watch or watch is None:
+            return
+        m = self.m
+        try:
+            for key, cb, prefix in (
+                (self.keys.holders(m.name, m.version), self._holder_event, True),
+                (self.keys.reports(m.name, m.version), self._report_event, True),
+                (self.keys.obj(m.name), self._manifest_event, False),
+            ):
+                self._cancels.append(
+                    watch(key, cb, prefix=prefix, start_revision=rev + 1, on_error=self._unwatch)
+                )
+        except MetadataError as exc:
+            logger.warning("p2p %s: no etcd watch (%s); polling instead", m.name, exc)
+            self._unwatch(exc)
+            return
+        self._watching = True
+
+    def _unwatch(self, exc: BaseException | None = None) -> None:
+        """Stop the watches (the refresher polls from then on)."""
+        self._watching = False
+        cancels, self._cancels = self._cancels, []
+        for c in cancels:
+            with contextlib.suppress(Exception):
+                c()
 
     def _check_manifest(self) -> None:
-        got = self.etcd.get_rev(self.keys.obj(self.m.name))
+        self._judge_manifest(self.etcd.get_rev(self.keys.obj(self.m.name)))
+
+    def _judge_manifest(self, got: tuple[bytes, int] | None) -> None:
         if got is None:
             raise NameNotFound(
                 f"{self.m.name!r} was unregistered during the download "
@@ -200,7 +304,12 @@ class Download:
 
     # ------------------------------------------------------------------ choice
     def _usable(self, h: Holder, shard: int) -> bool:
-        return h.has(shard) and h.segment not in self._dead and (h.segment, shard) not in self._bad
+        return (
+            h.has(shard)
+            and h.segment not in self._dead
+            and (h.segment, shard) not in self._bad
+            and (h.segment, shard) not in self._reported
+        )
 
     def _pick(self, fresh: bool) -> tuple[tuple[Shard, Holder] | None, bool]:
         """``(next (shard, holder) or None, whether a fresher holder list could help)``
@@ -260,7 +369,7 @@ class Download:
                 if self._error is not None or not self._remaining:
                     return None
                 now = time.monotonic()
-                job, _ = self._pick(now - self._refreshed < 3 * self.refresh_s)
+                job, _ = self._pick(self._watching or now - self._refreshed < 3 * self.refresh_s)
                 if job is not None:
                     shard, h = job
                     self._inflight[shard.index] = h.segment
@@ -280,12 +389,17 @@ class Download:
             self._cond.notify_all()
 
     def _refresher(self) -> None:
-        """Keep the holder list fresh (and check the manifest every 4th time)."""
+        """Without a watch: re-read the holder list every ``refresh_s`` (the manifest every
+        4th time). With one: re-read everything every ``resync_s`` only, as a safety net."""
         n = 0
+        last = time.monotonic()
         while not self._over.wait(self.refresh_s):
+            if self._watching and time.monotonic() - last < self.resync_s:
+                continue
             n += 1
+            last = time.monotonic()
             try:
-                self._refresh(check_manifest=n % 4 == 0)
+                self._refresh(check_manifest=self._watching or n % 4 == 0)
             except MetadataError as exc:  # etcd hiccup: keep the last view, try again
                 logger.warning("p2p %s: re-reading holders failed: %s", self.m.name, exc)
             except BaseException as exc:
@@ -356,12 +470,18 @@ class Download:
                 self._bad.add((h.segment, shard.index))
                 self.stats.corrupt += 1
                 logger.warning(
-                    "p2p %s: shard %d from %s failed its checksum; fetching it again elsewhere",
+                    "p2p %s: shard %d from %s failed its checksum; fetching it again elsewhere "
+                    "(and reporting it)",
                     self.m.name,
                     shard.index,
                     h.segment,
                 )
             self._cond.notify_all()
+        if not ok and not read_failed and self.report is not None:
+            try:  # so other readers skip it too, and the holder re-verifies its copy
+                self.report(h, shard.index)
+            except MooncakeError as exc:
+                logger.warning("p2p %s: reporting a corrupt shard failed: %s", self.m.name, exc)
         if ok or claim:
             self._dirty.set()
         if ok:
@@ -396,9 +516,16 @@ class Download:
 
     def run(self) -> DownloadStats:
         """Fetch everything; raise the first error (nothing is then complete)."""
-        self._refresh()
+        try:
+            return self._run()
+        finally:
+            self._unwatch()
+
+    def _run(self) -> DownloadStats:
+        rev = self._refresh()
         if not self._holders and self._remaining:
             raise ShardUnavailable(f"{self.m.name!r}: no live holder is listed")
+        self._watch(rev)
         threads = [
             threading.Thread(target=self._worker, name=f"mc-p2p-{i}", daemon=True)
             for i in range(self.concurrency)

@@ -5,6 +5,10 @@ cannot be confused with the key structure)::
 
     P/objects/<name>                        manifest (JSON, no lease: lives until unregister)
     P/holders/<name>/<version>/<segment>    one holder's record (JSON, under the holder's lease)
+    P/reports/<name>/<version>/<segment>/<shard>
+                                            a reader's report that this holder's copy of the
+                                            shard failed its checksum (under the holder's
+                                            lease); the holder re-verifies and deletes it
 
 A *manifest* names the version (a random id), the buffers (sizes and optional labels such
 as file names) and every shard: the buffer it lies in, its offset, length and xxhash
@@ -21,10 +25,10 @@ import json
 import re
 import urllib.parse
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from mooncake_core.config import parse_size
-from mooncake_core.errors import ConfigError
+from mooncake_core.errors import ConfigError, MetadataError
 from mooncake_core.etcd import EtcdClient
 from mooncake_core.p2p.errors import BadName
 
@@ -33,6 +37,7 @@ __all__ = [
     "Shard",
     "Holder",
     "P2PEtcd",
+    "Coordinator",
     "Keys",
     "check_name",
     "check_shard_size",
@@ -99,6 +104,18 @@ class Keys:
 
     def holder(self, name: str, version: str, segment: str) -> str:
         return f"{self.holders(name, version)}{_q(segment)}"
+
+    def reports(self, name: str, version: str, segment: str = "") -> str:
+        base = f"{self.base}/reports/{_q(name)}/{version}/"
+        return f"{base}{_q(segment)}/" if segment else base
+
+    def report(self, name: str, version: str, segment: str, shard: int) -> str:
+        return f"{self.reports(name, version, segment)}{shard}"
+
+    @staticmethod
+    def last_parts(key: str, n: int) -> list[str]:
+        """The last ``n`` parts of ``key``, unquoted (e.g. a report's segment and shard)."""
+        return [urllib.parse.unquote(x) for x in key.rsplit("/", n)[-n:]]
 
 
 @dataclass(frozen=True)
@@ -178,6 +195,7 @@ class Holder:
     pending: int = 0  # bit i: fetching shard i from the original copy (a claim)
     pid: int = 0
     host: str = ""
+    lease: int = 0  # the holder's etcd lease (reports about it are put under it)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def has(self, shard: int) -> bool:
@@ -196,6 +214,7 @@ class Holder:
                 "pend": format(self.pending, "x"),
                 "pid": self.pid,
                 "host": self.host,
+                "lease": self.lease,
             },
             separators=(",", ":"),
         ).encode()
@@ -211,7 +230,42 @@ class Holder:
             pending=int(str(d.get("pend", "0")) or "0", 16),
             pid=int(d.get("pid", 0)),
             host=str(d.get("host", "")),
+            lease=int(d.get("lease", 0)),
         )
+
+
+class Coordinator(Protocol):
+    """What the store needs from its coordination service: :class:`P2PEtcd` (a swarm), or
+    :class:`~mooncake_core.p2p.direct.HTTPCoordinator` (two processes, no etcd). A
+    coordinator that also has ``watch`` (etcd) is followed by watches instead of polls."""
+
+    def get(self, key: str) -> bytes | None: ...
+
+    def get_rev(self, key: str) -> tuple[bytes, int] | None: ...
+
+    def get_prefix_rev(self, prefix: str) -> dict[str, tuple[bytes, int]]: ...
+
+    def get_prefix_at(self, prefix: str) -> tuple[dict[str, tuple[bytes, int]], int]: ...
+
+    def put_under(self, key: str, value: bytes, lease_id: int, fallback: int | None) -> None: ...
+
+    def put_guarded(
+        self, guard: str, revision: int, key: str, value: bytes, lease: int | None = None
+    ) -> bool: ...
+
+    def create_rev(self, key: str, value: bytes) -> int | None: ...
+
+    def replace_rev(self, key: str, value: bytes) -> int: ...
+
+    def delete(self, key: str) -> None: ...
+
+    def delete_guarded(self, key: str, revision: int) -> bool: ...
+
+    def delete_prefix(self, prefix: str) -> None: ...
+
+    def grant_lease(self, ttl: float) -> int: ...
+
+    def close(self) -> None: ...
 
 
 class P2PEtcd(EtcdClient):
@@ -228,11 +282,33 @@ class P2PEtcd(EtcdClient):
         return self._run(f())
 
     def get_prefix_rev(self, prefix: str) -> dict[str, tuple[bytes, int]]:
-        async def f() -> dict[str, tuple[bytes, int]]:
+        return self.get_prefix_at(prefix)[0]
+
+    def get_prefix_at(self, prefix: str) -> tuple[dict[str, tuple[bytes, int]], int]:
+        """``{key: (value, mod_revision)}`` under ``prefix``, and the store's revision at
+        the read (watch from the next one to miss nothing)."""
+
+        async def f() -> tuple[dict[str, tuple[bytes, int]], int]:
             r = await self._client.get_prefix(prefix.encode())
-            return {kv.key.decode(): (bytes(kv.value), int(kv.mod_revision)) for kv in r}
+            kvs = {kv.key.decode(): (bytes(kv.value), int(kv.mod_revision)) for kv in r}
+            return kvs, int(r.header.revision)
 
         return self._run(f())
+
+    def put_under(self, key: str, value: bytes, lease_id: int, fallback: int | None) -> None:
+        """Put ``key`` under another process's lease ``lease_id`` (it vanishes with that
+        process); under this client's lease ``fallback`` when that lease is gone."""
+
+        async def f(lid: int | None) -> None:
+            await self._client.put(key.encode(), value, lease=lid)
+
+        if lease_id:
+            try:
+                self._run(f(lease_id))
+                return
+            except MetadataError:
+                pass  # that lease expired: the holder is gone or going
+        self._run(f(fallback))
 
     def put_guarded(
         self, guard: str, revision: int, key: str, value: bytes, lease: int | None = None

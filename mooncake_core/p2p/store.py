@@ -11,6 +11,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import itertools
+import json
 import logging
 import os
 import socket
@@ -19,14 +20,15 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mooncake_core.config import MooncakeConfig, load_config
-from mooncake_core.errors import SegmentError, SegmentOverlap
+from mooncake_core.errors import MetadataError, MooncakeError, SegmentError, SegmentOverlap
 from mooncake_core.p2p.buffers import Source, collect
 from mooncake_core.p2p.errors import BadName, NameExists, NameNotFound, P2PError, VersionChanged
 from mooncake_core.p2p.fetch import Download, Progress, checksum
 from mooncake_core.p2p.meta import (
+    Coordinator,
     Holder,
     Keys,
     Manifest,
@@ -36,6 +38,9 @@ from mooncake_core.p2p.meta import (
     check_shard_size,
 )
 from mooncake_core.transfer import ManagedBuffer, Region, TransferEngine
+
+if TYPE_CHECKING:  # the HTTP server (aiohttp) is imported only when used
+    from mooncake_core.metadata.http import MetadataServer
 
 __all__ = ["P2PStore", "Replica", "ObjectInfo"]
 
@@ -92,6 +97,8 @@ class _Held:
     regions: list[Region] = field(default_factory=list)
     managed: ManagedBuffer | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    bad: int = 0  # shards found corrupt here on re-verification: never announced again
+    unwatch: Callable[[], None] | None = None  # stops following reports about this copy
 
 
 def _shards(sizes: list[int], shard_size: int) -> list[tuple[int, int, int]]:
@@ -106,7 +113,13 @@ class P2PStore:
     """The P2P store of this process.
 
     Args:
-        etcd: ``etcd://host:port[,host:port]`` (coordination: manifests and holders).
+        etcd: where manifests and holder records live: ``etcd://host:port[,host:port]``
+            (a swarm); or, without etcd (two processes, see :mod:`~mooncake_core.p2p.direct`):
+            ``P2PHANDSHAKE`` on the seeder (it serves them itself at :attr:`address`) and
+            that ``p2p://host:port`` (or an ``http://host:port/metadata`` server) on the
+            reader.
+        listen: ``host:port`` of the seeder's own server with ``P2PHANDSHAKE`` (default
+            ``127.0.0.1:0``, a free loopback port).
         engine: a started or unstarted transfer engine to serve and fetch with; by default
             one is made from ``config`` (its ``local_hostname`` is the address peers use).
         config: configuration for that engine (default :func:`load_config`).
@@ -123,6 +136,7 @@ class P2PStore:
         lease_ttl: float = 10.0,
         prefix: str | None = None,
         timeout: float = 5.0,
+        listen: str = "127.0.0.1:0",
     ) -> None:
         if not lease_ttl >= 1:
             raise BadName(f"lease_ttl must be at least 1 second, got {lease_ttl!r}")
@@ -131,10 +145,27 @@ class P2PStore:
         self.engine = engine if engine is not None else TransferEngine(cfg)
         self.engine.start()
         self.keys = Keys((prefix or f"{cfg.metadata.prefix.rstrip('/')}/p2p").rstrip("/"))
+        self._server: MetadataServer | None = None
+        self.etcd: Coordinator
         try:
-            self.etcd = P2PEtcd(etcd, timeout=timeout)
+            target = etcd.strip() if isinstance(etcd, str) else etcd
+            if isinstance(target, str) and target.upper().startswith(("P2P", "HTTP")):
+                from mooncake_core.p2p.direct import HTTPCoordinator, serve_coordination
+            if isinstance(target, str) and target.upper() == "P2PHANDSHAKE":
+                self._server = serve_coordination(listen)
+                self.etcd = HTTPCoordinator(self._server.url, timeout=timeout)
+                host = self._server.host
+                self.address = f"p2p://{f'[{host}]' if ':' in host else host}:{self._server.port}"
+            elif isinstance(target, str) and target.startswith(("p2p://", "http://", "https://")):
+                self.etcd = HTTPCoordinator(target, timeout=timeout)
+                self.address = target
+            else:
+                self.etcd = P2PEtcd(etcd, timeout=timeout)
+                self.address = etcd
             self.lease = self.etcd.grant_lease(lease_ttl)
         except BaseException:
+            if self._server is not None:
+                self._server.stop()
             if self._own_engine:
                 self.engine.close()
             raise
@@ -158,11 +189,18 @@ class P2PStore:
         return Manifest.from_json(got[0], got[1])
 
     def _holder_record(self, addrs: list[int], origin: bool) -> Holder:
-        return Holder(self.segment, addrs, origin, pid=os.getpid(), host=socket.gethostname())
+        return Holder(
+            self.segment,
+            addrs,
+            origin,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            lease=self.lease,
+        )
 
     def _announce(self, held: _Held, mask: int, pending: int = 0) -> bool:
         with held.lock:
-            held.holder.mask = mask
+            held.holder.mask = mask & ~held.bad
             held.holder.pending = pending
             m = held.manifest
             return self.etcd.put_guarded(
@@ -192,8 +230,68 @@ class P2PStore:
             raise
         return regions
 
+    # ------------------------------------------------------------------ corrupt copies
+    def _report(self, m: Manifest, h: Holder, shard: int) -> None:
+        """Tell everyone that ``h``'s copy of ``shard`` failed this reader's checksum."""
+        body = json.dumps({"by": self.segment, "t": time.time()}).encode()
+        self.etcd.put_under(
+            self.keys.report(m.name, m.version, h.segment, shard), body, h.lease, self.lease
+        )
+
+    def _follow_reports(self, held: _Held) -> None:
+        """Re-verify this process's copy of a shard whenever a reader reports it corrupt."""
+        watch = getattr(self.etcd, "watch", None)
+        if watch is None:
+            return
+        m = held.manifest
+
+        def on_report(key: str, raw: bytes | None, rev: int) -> None:
+            if raw is None:
+                return
+            try:
+                shard = int(self.keys.last_parts(key, 1)[0])
+            except ValueError:
+                return
+            threading.Thread(
+                target=self._reverify, args=(held, shard, key), name="mc-p2p-verify", daemon=True
+            ).start()
+
+        try:
+            held.unwatch = watch(
+                self.keys.reports(m.name, m.version, self.segment), on_report, prefix=True
+            )
+        except MetadataError as exc:
+            logger.warning("p2p %s: cannot follow corruption reports: %s", m.name, exc)
+
+    def _reverify(self, held: _Held, shard: int, key: str) -> None:
+        m = held.manifest
+        if not 0 <= shard < len(m.shards):
+            return
+        s = m.shards[shard]
+        ok = True
+        if held.holder.has(shard):
+            view = held.replica.buffers[s.buf][s.offset : s.offset + s.length]
+            ok = checksum(view) == s.xxh
+        if not ok:
+            logger.warning(
+                "p2p %s: shard %d of this process's copy is corrupt (a reader reported it, "
+                "re-verified here); it is no longer served",
+                m.name,
+                shard,
+            )
+            held.bad |= 1 << shard
+            with contextlib.suppress(MooncakeError):
+                self._announce(held, held.holder.mask, held.holder.pending)
+        else:
+            logger.info("p2p %s: shard %d was reported corrupt but verifies here", m.name, shard)
+        with contextlib.suppress(MooncakeError):
+            self.etcd.delete(key)  # after the new record: watchers see that first
+
     def _drop(self, held: _Held, *, delete_key: bool = True) -> None:
         m = held.manifest
+        if held.unwatch is not None:
+            held.unwatch()
+            held.unwatch = None
         if delete_key:
             with contextlib.suppress(Exception):
                 self.etcd.delete(self.keys.holder(m.name, m.version, self.segment))
@@ -287,6 +385,7 @@ class P2PStore:
             if old is not None:
                 self._drop(old, delete_key=False)
             self._held[name] = held
+        self._follow_reports(held)
         logger.info(
             "p2p: registered %s (%d bytes, %d shard(s) of <= %d bytes, version %s)",
             name,
@@ -399,7 +498,9 @@ class P2PStore:
             stall_timeout_s=stall_timeout,
             timeout_s=timeout,
             progress=progress,
+            report=lambda h, shard: self._report(m, h, shard),
         )
+        self._follow_reports(held)
         try:
             stats = dl.run()
         except BaseException:
@@ -506,5 +607,7 @@ class P2PStore:
             self._drop(h)
         with contextlib.suppress(Exception):
             self.etcd.close()  # revokes the lease: whatever was left vanishes
+        if self._server is not None:
+            self._server.stop()
         if self._own_engine:
             self.engine.close()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import selectors
 import subprocess
 import sys
 import threading
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from mooncake_core.jsonpipe import JsonLinesProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -110,58 +111,18 @@ def worker(url: str, shm: bool, ttl: float) -> None:
 
 
 # ---------------------------------------------------------------------- test side
-class Proc:
+class Proc(JsonLinesProcess):
     """A worker process driven by JSON lines."""
 
     def __init__(self, url: str, *, shm: bool = False, ttl: float = 10.0) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        self.proc = subprocess.Popen(
+        super().__init__(
             [sys.executable, __file__, "worker", url, "1" if shm else "0", str(ttl)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
             env=env,
-            bufsize=1,
+            label="p2p worker",
         )
-        hello = self._read(60)
-        self.segment: str = hello["segment"]
-
-    def _read(self, timeout: float) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout):
-            raise TimeoutError("worker did not answer")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"worker exited ({self.proc.poll()})")
-        out: dict[str, Any] = json.loads(line)
-        if "error" in out:
-            raise RuntimeError(out["error"])
-        return out
-
-    def send(self, cmd: str, **kw: Any) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"cmd": cmd, **kw}) + "\n")
-        self.proc.stdin.flush()
-
-    def call(self, cmd: str, timeout: float = 60, **kw: Any) -> dict[str, Any]:
-        self.send(cmd, **kw)
-        return self._read(timeout)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.call("exit", timeout=10)
-                self.proc.wait(10)
-            except (OSError, RuntimeError, TimeoutError, ValueError, subprocess.TimeoutExpired):
-                self.kill()
+        self.segment: str = self.hello["segment"]
 
 
 @pytest.fixture()
@@ -218,7 +179,7 @@ def test_six_readers_at_once_get_the_exact_bytes_and_a_later_one_spares_the_seed
     for r in readers:
         r.send("get", name=name)
     for r in readers:
-        assert r._read(30) == {"ok": True}
+        assert r.read(30) == {"ok": True}
     results = [r.call("result") for r in readers]
     want = sha(size, 1)
     assert [x.get("sha") for x in results] == [want] * 6, results
@@ -230,7 +191,7 @@ def test_six_readers_at_once_get_the_exact_bytes_and_a_later_one_spares_the_seed
     for r in late:
         r.send("get", name=name)
     for r in late:
-        assert r._read(30) == {"ok": True}
+        assert r.read(30) == {"ok": True}
     for r in late:
         res = r.call("result")
         assert res.get("sha") == want, res
@@ -271,12 +232,22 @@ def test_holder_killed_mid_download_others_finish_and_its_entries_expire(
     assert {seeder.segment, a.segment, b.segment, c.segment} <= set(info.holders)
 
 
+def holder_record(store: Any, name: str, segment: str) -> Any:
+    from mooncake_core.p2p.meta import Holder
+
+    for raw, _ in store.etcd.get_prefix_rev(store.keys.holders(name)).values():
+        h = Holder.from_json(raw)
+        if h.segment == segment:
+            return h
+    return None
+
+
 @pytest.mark.slow
-def test_corrupted_shard_in_a_holders_memory_is_detected_and_fetched_again(
+def test_corrupted_shard_is_fetched_again_reported_and_dropped_by_its_holder(
     procs: Any, store: Any
 ) -> None:
     name, size, shard = unique("corrupt"), 4 << 20, 256 << 10
-    seeder, a, b = procs(3)
+    seeder, a, b, c = procs(4)
     seeder.call("register", name=name, size=size, seed=3, shard=shard)
     a.call("get", name=name)
     assert a.call("result")["sha"] == sha(size, 3)
@@ -288,6 +259,38 @@ def test_corrupted_shard_in_a_holders_memory_is_detected_and_fetched_again(
     # b preferred a (a reader) for every shard; shard 5 failed its checksum there and
     # came again from the seeder
     assert (st["corrupt"], st["from_origin"], st["from_peers"]) == (1, 1, 15), st
+    # b reported it: a re-verified its copy and stopped listing shard 5; the report is gone
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        rec = holder_record(store, name, a.segment)
+        if not rec.has(5):
+            break
+        time.sleep(0.05)
+    assert not rec.has(5) and rec.count() == 15, rec
+    reports = store.keys.reports(name, store.list(name)[0].version)
+    while time.monotonic() < end and store.etcd.get_prefix_rev(reports):
+        time.sleep(0.05)
+    assert store.etcd.get_prefix_rev(reports) == {}
+    # so a later reader never tries a's copy of shard 5
+    c.call("get", name=name)
+    res = c.call("result")
+    assert res.get("sha") == sha(size, 3), res
+    assert res["stats"]["corrupt"] == 0 and res["stats"]["failed"] == 0, res
+
+
+def test_a_wrong_corruption_report_is_cleared_by_the_holder(store: Any) -> None:
+    name = unique("falsereport")
+    store.register(name, bytearray(blob(64 << 10, 9)), max_shard_size="16KB")
+    (info,) = store.list(name)
+    key = store.keys.report(name, info.version, store.segment, 2)
+    store.etcd.put(key, b'{"by": "someone"}')  # the copy is intact: a wrong report
+    end = time.monotonic() + 10
+    while time.monotonic() < end and store.etcd.get(key) is not None:
+        time.sleep(0.05)
+    assert store.etcd.get(key) is None
+    rec = holder_record(store, name, store.segment)
+    assert rec.count() == 4 and rec.has(2)
+    store.unregister(name)
 
 
 @pytest.mark.slow
@@ -370,6 +373,37 @@ def test_bad_names_sizes_and_shard_sizes_are_one_line_errors(store: Any, etcd_ur
     (info,) = store.list(name)
     assert info.size == 5000 and info.holders == []
     store.unregister(name)
+
+
+def test_two_processes_without_etcd_seeder_serves_the_coordination_itself() -> None:
+    """One seeder, one reader, no etcd: the seeder keeps manifests and holder records in
+    the metadata layer's HTTP server; the engines meet by the P2P handshake."""
+    from mooncake_core.errors import ConfigError
+    from mooncake_core.p2p import NameNotFound, P2PStore
+
+    name, size = unique("direct"), 2 << 20
+    with P2PStore("P2PHANDSHAKE") as seeder:
+        assert seeder.address.startswith("p2p://127.0.0.1:")
+        seeder.register(name, blob(size, 11), max_shard_size="256KB")
+        reader = Proc(seeder.address)  # a second process, told only the seeder's address
+        try:
+            reader.call("get", name=name)
+            res = reader.call("result")
+            assert res.get("sha") == sha(size, 11), res
+            assert (res["stats"]["from_origin"], res["stats"]["corrupt"]) == (8, 0), res
+            (info,) = seeder.list(name)
+            assert set(info.holders) == {seeder.segment, reader.segment} and info.complete == 2
+            seeder.unregister(name)
+            assert seeder.list(name) == []
+            reader.call("get", name=name)
+            res = reader.call("result")
+            assert res["exc"] == "NameNotFound", res
+        finally:
+            reader.close()
+        with pytest.raises(NameNotFound):
+            seeder.get_replica(name)
+    with pytest.raises(ConfigError, match="use p2p://host:port"):
+        P2PStore("p2p://no-port")
 
 
 @pytest.mark.slow
