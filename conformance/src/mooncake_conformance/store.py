@@ -29,6 +29,12 @@ __all__ = ["StoreCluster", "free_port"]
 logger = logging.getLogger(__name__)
 
 
+#: The children get SIGTERM when the test process dies, however it dies (a ``timeout`` or CI
+#: runner killing pytest never runs ``close()``; in their own session they were left running).
+_SETPRIV = shutil.which("setpriv")
+_DIE_WITH_US = [_SETPRIV, "--pdeathsig", "TERM"] if _SETPRIV else []
+
+
 def free_port() -> int:
     """A TCP port that was free on 127.0.0.1 a moment ago."""
     with socket.socket() as s:
@@ -69,8 +75,12 @@ class StoreCluster:
         return f"127.0.0.1:{self.rpc_port}"
 
     def start(self) -> StoreCluster:
-        self.start_master()
-        self.start_node()
+        try:
+            self.start_master()
+            self.start_node()
+        except BaseException:  # ``with`` never calls __exit__ when __enter__ fails
+            self.close()
+            raise
         return self
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
@@ -78,8 +88,9 @@ class StoreCluster:
         ready.unlink(missing_ok=True)
         log = open(self.dir / f"{name}.log", "ab")  # noqa: SIM115 (closed in close())
         self._logs.append(log)
+        cmd = [sys.executable, "-m", "mooncake_core", *args, "--ready-file", str(ready)]
         proc = subprocess.Popen(
-            [sys.executable, "-m", "mooncake_core", *args, "--ready-file", str(ready)],
+            [*_DIE_WITH_US, *cmd],
             stdout=log,
             stderr=log,
             env=self.env,
@@ -93,6 +104,7 @@ class StoreCluster:
                 raise RuntimeError(f"{name} exited with {proc.returncode}: {self.log_tail(name)}")
             time.sleep(0.05)
         proc.kill()
+        proc.wait()
         raise RuntimeError(f"{name} did not become ready within 60 s: {self.log_tail(name)}")
 
     def start_master(self) -> None:
