@@ -23,6 +23,22 @@ B's connector spent: the lookup plus the forward's waits for loads),
 a prompt of the same length, same core), ``ttft_speedup_store_hit``,
 ``pd_ttft_ms``, ``mono_ttft_ms``, ``pd_tok_s``, ``mono_tok_s``, ``kv_bytes``, ``kv_gbps``,
 ``store_hit_pages``, plus the model shape. Not a test: numbers depend on the machine.
+
+With ``--compare-lmcache PYTHON`` (a venv from ``scripts/setup_lmcache_peer.sh``) the store
+phase also runs LMCache's server and two vLLM instances LA/LB with ``LMCacheMPConnector``
+(LA on A's core, LB on B's), interleaved with ours in every repeat: LA computes the prompt A
+computed, LB serves B's prompt. Keys: ``ttft_lmcache_hit_ms``, ``ttft_lmcache_first_hit_ms``,
+``ttft_store_hit_vs_lmcache_ratio`` (ours / LMCache's, target <= 0.8), and for every hit
+figure the prompt tokens vLLM reported as cached (``*_cached_tokens``: a recompute shows 0).
+If LMCache cannot run, ``lmcache`` holds the one-line reason and the rest still runs.
+
+3. mixed (``--phase mixed`` runs it alone): decodes streaming while long prompts keep
+   arriving at a fixed rate, PD (prefill and decode each pinned to one core with
+   ``taskset``) against one monolithic instance on the same two cores; see
+   :mod:`mooncake_vllm.bench_mixed` for its keys and SLO.
+
+Every process the bench starts is stopped on every exit path, SIGINT/SIGTERM and SIGKILL
+included (:mod:`mooncake_vllm.bench_reap`).
 Registered as ``bench.vllm`` in the entry-point group ``mooncake_core.cli``.
 """
 
@@ -30,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -66,14 +83,29 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="store connectors set up on first use, not at start (the old behaviour)",
     )
-    p.add_argument("--skip-pd", action="store_true", help="only the store phase")
-    p.add_argument("--skip-store", action="store_true", help="only the PD phase")
+    p.add_argument("--skip-pd", action="store_true", help="leave out the PD phase")
+    p.add_argument("--skip-store", action="store_true", help="leave out the store phase")
+    p.add_argument(
+        "--phase",
+        default="store,pd,mixed",
+        help="comma-separated phases to run: store, pd, mixed (default all three)",
+    )
+    p.add_argument(
+        "--compare-lmcache",
+        metavar="PYTHON",
+        default=None,
+        help="also run LMCache (this interpreter, scripts/setup_lmcache_peer.sh) in the "
+        "store phase",
+    )
     p.add_argument(
         "--cores",
         default="0,1",
         help="CPU for the first,second instance of each phase (default 0,1)",
     )
     p.add_argument("--start-timeout", type=float, default=900.0)
+    from mooncake_vllm.bench_mixed import add_arguments
+
+    add_arguments(p)
     return p
 
 
@@ -85,7 +117,26 @@ def _prompt(n: int, salt: int) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mooncake_vllm.bench_reap import ChildReaper
+
     args = _parser().parse_args(argv)
+    phases = {x.strip() for x in args.phase.split(",") if x.strip()}
+    bad = phases - {"store", "pd", "mixed"}
+    if bad:
+        print(f"bench vllm: unknown --phase {','.join(sorted(bad))} (store, pd, mixed)")
+        return 2
+    if args.skip_store:
+        phases.discard("store")
+    if args.skip_pd:
+        phases.discard("pd")
+    reaper = ChildReaper().install()
+    try:
+        return _run(args, phases, reaper)
+    finally:
+        reaper.reap()
+
+
+def _run(args: argparse.Namespace, phases: set[str], reaper: Any) -> int:
     from mooncake_vllm.testing import build_tiny_llama
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="mooncake-bench-vllm-"))
@@ -124,14 +175,21 @@ def main(argv: list[str] | None = None) -> int:
     cores = args.cores.split(",")
     pin = [{"VLLM_CPU_OMP_THREADS_BIND": c.strip()} for c in (cores + cores)[:2]]
 
-    # ---------------------------------------------------------------- phase 1: KV pool
-    if not args.skip_store:
-        _store_phase(args, model, common, body, out, pin, work, log, med)
-    if not args.skip_pd:
-        _pd_phase(args, model, common, body, out, pin, work, log, med, L)
-    print(f"\n{'figure':<34}{'value':>14}")
+    load0 = round(os.getloadavg()[0], 1)
+    log(f"work dir {work}; phases {','.join(p for p in ('store', 'pd', 'mixed') if p in phases)}")
+    if "store" in phases:
+        _store_phase(args, model, common, body, out, pin, work, log, med, reaper)
+    if "pd" in phases:
+        _pd_phase(args, model, common, body, out, pin, work, log, med, L, reaper)
+    if "mixed" in phases:
+        from mooncake_vllm.bench_mixed import mixed_phase
+
+        mixed_phase(args, model, common, out, cores, work, log, reaper)
+    out["load_avg_1m_start"] = load0
+    out["load_avg_1m_end"] = round(os.getloadavg()[0], 1)
+    print(f"\n{'figure':<36}{'value':>14}")
     for k, v in out.items():
-        print(f"{k:<34}{v:>14}")
+        print(f"{k:<36}{v!s:>14}")
     if args.json:
         print(json.dumps(out, sort_keys=True))
     return 0
@@ -147,7 +205,9 @@ def _store_phase(
     work: Path,
     log: Any,
     med: Any,
+    reaper: Any,
 ) -> None:
+    from mooncake_vllm.bench_http import stream
     from mooncake_vllm.testing import (
         VLLMServer,
         engine_env,
@@ -163,7 +223,7 @@ def _store_phase(
     kv_per_token = args.layers * 2 * args.kv_heads * head_dim * 4
     port = free_port()
     master_log = open(work / "master.log", "wb")  # noqa: SIM115
-    master = subprocess.Popen(
+    master = reaper.popen(
         [
             sys.executable,
             "-m",
@@ -181,6 +241,7 @@ def _store_phase(
     )
     master_log.close()
     seg = f"{max(512, (kv_per_token * L * (args.repeats + 2) * 2) >> 20)}MiB"
+    details = ["--enable-prompt-tokens-details"]  # usage.cached_tokens: a hit, or not
     servers = [
         VLLMServer(
             model,
@@ -193,21 +254,40 @@ def _store_phase(
                 stats_dir=str(work / "stats" / n),
                 warm_up=not args.no_warm_up,
             ),
+            args=details,
             **common,
         )
         for i, n in enumerate(("A", "B"))
     ]
     # plain vLLM (no connector) on B's core: cold prefill and its own prefix-cache hit
-    servers.append(VLLMServer(model, name="P", log_path=work / "P.log", env=pin[1], **common))
+    servers.append(
+        VLLMServer(model, name="P", log_path=work / "P.log", env=pin[1], args=details, **common)
+    )
+    peer = _lmcache_peer(args, work, reaper, log, out)
+    if peer is not None:  # LA on A's core computes, LB on B's core hits
+        servers += [
+            peer.vllm_server(model, n, pin[i], args=details, **common)
+            for i, n in enumerate(("LA", "LB"))
+        ]
+    for s in servers:
+        reaper.server(s)
     url = "/v1/completions"
     try:
         t0 = time.monotonic()
+        if peer is not None:
+            peer.start()
+            peer.wait_ready(args.start_timeout)
         for s in servers:
             s.start()
+        reaper.sync()
         for s in servers:
             s.wait_ready(args.start_timeout)
-        log(f"store phase: master + 3 vLLM instances ready in {time.monotonic() - t0:.0f} s")
-        a, b, plain = servers
+        reaper.sync()
+        log(
+            f"store phase: master + {len(servers)} vLLM instances"
+            f"{' + lmcache server' if peer else ''} ready in {time.monotonic() - t0:.0f} s"
+        )
+        a, b, plain = servers[:3]
         for i, s in enumerate(servers):  # a short request each (not a hit: one page at most)
             http_json(s.url + url, {**body, "prompt": _prompt(64, 999 - i)})
         hit_t: list[float] = []
@@ -216,6 +296,8 @@ def _store_phase(
         miss_t: list[float] = []
         cold_t: list[float] = []
         local_t: list[float] = []
+        cached: dict[str, list[int]] = {"store": [], "local": [], "lmcache": []}
+        lmc_t: list[float] = []
         for r in range(args.repeats):
             prefix = _prompt(args.prefix_tokens, 10 + r)
             saved = read_counters(work / "stats" / "A", "store-worker-").get("save_objects", 0)
@@ -236,9 +318,9 @@ def _store_phase(
                 **read_counters(bstats, "store-worker-"),
                 **read_counters(bstats, "store-sched-"),
             }
-            th, _ = stream_ttft(
-                b.url + url, {**body, "prompt": prefix + _prompt(args.suffix_tokens, 60)}
-            )
+            hit = stream(b.url + url, {**body, "prompt": prefix + _prompt(args.suffix_tokens, 60)})
+            th = hit.ttft
+            cached["store"].append(hit.cached_tokens or 0)
             after = {
                 **read_counters(bstats, "store-worker-"),
                 **read_counters(bstats, "store-sched-"),
@@ -247,9 +329,11 @@ def _store_phase(
             tc, _ = stream_ttft(
                 plain.url + url, {**body, "prompt": prefix + _prompt(args.suffix_tokens, 50)}
             )
-            tl, _ = stream_ttft(
+            local = stream(
                 plain.url + url, {**body, "prompt": prefix + _prompt(args.suffix_tokens, 60)}
             )
+            tl = local.ttft
+            cached["local"].append(local.cached_tokens or 0)
             tm, _ = stream_ttft(
                 b.url + url,
                 {
@@ -258,6 +342,17 @@ def _store_phase(
                     + _prompt(args.suffix_tokens, 61),
                 },
             )
+            lmc = ""
+            if peer is not None:  # LMCache: LA computes A's prompt, LB is asked B's
+                la, lb = servers[3:5]
+                stream(la.url + url, {**body, "prompt": prefix + _prompt(args.suffix_tokens, 50)})
+                time.sleep(1.0)  # its store is asynchronous; a miss shows as cached_tokens 0
+                lh = stream(
+                    lb.url + url, {**body, "prompt": prefix + _prompt(args.suffix_tokens, 60)}
+                )
+                lmc_t.append(lh.ttft)
+                cached["lmcache"].append(lh.cached_tokens or 0)
+                lmc = f"; LMCache hit {lh.ttft * 1e3:.0f} ms ({lh.cached_tokens} cached)"
             hit_t.append(th)
             miss_t.append(tm)
             cold_t.append(tc)
@@ -267,7 +362,8 @@ def _store_phase(
                 f"(lookup {parts[-1]['lookup_seconds']:.0f} ms, forward waited for loads "
                 f"{parts[-1]['load_wait_seconds']:.0f} ms); "
                 f"P cold {tc * 1e3:.0f} ms, local hit {tl * 1e3:.0f} ms; "
-                f"B recompute {tm * 1e3:.0f} ms"
+                f"B recompute {tm * 1e3:.0f} ms; cached tokens: store hit {hit.cached_tokens}, "
+                f"local hit {local.cached_tokens}{lmc}"
             )
         sched = read_counters(work / "stats" / "B", "store-sched-")
         later = hit_t[1:] or hit_t
@@ -300,11 +396,41 @@ def _store_phase(
         out["ttft_speedup_store_hit"] = round(
             out["ttft_recompute_ms"] / max(out["ttft_store_hit_ms"], 1e-3), 2
         )
+        out["store_hit_cached_tokens"] = int(statistics.median(cached["store"]))
+        out["local_hit_cached_tokens"] = int(statistics.median(cached["local"]))
+        if peer is not None:
+            later_l = lmc_t[1:] or lmc_t
+            out["ttft_lmcache_first_hit_ms"] = round(lmc_t[0] * 1e3, 1)
+            out["ttft_lmcache_hit_ms"] = round(med(later_l), 1)
+            out["lmcache_hit_cached_tokens"] = int(statistics.median(cached["lmcache"]))
+            out["ttft_store_hit_vs_lmcache_ratio"] = round(
+                out["ttft_store_hit_ms"] / max(out["ttft_lmcache_hit_ms"], 1e-3), 2
+            )
     finally:
         for s in servers:
             s.stop()
         master.kill()
         master.wait(10)
+        if peer is not None:
+            left = peer.stop()
+            if left:
+                log(f"removed LMCache's shared-memory files: {' '.join(left)}")
+
+
+def _lmcache_peer(
+    args: argparse.Namespace, work: Path, reaper: Any, log: Any, out: dict[str, Any]
+) -> Any:
+    """The LMCache peer for ``--compare-lmcache``, or None (with the reason in ``out``)."""
+    if not args.compare_lmcache:
+        return None
+    from mooncake_vllm.bench_lmcache import LMCachePeer, check_lmcache
+
+    why = check_lmcache(args.compare_lmcache)
+    if why is not None:
+        out["lmcache"] = "unavailable"
+        log(f"LMCache comparison skipped: {why}")
+        return None
+    return LMCachePeer(args.compare_lmcache, work, reaper)
 
 
 def _pd_phase(
@@ -318,6 +444,7 @@ def _pd_phase(
     log: Any,
     med: Any,
     L: int,
+    reaper: Any,
 ) -> None:
     from mooncake_core.proxy import ProxyConfig, ProxyServer
     from mooncake_vllm.testing import (
@@ -347,13 +474,17 @@ def _pd_phase(
             **common,
         ),
     ]
+    for s in pdv:
+        reaper.server(s)
     stop = None
     try:
         t0 = time.monotonic()
         for s in pdv:
             s.start()
+        reaper.sync()
         for s in pdv:
             s.wait_ready(args.start_timeout)
+        reaper.sync()
         pre, dec = pdv
         proxy = ProxyServer(ProxyConfig(prefill=(pre.url,), decode=(dec.url,), port=0))
         purl, stop = proxy.run_in_thread()
