@@ -311,6 +311,8 @@ def _agent(argv: list[str]) -> int:
             return {"dtype": str(t.dtype), "shape": list(t.shape), "sum": float(t.float().sum())}
         if op == "stress":
             return _stress(client, c)
+        if op == "zipf":  # Zipf-distributed gets (test_store_hotkeys.py)
+            return _zipf(client, c)
         if op == "call":
             return getattr(client, c["method"])(*c.get("args", []), **c.get("kwargs", {}))
         if op == "attr":
@@ -331,6 +333,32 @@ def _agent(argv: list[str]) -> int:
         out.flush()
     client.close()
     return 0
+
+
+def _zipf(client: Any, c: dict[str, Any]) -> dict[str, Any]:
+    """``n`` gets of ``keys`` with Zipf(``s``) popularity; per key, the reads each segment
+    served, and how many reads did not return the key's bytes."""
+    import random
+
+    rng = random.Random(c["seed"])
+    keys: list[str] = c["keys"]
+    weights = [1.0 / (i + 1) ** c.get("s", 1.1) for i in range(len(keys))]
+    want: dict[str, bytes] = {}
+    served: dict[str, dict[str, int]] = {}
+    bad = 0
+    rb = client.reads_by_segment
+    for i in rng.choices(range(len(keys)), weights, k=c["n"]):
+        k = keys[i]
+        before = dict(rb)
+        data = client.get(k)
+        if k not in want:
+            want[k] = payload(k, len(data))
+        bad += data != want[k]
+        per = served.setdefault(k, {})
+        for seg, n in rb.items():
+            if n != before.get(seg, 0):
+                per[seg] = per.get(seg, 0) + 1
+    return {"mismatch": bad, "served": served}
 
 
 def _stress(client: Any, c: dict[str, Any]) -> dict[str, int]:
