@@ -39,6 +39,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
+import sys
 import tempfile
 import threading
 import time
@@ -368,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
     run_dir = Path(tempfile.mkdtemp(prefix="mc-soak-"))
     soak = Soak(a, run_dir)
+    # SIGTERM (a timeout, a supervisor) unwinds like Ctrl-C, so close() stops every process
+    # this run started instead of leaving them running on their own
+    signal.signal(signal.SIGTERM, lambda sig, _f: sys.exit(128 + sig))
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     try:
         soak.start()

@@ -4,7 +4,10 @@ processes under faults; and the HA fault the soak found (a standby whose etcd le
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -22,16 +25,23 @@ pytestmark = [pytest.mark.slow, pytest.mark.etcd]
 @pytest.mark.timeout(300)
 def test_one_minute_soak_loses_corrupts_hangs_and_leaks_nothing(tmp_path: Path) -> None:
     png = tmp_path / "rss.png"
-    proc = subprocess.run(
-        [sys.executable, "-m", "mooncake_core", "bench", "soak", "--minutes", "1", "--json"]
-        + ["--plot", str(png)],
+    cmd = [sys.executable, "-m", "mooncake_core", "bench", "soak", "--minutes", "1", "--json"]
+    proc = subprocess.Popen(
+        [*cmd, "--plot", str(png)],
         cwd=ROOT,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=280,
+        start_new_session=True,  # its etcd, masters, nodes and workers share its process group
     )
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert proc.returncode == 0, (out["failed"], proc.stdout[-3000:], proc.stderr[-3000:])
+    try:
+        stdout, stderr = proc.communicate(timeout=280)
+    finally:  # whatever happened, nothing it started outlives the test
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    out = json.loads(stdout.strip().splitlines()[-1])
+    assert proc.returncode == 0, (out["failed"], stdout[-3000:], stderr[-3000:])
     assert out["minutes"] == 1
     assert out["lost_acked"] == 0
     assert out["corrupted_reads"] == 0
@@ -46,7 +56,7 @@ def test_one_minute_soak_loses_corrupts_hangs_and_leaks_nothing(tmp_path: Path) 
     assert out["evictions"] > 0
     assert out["node_kills"] >= 2 and out["leader_failovers"] == 1
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert f"RSS plot: {png}" in proc.stdout
+    assert f"RSS plot: {png}" in stdout
 
 
 def _gw(etcd: EtcdServer, path: str, body: dict[str, object]) -> dict[str, object]:
