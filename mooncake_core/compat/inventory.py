@@ -49,11 +49,6 @@ _CUDA = "needs CUDA / torch.distributed GPU kernels; the non-CUDA wheel cannot r
 _TORCH_DIST = "a torch.distributed backend (process groups over the transfer engine): out of scope"
 _SSD = "remote SSD provisioning over SSH (paramiko, SPDK targets): an operator tool, out of scope"
 _NOF = "NVMe-over-Fabrics segments: needs NoF hardware and the published master's NoF RPCs"
-_SESSION = (
-    "put/get sessions (reserve, write or read byte ranges, then commit or revoke): our master"
-    " has the phases (put_start/put_end/put_revoke) but the client calls that write ranges"
-    " into a reserved object and keep a get session's replicas are not written yet"
-)
 _PARALLEL = (
     "sharded tensors described by ParallelAxis (dp/pp/ep/tp kinds, expert and stage ids),"
     " ReadTarget modes and writer partitions: the wheel documents none of their layouts or"
@@ -72,9 +67,10 @@ _SEG = (
     " memory ones: allocate_and_mount_segment"
 )
 _TASKS = (
-    "replica copy/move tasks need a master that adds or drops one replica of a stored"
-    " object; ours writes all replicas at put time and drops whole objects (a client-side"
-    " remove and re-put would hide the object from readers meanwhile)"
+    "replica copy/move tasks need a master RPC that copies one object's replica to, or moves"
+    " it between, named segments; ours copies and drops single replicas only for its own"
+    " hot-key policy (store/hotkeys.py), and a client-side remove and re-put would hide the"
+    " object from readers meanwhile"
 )
 _TOPO = "the published engine's topology dump tool; ours: TransferEngine.get_local_topology()"
 _FABRIC = "probes the wheel's .so for fabric allocators (CUDA/NVLink): out of scope"
@@ -150,9 +146,6 @@ NOT_PROVIDED: dict[str, str] = {
     " published 0.3.13 wheel before connecting anywhere, with or without a master and etcd at"
     " its defaults: there is no published behaviour to follow; use setup()",
     "mooncake.*store:MooncakeDistributedStore*.alloc_from_mem_pool": _POOL,
-    "mooncake.*store:MooncakeDistributedStore*.*_session_*": _SESSION,
-    "mooncake.*store:MooncakeDistributedStore*.batch_*_multi_buffer_ranges": _SESSION
-    + " (these write/read ranges of objects opened by batch_*_session_start)",
     "mooncake.*store:MooncakeDistributedStore*.create_*_task": _TASKS,
     "mooncake.*store:MooncakeDistributedStore*.query_task": _TASKS,
     "mooncake.*store:MooncakeDistributedStore*.mount_segment": _SEG,

@@ -44,6 +44,7 @@ from mooncake_core.compat.store_replicas import (  # the published module's name
     ReplicaStatus,
 )
 from mooncake_core.compat.store_segments import SegmentMethods
+from mooncake_core.compat.store_sessions import SessionMethods
 from mooncake_core.compat.store_tensors import TensorMethods
 from mooncake_core.compat.store_types import (  # the published module's names, re-exported
     ACTIVATION,
@@ -134,7 +135,7 @@ def _free_port(host: str, environ: Mapping[str, str]) -> int:
     return _compat_engine.free_port(host, lo, hi)
 
 
-class MooncakeDistributedStore(TensorMethods, ReplicaMethods, SegmentMethods):
+class MooncakeDistributedStore(TensorMethods, ReplicaMethods, SegmentMethods, SessionMethods):
     """The published ``mooncake.store.MooncakeDistributedStore`` on :class:`StoreClient`."""
 
     def __init__(self) -> None:

@@ -172,8 +172,8 @@ class ReplicaMethods:
         As published: another client's objects, leased or missing keys are left alone (not
         listed). ``segment_name`` is a client's segment name (its ``get_hostname()``), which
         covers every segment that client mounted. An object with a replica on some other
-        segment is left whole (the published store leaves it too): our master drops
-        whole objects, never one replica of several."""
+        segment is left whole and not listed, where the published store drops just that
+        segment's replica: our master has no RPC to drop one replica of several."""
         if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
             raise TypeError("batch_replica_clear(): keys must be a list of str")
         if not isinstance(segment_name, str):
