@@ -107,6 +107,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="compact the oplog into a snapshot every N batches",
     )
     parser.add_argument(
+        "--ha-takeover-lease",
+        type=float,
+        default=None,
+        metavar="S",
+        help="lease every object gets when this master takes over, on top of the replicated "
+        "leases (default: the read lease)",
+    )
+    parser.add_argument(
         "--default-kv-lease-ttl",
         dest="lease_ttl",
         type=float,
@@ -169,7 +177,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write metadata snapshots here and restore the newest at start (no HA)",
     )
     parser.add_argument(
-        "--snapshot-interval", type=float, default=None, help="seconds between snapshots (600)"
+        "--snapshot-interval",
+        type=float,
+        default=None,
+        help="seconds between snapshots (600; with --ha: into etcd, when the oplog grew)",
     )
     parser.add_argument("--snapshot-retention", type=int, default=None, help="snapshots kept (2)")
     parser.add_argument(
@@ -437,6 +448,9 @@ def run(args: argparse.Namespace) -> int:
         serve_metadata=serve_metadata,
         ha_lease_ttl_s=args.ha_lease_ttl,
         snapshot_every=args.ha_snapshot_every,
+        snapshot_interval_s=args.snapshot_interval or pub.snapshot_interval_s or 0.0,
+        snapshot_retention=args.snapshot_retention or pub.snapshot_retention or 2,
+        takeover_lease_s=args.ha_takeover_lease,
         kv_events_endpoint=args.kv_events_endpoint or pub.kv_events_endpoint,
         kv_events_queue=(
             args.kv_events_queue

@@ -168,18 +168,25 @@ def _chunks(entries: list[Any]) -> list[bytes]:
 
 
 class Snapshots:
-    """Oplog compaction: the leader writes its whole state as of ``seq`` and trims the log.
+    """Snapshots of the master's state in etcd, and oplog compaction.
 
-    Layout: ``snap/<seq>/<part>`` chunks, then ``snap/latest`` = ``seq``, every write fenced
-    on the leader key (a deposed master writes nothing); the
-    oplog below ``seq`` and snapshots older than the previous one are then deleted. A
-    standby starts from ``snap/latest`` and tails the log from its seq; one that finds a
-    gap in the log (it fell behind a trim) reloads the snapshot.
+    The leader writes its whole state as of ``seq`` as ``snap/<seq>/<part>`` chunks (each
+    under :data:`MAX_BATCH_BYTES`, below etcd's request limit), then ``snap/latest`` =
+    ``{"seq", "parts"}``; every write is fenced on the leader key (a deposed master writes
+    nothing). Then all but the newest ``retention`` snapshots are deleted, and the oplog
+    below the oldest one kept: every kept snapshot can be restored and the log after it
+    replayed. :meth:`load` returns the newest complete snapshot (a damaged or half-deleted
+    one is skipped with a warning). A master starting with HA (a standby, or a new master
+    after the whole group was lost) loads it and replays the log from its seq; one that
+    finds a gap in the log (it fell behind a trim) reloads.
     """
 
-    def __init__(self, etcd: StoreEtcd) -> None:
+    def __init__(self, etcd: StoreEtcd, retention: int = 2) -> None:
+        if retention < 1:
+            raise ConfigError(f"snapshot retention must be at least 1, got {retention}")
         self.etcd = etcd
         self.prefix = etcd.prefix + "snap/"
+        self.retention = retention
 
     def write(self, me: LeaderInfo, seq: int, entries: list[Any]) -> None:
         # Every part is fenced like the ``latest`` switch: a master that lost the leader key
@@ -194,44 +201,72 @@ class Snapshots:
                     "this master is no longer the leader"
                 )
         value = msgspec.json.encode({"seq": seq, "parts": len(parts)})
-        if not etcd.fenced_put(me, self.prefix + "latest", value):
+        ok = etcd.fenced_put(me, f"{self.prefix}{seq:016d}/parts", value)
+        if not ok or not etcd.fenced_put(me, self.prefix + "latest", value):
             raise MetadataError(
                 f"snapshot at seq {seq} refused: this master is no longer the leader"
             )
-        prev = self.previous(seq)
+        kept = [s for s in self.seqs() if s <= seq][-self.retention :]
+        oldest = kept[0] if kept else seq
 
         async def trim() -> None:
             c = etcd._client
-            await c.delete_range(etcd._seq_key(0).encode(), etcd._seq_key(seq).encode())
-            if prev is not None:  # keep the newest two snapshots
-                await c.delete_range(self.prefix.encode(), f"{self.prefix}{prev:016d}".encode())
+            await c.delete_range(etcd._seq_key(0).encode(), etcd._seq_key(oldest).encode())
+            await c.delete_range(self.prefix.encode(), f"{self.prefix}{oldest:016d}".encode())
 
         etcd._run(trim())
 
+    def seqs(self) -> list[int]:
+        """The seqs of the snapshots in etcd, oldest first (complete or not)."""
+        etcd = self.etcd
+
+        async def f() -> list[bytes]:
+            r = await etcd._client.get_prefix(self.prefix.encode(), keys_only=True)
+            return [bytes(kv.key) for kv in r]
+
+        n = len(self.prefix)
+        heads = {k.decode()[n:].split("/")[0] for k in etcd._run(f())}
+        return sorted(int(h) for h in heads if h.isdigit())
+
     def previous(self, seq: int) -> int | None:
-        seqs = sorted(
-            {
-                int(k[len(self.prefix) :].split("/")[0])
-                for k in self.etcd.get_prefix(self.prefix)
-                if k[len(self.prefix) :].split("/")[0].isdigit()
-            }
-        )
-        older = [s for s in seqs if s < seq]
+        older = [s for s in self.seqs() if s < seq]
         return older[-1] if older else None
 
     def load(self) -> tuple[int, list[Any]] | None:
+        """The newest complete snapshot as (seq, entries), or None when there is none.
+
+        Raises MetadataError when snapshots exist but none of them is complete."""
         raw = self.etcd.get(self.prefix + "latest")
         if raw is None:
             return None
-        meta = msgspec.json.decode(raw)
-        seq, parts = int(meta["seq"]), int(meta["parts"])
-        got = self.etcd.get_prefix(f"{self.prefix}{seq:016d}/")
-        if len(got) != parts:
-            raise MetadataError(f"snapshot {seq} has {len(got)} of {parts} parts")
-        entries: list[Any] = []
-        for k in sorted(got):
-            entries.extend(msgspec.msgpack.decode(got[k]))
-        return seq, entries
+        try:
+            latest = int(msgspec.json.decode(raw)["seq"])
+        except (msgspec.DecodeError, KeyError, TypeError, ValueError):
+            logger.warning("ignoring a malformed snap/latest record %r", raw[:200])
+            latest = -1
+        why = "none found"
+        for seq in reversed(self.seqs()):
+            if 0 <= latest < seq:
+                continue  # being written: not switched to yet
+            got = self.etcd.get_prefix(f"{self.prefix}{seq:016d}/")
+            try:
+                meta = got.pop(f"{self.prefix}{seq:016d}/parts", None)
+                if meta is None and seq == latest:  # written before per-snapshot part counts
+                    meta = raw
+                if meta is None:
+                    raise ValueError("its part count was never written")
+                parts = int(msgspec.json.decode(meta)["parts"])
+                if parts != len(got):
+                    raise ValueError(f"{len(got)} of {parts} parts")
+                entries: list[Any] = []
+                for k in sorted(got):
+                    entries.extend(msgspec.msgpack.decode(got[k]))
+            except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
+                why = f"snapshot {seq}: {exc}"
+                logger.warning("skipping snapshot %d: %s", seq, exc)
+                continue
+            return seq, entries
+        raise MetadataError(f"no complete snapshot in etcd ({why})")
 
 
 def resolve_leader(

@@ -32,8 +32,8 @@ import msgspec
 from aiohttp import web
 
 from mooncake_core.config import StoreConfig
-from mooncake_core.errors import MetadataError
 from mooncake_core.store import protocol as P
+from mooncake_core.store.ha_node import HANode
 from mooncake_core.store.master_conn import (
     CONFIRMS,
     PARKED_ON_KEYS,
@@ -50,7 +50,7 @@ __all__ = ["MasterServer", "install_uvloop"]
 logger = logging.getLogger(__name__)
 
 
-class MasterServer:
+class MasterServer(HANode):
     """One master process (leader, or standby with HA).
 
     Args:
@@ -63,6 +63,12 @@ class MasterServer:
         serve_metadata: also serve the HTTP metadata protocol at ``/metadata``.
         tick_s: period of the background checks.
         ha_lease_ttl_s: etcd lease of the leader key (failover takes about this long).
+        snapshot_every: (HA) snapshot into etcd every this many oplog batches.
+        snapshot_interval_s: (HA) also every this many seconds when the oplog grew; 0 = off.
+        snapshot_retention: (HA) snapshots kept in etcd (the oplog is kept from the oldest).
+        takeover_lease_s: (HA) lease every object gets when this master takes over, on top of
+            the replicated ones (it covers reads granted in the last moments before the old
+            leader died, not yet logged); None = the read lease (``cfg.lease_ttl_s``).
         kv_events_endpoint: bind a ZMQ PUB socket there and publish KV events of every
             object stored, evicted or removed (:mod:`mooncake_core.store.kvevents`); "" = off.
         kv_events_queue: most events waiting to be sent (oldest dropped beyond).
@@ -86,6 +92,9 @@ class MasterServer:
         tick_s: float = 0.2,
         ha_lease_ttl_s: float = 2.0,
         snapshot_every: int = 2000,
+        snapshot_interval_s: float = 0.0,
+        snapshot_retention: int = 2,
+        takeover_lease_s: float | None = None,
         kv_events_endpoint: str = "",
         kv_events_queue: int = 65536,
         kv_events_backend_id: str = "",
@@ -103,7 +112,11 @@ class MasterServer:
         self.tick_s = tick_s
         self.ha_lease_ttl_s = ha_lease_ttl_s
         self.snapshot_every = snapshot_every
+        self.snapshot_interval_s = snapshot_interval_s
+        self.snapshot_retention = snapshot_retention
+        self.takeover_lease_s = takeover_lease_s
         self._snap_seq = 0
+        self._snap_time = time.monotonic()
         self._snapshotting = False
         self.kv_events_endpoint = kv_events_endpoint
         self.kv_events_queue = kv_events_queue
@@ -361,80 +374,6 @@ class MasterServer:
                 else:
                     self.handle(conn, req)
 
-    async def _reply_when_durable(self, conn: Conn, out: bytes) -> None:
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._flush_waiters.append(fut)
-        assert self._flush_wake is not None
-        self._flush_wake.set()
-        try:
-            await fut
-        except MetadataError as exc:
-            logger.error("oplog write failed, dropping the reply: %s", exc)
-            conn.transport.close() if conn.transport is not None else None
-            return
-        conn.send(out)
-
-    async def _flusher(self) -> None:
-        """Group commit: write every pending entry in one fenced etcd transaction."""
-        assert self._flush_wake is not None
-        loop = asyncio.get_running_loop()
-        while True:
-            await self._flush_wake.wait()
-            self._flush_wake.clear()
-            if not self._flush_waiters:
-                continue
-            entries = self._log[:]  # on_change is bound to this list: copy and clear in place
-            self._log.clear()
-            waiters, self._flush_waiters = self._flush_waiters, []
-            try:
-                if entries:
-                    self._seq = await loop.run_in_executor(
-                        None, self._etcd.append, self._me, self._seq, entries
-                    )
-                    if self._seq - self._snap_seq >= self.snapshot_every and not self._snapshotting:
-                        self._snapshotting = True
-                        asyncio.ensure_future(self._snapshot())
-                for w in waiters:
-                    if not w.done():
-                        w.set_result(None)
-            except MetadataError as exc:
-                for w in waiters:
-                    if not w.done():
-                        w.set_exception(exc)
-                self._step_down(str(exc))
-
-    async def _snapshot(self) -> None:
-        """Write the state as of the current seq and trim the oplog below it."""
-        from mooncake_core.store.ha import Snapshots
-
-        seq, entries = self._seq, self.state.export()  # consistent: taken in one loop step
-        try:
-            await asyncio.get_running_loop().run_in_executor(
-                None, Snapshots(self._etcd).write, self._me, seq, entries
-            )
-            self._snap_seq = seq
-            logger.info("oplog compacted: snapshot at seq %d (%d entries)", seq, len(entries))
-        except MetadataError as exc:
-            logger.warning("snapshot at seq %d failed: %s", seq, exc)
-        finally:
-            self._snapshotting = False
-
-    async def _load_snapshot(self) -> None:
-        """(Standby) replace the state with the latest snapshot, if there is one."""
-        from mooncake_core.store.ha import Snapshots
-
-        snap = await asyncio.get_running_loop().run_in_executor(None, Snapshots(self._etcd).load)
-        if snap is None:
-            return
-        seq, entries = snap
-        self.state = MasterState(self.cfg)
-        self.state.tenant_quotas = self.tenant_quotas
-        self.state.on_task = self._wake_poller
-        self._handlers = self._make_handlers()
-        self._apply([(seq - 1, entries)])
-        self._snap_seq = seq
-        logger.info("loaded snapshot at seq %d (%d entries)", seq, len(entries))
-
     async def _poll(self, conn: Conn, req: P.Request, t0: float) -> None:
         try:
             a = P.decode_params("poll", req.params)
@@ -481,6 +420,8 @@ class MasterServer:
                 self.state.tier_tick(now)
                 if self._parked:  # early commits that timed out
                     self._unpark_resolved()
+                if self._etcd is not None:
+                    self._ha_tick(now)
             except Exception:
                 logger.exception("background check failed")
             if self._log:
@@ -492,110 +433,12 @@ class MasterServer:
                 else:
                     self._log.clear()
 
-    def _step_down(self, why: str) -> None:
-        if self.role == "leader":
-            logger.error("stepping down: %s", why)
-        self.role = "deposed"
-        if self._stopped is not None:
-            self._stopped.set()
-
-    async def _ha_loop(self) -> None:
-        """Standby: tail the oplog and campaign; leader: watch that we still lead."""
-        loop = asyncio.get_running_loop()
-        etcd = self._etcd
-        lease = await loop.run_in_executor(None, etcd.grant_lease, self.ha_lease_ttl_s)
-        loaded = False
-        stale_lease = False
-        while True:
-            try:
-                if stale_lease:  # campaigning with an expired lease fails forever: take a new one
-                    await loop.run_in_executor(None, etcd.revoke_lease, lease)
-                    lease = await loop.run_in_executor(None, etcd.grant_lease, self.ha_lease_ttl_s)
-                    stale_lease = False
-                    logger.warning(
-                        "HA loop: our etcd lease had expired; campaigning with a new one"
-                    )
-                if not loaded:
-                    await self._load_snapshot()
-                    loaded = True
-                if self.role == "leader":
-                    await asyncio.sleep(max(0.2, self.ha_lease_ttl_s / 4))
-                    if not await loop.run_in_executor(None, etcd.still_leader, self._me):
-                        self._step_down("the leader key in etcd is no longer ours")
-                        return
-                    continue
-                if await self._catch_up() >= 512:
-                    continue  # more to read before campaigning
-                won = await loop.run_in_executor(None, etcd.campaign, self._me, lease)
-                if not won:  # we may already hold the key (a takeover interrupted by an error)
-                    won = await loop.run_in_executor(None, etcd.still_leader, self._me)
-                if won:
-                    while await self._catch_up():  # read the log to its end before serving
-                        pass
-                    self.state.on_takeover(time.monotonic())
-                    self.role = "leader"
-                    self.leader_hint = self._me.rpc
-                    logger.info(
-                        "master %s is now the leader at %s (oplog seq %d, %d objects)",
-                        self.id,
-                        self._me.rpc,
-                        self._seq,
-                        len(self.state.objects),
-                    )
-                    continue
-                cur = await loop.run_in_executor(None, etcd.leader)
-                self.leader_hint = cur.rpc if cur is not None else ""
-                await asyncio.sleep(0.1)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # etcd hiccups must not end the HA loop
-                logger.warning("HA loop: %s: %s; retrying", type(exc).__name__, exc)
-                # keep-alives missed (a loaded host): etcd dropped the lease we campaign with
-                stale_lease = "lease not found" in str(exc)
-                await asyncio.sleep(0.2)
-
-    async def _catch_up(self) -> int:
-        """Apply the next oplog batches (reloading the snapshot across a trim); returns how many."""
-        batches = await asyncio.get_running_loop().run_in_executor(
-            None, self._etcd.read_log, self._seq
-        )
-        if batches and batches[0][0] != self._seq:  # we fell behind a trim
-            logger.warning(
-                "oplog gap (have seq %d, log starts at %d): reloading the snapshot",
-                self._seq,
-                batches[0][0],
-            )
-            await self._load_snapshot()
-            return 1
-        self._apply(batches)
-        return len(batches)
-
     def _change_sink(self) -> Callable[[tuple[Any, ...]], None]:
         """Where the state's change entries go: the oplog, and the KV-event publisher if on."""
         if self.kv_events is None:
             return self._log.append
         sink: Callable[[tuple[Any, ...]], None] = self.kv_events.sink(self._log.append, self.state)
         return sink
-
-    def _apply(self, batches: list[tuple[int, list[Any]]]) -> None:
-        now = time.monotonic()
-        self.state.on_change = None  # replaying: nothing to re-log
-        try:
-            self._replay(batches, now)
-        finally:
-            self.state.on_change = self._change_sink()
-            self._log.clear()
-
-    def _replay(self, batches: list[tuple[int, list[Any]]], now: float) -> None:
-        for seq, entries in batches:
-            for e in entries:
-                try:
-                    self.state.apply(e, now)
-                except Exception:
-                    logger.exception(
-                        "cannot apply oplog entry %r", e[:2] if isinstance(e, list) else e
-                    )
-            self._seq = seq + 1
 
     # ------------------------------------------------------------------ HTTP
     def _http_app(self) -> web.Application:
@@ -651,6 +494,7 @@ class MasterServer:
             self._etcd = await loop.run_in_executor(None, StoreEtcd, self.ha_url, self.cluster_id)
             self._me = LeaderInfo(self.id, rpc, http)
             self.role = "standby"
+            self.state.lease_dirty = {}  # leases are replicated (coarsely) with HA
             self.state.on_change = self._change_sink()
             self._tasks.append(asyncio.ensure_future(self._flusher()))
             self._tasks.append(asyncio.ensure_future(self._ha_loop()))

@@ -3,23 +3,56 @@
 Every change other masters must know is emitted through ``MasterState.on_change`` as an
 entry (a tuple whose first item is its kind); :mod:`mooncake_core.store.ha` logs entries in
 etcd and standbys replay them with :meth:`Replication.apply`. :meth:`Replication.export` is a
-snapshot (entries that rebuild the state). Pending puts and leases are not replicated: a new
-leader treats unfinished puts as revoked and grants every object a fresh lease
-(:meth:`Replication.on_takeover`).
+snapshot (entries that rebuild the state). Pending puts are not replicated: a new leader
+treats unfinished puts as revoked (:meth:`Replication.on_takeover`).
 
 Entries (the named tuples below name their fields; the log holds them as plain lists):
-``client``, ``unclient``, ``seg``, ``unseg``, ``obj``, ``del``, ``res``, ``carve``, ``unres``.
+``client``, ``unclient``, ``seg``, ``unseg``, ``obj``, ``del``, ``res``, ``carve``, ``unres``,
+``lease``.
+
+Pins and leases: hard pins and soft-pin deadlines travel in ``obj`` entries, leases in
+``lease`` entries; both as wall-clock (``time.time()``) deadlines, since each master's
+monotonic clock is its own. Leases are replicated coarsely, off the read path: a read that
+grants a lease beyond what standbys know (``Obj.lease_rep``) only marks the key
+(``lease_dirty``, when HA is on); once per tick the leader logs the marked keys with a
+deadline half a lease period beyond the lease (:meth:`Replication.take_leases`), so a key
+read continuously is logged at most twice per lease period, and a new leader's deadline is
+never earlier than the reader's (at most half a lease period later). A lease granted in the
+last tick before a leader dies is not logged: a new leader covers it with a takeover lease on
+every object.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, NamedTuple
 
 from mooncake_core.store.allocator import OffsetAllocator
 from mooncake_core.store.protocol import InvalidArgument
 from mooncake_core.store.state_core import ClientInfo, Obj, Reservation, Segment, SliceT, StateCore
 
-__all__ = ["ClientEntry", "ObjEntry", "Replication", "ResEntry", "SegEntry"]
+__all__ = [
+    "ClientEntry",
+    "LeaseEntry",
+    "ObjEntry",
+    "Replication",
+    "ResEntry",
+    "SegEntry",
+    "lease_entries",
+    "wall_to_mono",
+]
+
+_LEASE_ENTRY_BYTES = 256 << 10  # one ``lease`` entry stays far below etcd's request limit
+
+
+def wall_to_mono(deadline: float, now: float, wall_now: float) -> float:
+    """A replicated wall-clock deadline on this master's monotonic clock (0 stays 0).
+
+    Values below 1e9 were written as monotonic times by masters before this change; they
+    are taken as they are."""
+    if not deadline or deadline < 1e9:
+        return deadline
+    return now + (deadline - wall_now)
 
 
 class ClientEntry(NamedTuple):
@@ -53,7 +86,30 @@ class ObjEntry(NamedTuple):
     replicas: list[list[SliceT]]
     disk: str
     hard_pin: bool
-    soft_pin_until: float
+    soft_pin_until: float  # wall clock; 0: none
+
+
+class LeaseEntry(NamedTuple):
+    """Read leases standbys must honour: ``[key, wall-clock deadline]`` pairs."""
+
+    kind: str  # "lease"
+    leases: list[list[Any]]
+
+
+def lease_entries(pairs: list[list[Any]]) -> list[LeaseEntry]:
+    """``[key, deadline]`` pairs as ``lease`` entries, each well under etcd's request limit."""
+    out: list[LeaseEntry] = []
+    cur: list[list[Any]] = []
+    size = 0
+    for p in pairs:
+        cur.append(p)
+        size += len(p[0]) + 16
+        if size >= _LEASE_ENTRY_BYTES:
+            out.append(LeaseEntry("lease", cur))
+            cur, size = [], 0
+    if cur:
+        out.append(LeaseEntry("lease", cur))
+    return out
 
 
 class ResEntry(NamedTuple):
@@ -69,6 +125,25 @@ class ResEntry(NamedTuple):
 
 class Replication(StateCore):
     """Replaying and exporting the replicated state (see module doc)."""
+
+    lease_dirty: dict[str, None] | None = None  # keys whose lease standbys must learn (HA)
+
+    def take_leases(self, now: float, wall_now: float) -> None:
+        """Emit ``lease`` entries for the marked keys (the leader's tick; see module doc)."""
+        dirty, self.lease_dirty = self.lease_dirty, {}
+        pairs = []
+        for key in dirty or ():
+            o = self.objects.get(key)
+            if o is not None and o.lease_rep > now:
+                pairs.append([key, wall_now + (o.lease_rep - now)])
+        for e in lease_entries(pairs):
+            self._emit(*e)
+
+    def _lease_mark(self, o: Obj) -> None:
+        """A read leased ``o`` beyond what standbys know: log it on the next tick."""
+        o.lease_rep = o.lease_until + self.cfg.lease_ttl_s / 2
+        if self.lease_dirty is not None:
+            self.lease_dirty[o.key] = None
 
     def apply(self, entry: tuple[Any, ...] | list[Any], now: float) -> None:
         """Replay one change emitted by a leader (standbys; rebuild after takeover)."""
@@ -116,6 +191,7 @@ class Replication(StateCore):
             oe = ObjEntry._make(entry)
             key, disk = oe.key, oe.disk
             old = self.objects.get(key)
+            lease = (old.lease_until, old.lease_rep) if old is not None else (0.0, 0.0)
             if old is not None:
                 for rep in old.replicas:
                     self._free_replica(key, rep)
@@ -135,9 +211,10 @@ class Replication(StateCore):
                 complete=True,
                 token=self._next_token(),
                 hard_pin=bool(oe.hard_pin),
-                soft_pin_until=float(oe.soft_pin_until),
+                soft_pin_until=wall_to_mono(float(oe.soft_pin_until), now, time.time()),
                 disk=str(disk),
-                lease_until=now + self.cfg.lease_ttl_s,
+                lease_until=lease[0],
+                lease_rep=lease[1],
             )
             if disk and disk in self.clients:
                 self.clients[disk].disk_keys.add(key)
@@ -173,6 +250,14 @@ class Replication(StateCore):
             r = self.reservations.get(int(entry[1]))
             if r is not None:
                 self._release_reservation(r, emit=False)
+        elif kind == "lease":
+            wall_now = time.time()
+            for key, deadline in LeaseEntry._make(entry).leases:
+                leased = self.objects.get(key)
+                if leased is not None:
+                    d = wall_to_mono(float(deadline), now, wall_now)
+                    leased.lease_until = max(leased.lease_until, d)
+                    leased.lease_rep = max(leased.lease_rep, d)
         elif kind == "del":
             gone = self.objects.get(entry[1])
             if gone is not None:
@@ -193,6 +278,13 @@ class Replication(StateCore):
             for s in self.segments.values()
         ]
         out += [self._obj_entry(o) for o in self.objects.values() if o.complete]
+        now, wall_now = time.monotonic(), time.time()
+        leases = [
+            [o.key, wall_now + (max(o.lease_until, o.lease_rep) - now)]
+            for o in self.objects.values()
+            if o.complete and max(o.lease_until, o.lease_rep) > now
+        ]
+        out += lease_entries(leases)
         out += [
             ResEntry(
                 "res",
@@ -206,11 +298,13 @@ class Replication(StateCore):
         ]
         return out
 
-    def on_takeover(self, now: float) -> None:
-        """A new leader: every client gets a fresh liveness period, every object a lease."""
+    def on_takeover(self, now: float, lease_s: float | None = None) -> None:
+        """A new leader: every client gets a fresh liveness period, every object a lease of
+        ``lease_s`` (default: the read lease) on top of its replicated one."""
         for c in self.clients.values():
             c.last_seen = now
+        grace = now + (self.cfg.lease_ttl_s if lease_s is None else lease_s)
         for o in self.objects.values():
-            o.lease_until = max(o.lease_until, now + self.cfg.lease_ttl_s)
+            o.lease_until = max(o.lease_until, grace)
         for r in self.reservations.values():  # a client may still be writing into them
             r.deadline = max(r.deadline, now + self.cfg.put_timeout_s)

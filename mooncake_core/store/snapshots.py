@@ -4,7 +4,7 @@
 (published: ``--enable_snapshot --snapshot_backup_dir=DIR --snapshot_interval_seconds=N
 --snapshot_retention_count=N``; restore: ``--enable_snapshot_restore``, on by default with
 ours). Every interval, and once more at a clean stop, the master writes its replicated
-state (clients, segments, objects with their replicas, pins and SSD copies: the entries
+state (clients, segments, objects with their replicas, pins, leases and SSD copies: the entries
 of :meth:`~mooncake_core.store.replication.Replication.export`, the same an HA snapshot
 holds) to ``DIR/snapshot-<unix ns>.msgpack`` (written to a temporary file, then renamed:
 a crash never leaves a half snapshot under the final name), and deletes all but the newest
@@ -13,8 +13,9 @@ gets a fresh liveness period and every object a fresh lease (as on an HA takeove
 whose heartbeats reach the restarted master keep their segments, and every object whose
 holder is still alive reads back; clients that do not come back expire as usual.
 
-Not in a snapshot: puts in progress, leases, and extents lent for one-RPC puts (a client
-notices the master restarted and stops using its extents).
+Not in a snapshot: puts in progress, and extents lent for one-RPC puts (a client notices the
+master restarted and stops using its extents). With HA, snapshots go to etcd instead
+(:class:`~mooncake_core.store.ha.Snapshots`).
 
 Thread-safety: :meth:`LocalSnapshots.write` runs on an executor thread with entries taken
 on the master's loop; nothing else is shared.

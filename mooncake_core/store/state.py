@@ -15,9 +15,9 @@ Contract:
 - Results are plain lists/dicts/tuples ready for msgpack.
 - Every change other masters must know (client and segment registry, committed
   objects, removals, replica changes) is emitted through ``on_change(entry)``; a
-  standby replays entries with :meth:`apply`. Pending puts and leases are not
-  replicated: a new leader treats unfinished puts as revoked and grants every object a
-  fresh lease.
+  standby replays entries with :meth:`apply`. Pending puts are not replicated: a new
+  leader treats unfinished puts as revoked. Leases are, coarsely and off the read path
+  (:mod:`~mooncake_core.store.replication`).
 - Tasks for clients (SSD offload, promotion, deleting an SSD copy) are queued per
   client and delivered by the ``poll`` RPC.
 - Reservations (one-RPC puts): a client may hold a few extents of a segment
@@ -351,6 +351,8 @@ class MasterState(Reservations, EvictionDriver, SsdTiering, HotKeys, Replication
         if self.promo_transient and key in self.promo_transient:
             self._admit_read(key, now)
         o.lease_until = now + self.cfg.lease_ttl_s
+        if o.lease_until > o.lease_rep and self.lease_dirty is not None:
+            self._lease_mark(o)  # HA: standbys learn this lease on the next tick
         self.lru.move_to_end(key)
         return o.size, [self._slices_out(rep) for rep in o.replicas], self.cfg.lease_ttl_s, o.token
 
@@ -371,6 +373,8 @@ class MasterState(Reservations, EvictionDriver, SsdTiering, HotKeys, Replication
         if o is None or not o.complete:
             return False
         o.lease_until = now + self.cfg.lease_ttl_s
+        if o.lease_until > o.lease_rep and self.lease_dirty is not None:
+            self._lease_mark(o)
         return True
 
     def batch_exists(self, keys: list[str], now: float) -> list[bool]:

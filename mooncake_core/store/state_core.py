@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import re
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -128,6 +129,7 @@ class Obj:
     owner: str = ""
     deadline: float = 0.0  # pending puts: reclaimed after this
     lease_until: float = 0.0
+    lease_rep: float = 0.0  # (HA) lease deadline logged for standbys; see replication.py
     soft_pin_until: float = 0.0
     hard_pin: bool = False
     disk: str = ""  # client id holding an SSD copy
@@ -249,7 +251,10 @@ class StateCore:
             self.on_task(c.client_id)
 
     def _obj_entry(self, o: Obj) -> tuple[Any, ...]:
-        return ("obj", o.key, o.size, o.replicas, o.disk, o.hard_pin, o.soft_pin_until)
+        pin = o.soft_pin_until  # replicated on the wall clock (each master's monotonic differs)
+        if pin:
+            pin += time.time() - time.monotonic()
+        return ("obj", o.key, o.size, o.replicas, o.disk, o.hard_pin, pin)
 
     def _strategy(self, cfg: ReplicaCfg, what: str) -> str:
         """The placement strategy ``cfg`` asks for (or the master's default), validated."""
