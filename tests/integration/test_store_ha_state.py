@@ -183,3 +183,31 @@ def test_leases_and_pins_survive_a_takeover(etcd_url: str, tmp_path: Path) -> No
         etcd.close()
         for m in masters:
             m.stop()
+
+
+def test_etcd_snapshots_keep_retention_and_skip_a_damaged_one(etcd_url: str) -> None:
+    """Retention, the oplog kept from the oldest snapshot kept, and the fallback when the
+    newest snapshot lost a part."""
+    from mooncake_core.errors import MetadataError
+    from mooncake_core.store.ha import LeaderInfo
+
+    etcd = StoreEtcd(etcd_url, f"ret-{uuid.uuid4().hex[:8]}")
+    try:
+        me = LeaderInfo("me", "127.0.0.1:1")
+        assert etcd.campaign(me, etcd.grant_lease(30))
+        snaps = Snapshots(etcd, retention=2)
+        seq = 0
+        for s in (3, 6, 9):
+            while seq < s:  # one batch per seq
+                seq = etcd.append(me, seq, [["k", seq]])
+            snaps.write(me, s, [["state", s]])
+        assert snaps.seqs() == [6, 9]
+        assert etcd.read_log(0, limit=1)[0][0] == 6  # below the oldest snapshot kept: gone
+        assert snaps.load() == (9, [["state", 9]])
+        etcd.delete(f"{snaps.prefix}{9:016d}/{0:06d}")  # the newest loses its only part
+        assert snaps.load() == (6, [["state", 6]])  # and the log from 6 on is still there
+        etcd.delete(f"{snaps.prefix}{6:016d}/parts")
+        with pytest.raises(MetadataError, match="no complete snapshot"):
+            snaps.load()
+    finally:
+        etcd.close()
