@@ -7,13 +7,14 @@ conductor-live-vllm [options]`` is the same as ``mooncake-core bench conductor -
 (:mod:`mooncake_core.bench.conductor_live`); this module runs the engines:
 
 - a store master (``mooncake-core master``);
-- two prefill vLLM servers, each pinned to one core (``taskset -c`` plus
-  ``VLLM_CPU_OMP_THREADS_BIND``), with vLLM's ``MultiConnector`` over our PD connector
-  (``kv_producer``) and our store connector (``kv_both``, all saving to and loading from
-  the one master), KV events published to the proxy;
+- two prefill vLLM servers, each pinned to one core (``VLLM_CPU_OMP_THREADS_BIND``, and
+  ``taskset -a -p`` on all its threads once it is ready), with vLLM's ``MultiConnector``
+  over our PD connector (``kv_producer``) and our store connector (``kv_both``, all
+  saving to and loading from the one master), KV events published to the proxy;
 - one decode vLLM server (``kv_consumer``) sharing the first prefill instance's core
   (the proxy is a PD proxy; the decode work is the same under both policies);
-- a random-weight Llama built locally (8 layers x 512 hidden, fp32; no hub).
+- a random-weight Llama built locally (8 layers x 512 hidden, fp32; no hub), run eager
+  (``--enforce-eager``: no compilation at start, which took minutes on the loaded cores).
 
 Per policy (phase): the instances keep running; their prefix caches are reset
 (``POST /reset_prefix_cache``, vLLM's dev endpoint, hence ``VLLM_SERVER_DEV_MODE=1``), the
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -165,6 +167,7 @@ class _Cluster:
                 log_stats=True,
                 env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": cores[i]},
                 args=[
+                    "--enforce-eager",
                     "--kv-events-config",
                     json.dumps(
                         {
@@ -175,7 +178,6 @@ class _Cluster:
                     ),
                 ],
             )
-            srv.cmd = ["taskset", "-c", cores[i], *srv.cmd]
             self.prefill.append(srv)
         self.decode = VLLMServer(
             self.model,
@@ -191,8 +193,8 @@ class _Cluster:
                 "kv_load_failure_policy": "recompute",
             },
             env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": cores[0]},
+            args=["--enforce-eager"],
         )
-        self.decode.cmd = ["taskset", "-c", cores[0], *self.decode.cmd]
         self.cores = cores
 
     def _prefill_config(self, stats: Path) -> dict[str, Any]:
@@ -228,6 +230,14 @@ class _Cluster:
             srv.start()
         for srv in self.servers:
             srv.wait_ready(900)
+        # pinned once ready: starting three servers pinned from the outset (imports, model
+        # load) took minutes longer on the shared cores
+        for srv, core in zip(self.servers, [*self.cores, self.cores[0]], strict=True):
+            subprocess.run(
+                ["taskset", "-a", "-c", "-p", core, str(srv.proc.pid)],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
         self.s.log(
             f"instances ready in {time.monotonic() - t0:.0f} s: prefill "
             f"{self.prefill[0].url} (core {self.cores[0]}), {self.prefill[1].url} "
@@ -404,6 +414,12 @@ def run_conductor_live(
     requests: list[LiveRequest], settings: LiveSettings
 ) -> dict[str, PhaseResult]:
     """Run the phases (see the module docstring); policy -> what it measured."""
+
+    def _term(signum: int, frame: Any) -> None:  # e.g. `timeout`: stop the servers first
+        raise SystemExit(128 + signum)
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, _term) if main_thread else None
     c = _Cluster(settings)
     try:
         c.start()
@@ -414,3 +430,5 @@ def run_conductor_live(
         raise
     finally:
         c.stop()
+        if main_thread:
+            signal.signal(signal.SIGTERM, old)
