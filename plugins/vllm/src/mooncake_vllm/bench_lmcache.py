@@ -73,7 +73,7 @@ class LMCachePeer:
         self._shm_before = _shm_names()
 
     def start(self, l1_gb: int = 1) -> None:
-        from mooncake_vllm.testing import engine_env
+        from mooncake_vllm.testing import engine_env, free_port
 
         argv = [
             "lmcache",
@@ -93,6 +93,10 @@ class LMCachePeer:
             "auto",
             "--max-workers",
             "2",
+            "--http-host",  # its HTTP API would take 0.0.0.0:8080 otherwise
+            "127.0.0.1",
+            "--http-port",
+            str(free_port()),
         ]
         code = f"import sys; from lmcache.cli.main import main; sys.argv = {argv!r}; main()"
         log = open(self.work / "lmcache-server.log", "wb")  # noqa: SIM115
@@ -101,7 +105,7 @@ class LMCachePeer:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=engine_env(),
+            env=engine_env({"LMCACHE_DISABLE_BANNER": "1"}),
         )
         log.close()
 
@@ -162,7 +166,7 @@ class LMCachePeer:
         if self.proc is not None and self.proc.poll() is None:
             from mooncake_vllm.bench_reap import kill_groups
 
-            kill_groups([self.proc.pid], timeout=15)
+            kill_groups([self.proc.pid], timeout=15, procs=[self.proc])
         left = sorted(
             n for n in _shm_names() - self._shm_before if "lmcache" in n.lower() or "lmc" in n
         )

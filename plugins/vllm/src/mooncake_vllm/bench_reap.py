@@ -72,8 +72,13 @@ class _Server(Protocol):
     def stop(self, sig: int = ...) -> None: ...
 
 
-def kill_groups(pgids: list[int], timeout: float = 20.0) -> None:
-    """SIGTERM each process group, wait up to ``timeout`` s in all, then SIGKILL what is left."""
+def kill_groups(
+    pgids: list[int], timeout: float = 20.0, procs: list[subprocess.Popen[bytes]] | None = None
+) -> None:
+    """SIGTERM each process group, wait up to ``timeout`` s in all, then SIGKILL what is left.
+
+    ``procs``: the group leaders that are our own children, polled while waiting (a dead
+    child stays a zombie, and so a member of its group, until it is waited for)."""
     alive = set(pgids)
     for g in list(alive):
         try:
@@ -82,6 +87,8 @@ def kill_groups(pgids: list[int], timeout: float = 20.0) -> None:
             alive.discard(g)
     end = time.monotonic() + timeout
     while alive and time.monotonic() < end:
+        for p in procs or ():
+            p.poll()
         for g in list(alive):
             try:
                 os.killpg(g, 0)
@@ -186,7 +193,8 @@ class ChildReaper:
             self._reaped = True
             groups = self._groups()
         if groups:
-            kill_groups(groups)
+            procs = [s.proc for s in self._servers if s.proc is not None] + self._procs
+            kill_groups(groups, procs=procs)
         for p in self._procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(1)
