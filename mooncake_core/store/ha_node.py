@@ -142,7 +142,7 @@ class HANode:
             )
             self._snap_seq = seq
             logger.info("snapshot in etcd at oplog seq %d (%d entries)", seq, len(entries))
-        except MetadataError as exc:
+        except Exception as exc:  # etcd hiccups: the next one is due soon
             logger.warning("snapshot at seq %d failed: %s", seq, exc)
         finally:
             self._snapshotting = False

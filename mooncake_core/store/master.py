@@ -32,6 +32,7 @@ import msgspec
 from aiohttp import web
 
 from mooncake_core.config import StoreConfig
+from mooncake_core.errors import ConfigError
 from mooncake_core.store import protocol as P
 from mooncake_core.store.ha_node import HANode
 from mooncake_core.store.master_conn import (
@@ -113,6 +114,8 @@ class MasterServer(HANode):
         self.ha_lease_ttl_s = ha_lease_ttl_s
         self.snapshot_every = snapshot_every
         self.snapshot_interval_s = snapshot_interval_s
+        if snapshot_retention < 1:
+            raise ConfigError(f"--snapshot-retention must be at least 1, got {snapshot_retention}")
         self.snapshot_retention = snapshot_retention
         self.takeover_lease_s = takeover_lease_s
         self._snap_seq = 0
