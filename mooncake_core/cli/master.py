@@ -423,9 +423,12 @@ def run(args: argparse.Namespace) -> int:
     quotas.update(parse_quotas(args.tenant_quota))
     snapshots = None
     snap_dir = args.snapshot_dir or pub.snapshot_dir
+    if snap_dir and (pub.ha_url or args.ha_url):
+        if args.snapshot_dir:
+            raise ConfigError("--snapshot-dir: not with HA (snapshots go into etcd with --ha)")
+        logger.warning("--snapshot_backup_dir ignored with HA: snapshots go into etcd")
+        snap_dir = ""
     if snap_dir:
-        if pub.ha_url or args.ha_url:
-            raise ConfigError("--snapshot-dir: not with HA (the oplog in etcd has its snapshots)")
         from mooncake_core.store.snapshots import SnapshotService
 
         snapshots = SnapshotService(
