@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from mooncake_core import config
-from mooncake_core.bench import rawtcp
+from mooncake_core.bench import rawtcp, store_hot
 
 SIZES = [64 << 10, 1 << 20, 16 << 20, 64 << 20]
 BATCH_N, BATCH_SZ = 32, 1 << 20
@@ -428,6 +428,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--rounds", type=int, default=None, help="rounds (default 3, quick 2)")
     ap.add_argument(
+        "--hot",
+        action="store_true",
+        help="also the hot-key phase: Zipf reads, hot-key replication on vs off (store_hot.py)",
+    )
+    ap.add_argument(
         "--compare-mooncake",
         metavar="PYTHON",
         default=None,
@@ -518,6 +523,9 @@ def main(argv: list[str] | None = None) -> int:
                 else ""
             )
         )
+    if args.hot:  # after the main figures, so it cannot disturb them
+        res.update(store_hot.run_hot(args.quick))
+        print(store_hot.format_hot(res))
     if args.json:
         print(json.dumps(res))
     return 0
