@@ -276,9 +276,12 @@ def _store_phase(
         t0 = time.monotonic()
         if peer is not None:
             peer.start()
-            peer.wait_ready(args.start_timeout)
-        for s in servers:
+        for s in servers[:3]:  # ours start while LMCache's server imports
             s.start()
+        if peer is not None:
+            peer.wait_ready(args.start_timeout)  # its connector needs the server at start
+            for s in servers[3:]:
+                s.start()
         reaper.sync()
         for s in servers:
             s.wait_ready(args.start_timeout)
