@@ -13,6 +13,9 @@ When (and only when) a process imports LMDeploy's modules, the finder runs after
   ``DLSlime``/``Mooncake`` backends): :func:`mooncake_lmdeploy.migration.register`
   replaces the ``Mooncake`` entry of ``MIGRATION_BACKENDS`` with ours (``force=True``).
   ``--migration-backend Mooncake`` then means mooncake-core's transfer engine.
+- after ``lmdeploy.pytorch.engine.engine_loop``:
+  :func:`mooncake_lmdeploy.per_request.patch_engine_loop` makes a failed migration fail
+  only its request (LMDeploy 0.18.0's decode engine otherwise stops on it).
 - after ``lmdeploy.pytorch.kv_connector``: ``mooncake_core.compat.install()`` makes
   ``mooncake.store`` our compat store, so LMDeploy's ``MooncakeStoreConnector`` (which
   imports ``mooncake.store.MooncakeDistributedStore`` when it starts) runs on our store.
@@ -57,6 +60,12 @@ def _register_backend(module: ModuleType) -> None:
     register()
 
 
+def _patch_engine_loop(module: ModuleType) -> None:
+    from mooncake_lmdeploy.per_request import patch_engine_loop
+
+    patch_engine_loop(module)
+
+
 def _install_compat(module: ModuleType) -> None:
     import mooncake_core.compat as compat
 
@@ -67,6 +76,7 @@ def _install_compat(module: ModuleType) -> None:
 HOOKS: dict[str, Callable[[ModuleType], None]] = {
     "lmdeploy.pytorch.disagg.backend": _register_backend,
     "lmdeploy.pytorch.kv_connector": _install_compat,
+    "lmdeploy.pytorch.engine.engine_loop": _patch_engine_loop,
 }
 
 

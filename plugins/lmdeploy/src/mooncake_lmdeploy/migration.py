@@ -58,6 +58,7 @@ __all__ = [
     "MigrationError",
     "MooncakeCoreMigrationBackend",
     "coalesce",
+    "migration_deadline_s",
     "register",
     "registered",
 ]
@@ -75,7 +76,32 @@ _GRACE_S = 5.0
 
 
 class MigrationError(RuntimeError):
-    """A KV migration failed or timed out; no transfer of it touches the blocks any more."""
+    """A KV migration failed or timed out.
+
+    ``blocks_safe`` (default True): no transfer of it touches the decode blocks any more,
+    so LMDeploy may give them to another request (:mod:`mooncake_lmdeploy.per_request`
+    then fails just this request). False only when the transfer engine overran the
+    deadline and its reads may still land."""
+
+    def __init__(self, message: str, *, blocks_safe: bool = True) -> None:
+        super().__init__(message)
+        self.blocks_safe = blocks_safe
+
+    def __reduce__(self) -> tuple[Any, ...]:  # Ray and multiprocessing pickle it
+        return (_rebuild_error, (str(self), self.blocks_safe))
+
+
+def _rebuild_error(message: str, blocks_safe: bool) -> MigrationError:
+    return MigrationError(message, blocks_safe=blocks_safe)
+
+
+def migration_deadline_s() -> float:
+    """The longest one migration of this process's backend can run before it has ended
+    for sure: the deadline (``MOONCAKE_LMDEPLOY_MIGRATION_TIMEOUT_S``, else
+    ``transfer.timeout_s``) plus the wind-down grace."""
+    raw = env_str(TIMEOUT_ENV)
+    base = float(raw) if raw else float(load_config().transfer.timeout_s)
+    return max(base, 0.0) + _GRACE_S
 
 
 @dataclass
@@ -339,7 +365,8 @@ class MooncakeCoreMigrationBackend:
             )
             raise MigrationError(
                 f"migration from {link.remote_engine_id!r} ({total} bytes in {len(reqs)} "
-                f"segments) did not finish within {timeout + _GRACE_S:.1f} s"
+                f"segments) did not finish within {timeout + _GRACE_S:.1f} s",
+                blocks_safe=False,
             ) from None
         except MooncakeError as exc:
             self.stats["failed"] += 1
@@ -351,12 +378,6 @@ class MooncakeCoreMigrationBackend:
         self.stats["migrations"] += 1
         self.stats["requests"] += len(reqs)
         self.stats["bytes"] += total
-
-    def store(self, assignment: Any, async_op: bool = False) -> None:
-        raise NotImplementedError("store is not part of LMDeploy's PD path (its backends neither)")
-
-    def load(self, assignment: Any, async_op: bool = False) -> None:
-        raise NotImplementedError("load is not part of LMDeploy's PD path (its backends neither)")
 
 
 def _impl_class() -> type:

@@ -23,6 +23,10 @@ driven by JSON lines on stdin (answers ``OK {json}`` / ``ERR message`` on stdout
   seconds taken (or ``ERR`` with the backend's error);
 - ``raw_serve`` / ``raw_read`` {port, nbytes}: the raw-socket reference of the bench
   (:mod:`mooncake_core.bench.rawtcp` over the first pool's memory);
+- ``loop_start`` {blocks} / ``loop_request`` {session_id, remote_engine_id, blocks,
+  tokens}: LMDeploy's decode ``EngineLoop.migration_loop`` over this cache engine
+  (:mod:`mooncake_lmdeploy.loop_harness`), and one migration request through it;
+- ``corrupt_link`` {remote_engine_id, delta}: a corrupt descriptor of the peer's pools;
 - ``modules``: the module ``mooncake.store`` resolves to; ``stats``: the backend's;
 - ``exit``.
 """
@@ -128,6 +132,8 @@ class _Rank:
     def __init__(self) -> None:
         self.eng: Any = None
         self.raw_buf: Any = None
+        self.loop: Any = None
+        self.saved_regions: dict[str, dict[int, tuple[int, int]]] = {}
 
     def setup(self, m: dict[str, Any]) -> dict[str, Any]:
         from lmdeploy.pytorch.disagg.backend.backend import MIGRATION_BACKENDS
@@ -186,6 +192,31 @@ class _Rank:
         t0 = time.perf_counter()
         asyncio.run(self.eng.migrate(batch))
         return {"seconds": time.perf_counter() - t0}
+
+    def loop_start(self, m: dict[str, Any]) -> dict[str, Any]:
+        """Start LMDeploy's decode migration loop over this rank's cache engine
+        (:class:`mooncake_lmdeploy.loop_harness.DecodeLoop`)."""
+        from mooncake_lmdeploy.loop_harness import DecodeLoop
+
+        self.loop = DecodeLoop(self.eng, int(m["blocks"]), int(m.get("block_size", 16)))
+        out: dict[str, Any] = self.loop.info()
+        return out
+
+    def corrupt_link(self, m: dict[str, Any]) -> dict[str, Any]:
+        """Shift by ``delta`` the prefill pool addresses our backend keeps for a link (a
+        corrupt memory descriptor: the prefill engine refuses the reads); 0 restores."""
+        link = self.eng.migration_backend_impl.links[m["remote_engine_id"]]
+        saved = self.saved_regions.setdefault(m["remote_engine_id"], dict(link.remote_regions))
+        delta = int(m["delta"])
+        link.remote_regions = {k: (a + delta, n) for k, (a, n) in saved.items()}
+        return {}
+
+    def loop_request(self, m: dict[str, Any]) -> dict[str, Any]:
+        """One migration request through that loop; its outcome."""
+        out: dict[str, Any] = self.loop.request(
+            int(m["session_id"]), str(m["remote_engine_id"]), list(m["blocks"]), int(m["tokens"])
+        )
+        return out
 
     def modules(self, m: dict[str, Any]) -> dict[str, Any]:
         """Which ``mooncake.store`` LMDeploy's store connector would import here."""
@@ -337,6 +368,8 @@ def main() -> int:
             say("ERR " + f"{type(exc).__name__}: {exc}".replace("\n", " "))
             continue
         say("OK " + json.dumps(out))
+    if rank.loop is not None:
+        rank.loop.close()
     impl = getattr(rank.eng, "migration_backend_impl", None)
     if impl is not None and hasattr(impl, "close"):
         impl.close()

@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 from mooncake_lmdeploy import autoload
@@ -163,3 +164,125 @@ def test_backend_refuses_what_it_cannot_serve(lmdeploy_msgs: ModuleType) -> None
             b.endpoint_info("q", proto.MigrationProtocol.RDMA)
     finally:
         b.close()
+
+
+def _executor(errors: list[BaseException | None]) -> Any:
+    """LMDeploy's UniExecutor (its ``migrate``) over a FAKE cache engine (the real one needs
+    a GPU here; the PD test runs the real one) whose ``migrate`` raises the next error."""
+    from types import SimpleNamespace
+
+    from lmdeploy.pytorch.engine.executor.uni_executor import UniExecutor
+
+    async def migrate(batch: object) -> None:
+        err = errors.pop(0)
+        if err is not None:
+            raise err
+
+    ex = UniExecutor.__new__(UniExecutor)  # its __init__ builds a GPU model agent
+    ex.model_agent = SimpleNamespace(cache_engine=SimpleNamespace(migrate=migrate))
+    return ex
+
+
+def _loop_with(executor: object) -> Any:
+    """LMDeploy's real decode EngineLoop and Scheduler around ``executor``."""
+    from types import SimpleNamespace
+
+    from lmdeploy.pytorch.config import CacheConfig, SchedulerConfig
+    from lmdeploy.pytorch.disagg.config import EngineRole, MigrationBackend
+    from lmdeploy.pytorch.engine.engine_loop import EngineLoop, EngineLoopConfig
+    from lmdeploy.pytorch.engine.request import RequestManager
+    from lmdeploy.pytorch.messages import SequenceMeta
+    from lmdeploy.pytorch.paging import Scheduler
+    from lmdeploy.pytorch.strategies.ar.sequence import ARSequenceStrategy
+
+    sched = Scheduler(
+        SchedulerConfig(max_batches=4, max_session_len=1024, max_request_output_len=16),
+        CacheConfig(
+            max_batches=4,
+            block_size=16,
+            num_cpu_blocks=0,
+            num_gpu_blocks=12,
+            migration_backend=MigrationBackend.Mooncake,
+        ),
+        seq_meta=SequenceMeta(16, strategy=ARSequenceStrategy()),
+    )
+
+    class Conn:
+        sent: list[int] = []
+
+        async def zmq_send(self, remote_engine_id: str, remote_session_id: int) -> None:
+            self.sent.append(remote_session_id)
+
+    return EngineLoop(
+        req_manager=RequestManager(),
+        scheduler=sched,
+        state_checkpoints=None,
+        executor=executor,
+        seq_strategy=None,
+        inputs_maker=SimpleNamespace(has_pending_long_context_chunk=lambda: False),
+        config=EngineLoopConfig(role=EngineRole.Decode),
+        engine_conn=Conn(),
+    )
+
+
+def _add(loop: Any, session_id: int) -> Any:
+    import asyncio
+
+    from lmdeploy.messages import ResponseType
+    from lmdeploy.pytorch.disagg.conn.protocol import MigrationProtocol, MigrationRequest
+    from lmdeploy.pytorch.engine.request import Response
+    from lmdeploy.pytorch.messages import SamplingParam
+
+    sched = loop.scheduler
+    sched.add_session(session_id)
+    req = MigrationRequest(
+        protocol=MigrationProtocol.RDMA,
+        remote_engine_id="p",
+        remote_session_id=session_id,
+        remote_token_id=3,
+        remote_block_ids=[0, 1],
+    )
+    sess = sched.get_session(session_id)
+    sess.add_sequence(list(range(1, 21)), sampling_param=SamplingParam(), migration_request=req)
+    seq = next(iter(sess.sequences.values()))
+    seq.resp = Response(
+        type=ResponseType.INTERNAL_ENGINE_ERROR,
+        sender_id=0,
+        event=asyncio.Event(),
+        data=None,
+        err_msg=None,
+    )
+    return seq
+
+
+def test_engine_loop_is_patched_and_a_failed_migration_fails_one_request() -> None:
+    """The real EngineLoop (patched by the import hook): of two ready requests, the one whose
+    migration raised MigrationError is stopped, its blocks freed, answered with LMDeploy's
+    INTERNAL_ENGINE_ERROR; the other gets its output. Other errors, and ours when the blocks
+    may still be written, propagate as upstream (the engine stops)."""
+    pytest.importorskip("lmdeploy.pytorch.engine.engine_loop")
+    import asyncio
+
+    from lmdeploy.pytorch.engine.engine_loop import EngineLoop
+
+    assert getattr(EngineLoop, "_mooncake_per_request_failures", False)
+
+    async def run() -> None:
+        loop = _loop_with(_executor([MigrationError("peer gone"), None]))
+        sched = loop.scheduler
+        a, b = _add(loop, 1), _add(loop, 2)
+        ready = sched.schedule_migration()
+        assert len(ready) == 2 and sched.block_manager.get_num_free_gpu_blocks() == 8
+        await loop._migration_loop_process_ready(ready)
+        assert a.status.name == "STOPPED" and a.num_blocks == 0 and a.resp.event.is_set()
+        assert a.resp.type.name == "INTERNAL_ENGINE_ERROR" and "peer gone" in a.resp.err_msg
+        assert b.status.name == "MIGRATION_DONE" and b.resp.type.name == "SUCCESS"
+        assert sched.block_manager.get_num_free_gpu_blocks() == 10
+        assert loop.engine_conn.sent == [1, 2]
+        for err in (RuntimeError("not ours"), MigrationError("late", blocks_safe=False)):
+            loop = _loop_with(_executor([err]))
+            _add(loop, 3)
+            with pytest.raises(type(err)):
+                await loop._migration_loop_process_ready(loop.scheduler.schedule_migration())
+
+    asyncio.run(run())
