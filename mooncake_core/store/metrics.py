@@ -17,14 +17,15 @@ a dashboard built for the published master reads ours. docs/observability.md lis
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from prometheus_client import Counter, Histogram
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     Metric,
     UnknownMetricFamily,
 )
@@ -84,87 +85,60 @@ class _Get:
             self.file_bytes += size
 
 
+class _Op:
+    """Tallies of one RPC method: plain numbers bumped on the event loop (no lock, no
+    prometheus_client call on the hot path); exported at scrape time by :class:`_OpCollector`."""
+
+    __slots__ = ("n", "errors", "buckets", "seconds")
+
+    def __init__(self) -> None:
+        self.n = self.errors = 0
+        self.buckets = [0] * (len(LATENCY_BUCKETS) + 1)  # last: above the largest bound
+        self.seconds = 0.0
+
+
 class Metrics:
     """Per-RPC counters and latency histograms plus the master's gauges, in a registry of
-    its own (several masters may share a process)."""
+    its own (several masters may share a process).
+
+    The per-RPC figures are plain tallies (one dict lookup, a bisect and a few integer
+    additions per call, about 1 us); a scrape turns them into the counter and histogram
+    families (:class:`_OpCollector`)."""
 
     def __init__(self, server: MasterView | None = None) -> None:
         self.server = server
         self.registry = new_registry()
         reg = self.registry
-        self._requests = Counter(
-            "mooncake_master_requests", "RPC requests by method", ["method"], registry=reg
-        )
-        self._errors = Counter(
-            "mooncake_master_request_errors",
-            "RPC requests that failed, by method",
-            ["method"],
-            registry=reg,
-        )
-        self._seconds = Histogram(
-            "mooncake_master_request_seconds",
-            "RPC handling latency",
-            ["method"],
-            buckets=LATENCY_BUCKETS,
-            registry=reg,
-        )
-        self._bad_frames = Counter(
-            "mooncake_master_bad_frames", "malformed RPC frames (connection closed)", registry=reg
-        )
-        self._lease_grants = Counter(
-            "mooncake_master_lease_grants",
-            "read leases granted (replica lookups and exists that found the object)",
-            registry=reg,
-        )
-        self._pub: dict[str, tuple[Counter, Counter]] = {}
-        for ours, pub in PUBLISHED_METHODS.items():
-            self._pub[ours] = (
-                Counter(f"master_{pub}_requests", f"{pub} requests", registry=reg),
-                Counter(f"master_{pub}_failures", f"failed {pub} requests", registry=reg),
-            )
-        self._methods: dict[str, tuple[Any, Any, Any]] = {}
+        self.ops: dict[str, _Op] = {}
+        self.bad_frames = 0
+        self.lease_grants = 0
         self.gets = _Get()
         self.leases: OrderedDict[str, float] = OrderedDict()  # key -> lease expiry (monotonic)
+        reg.register(_OpCollector(self))
         reg.register(_StateCollector(self))
 
     # ------------------------------------------------------------------ updates
-    @property
-    def bad_frames(self) -> int:
-        return int(self._bad_frames._value.get())
-
-    @bad_frames.setter
-    def bad_frames(self, value: int) -> None:
-        self._bad_frames.inc(max(0, value - self.bad_frames))
-
-    def _children(self, method: str) -> tuple[Any, Any, Any]:
-        ch = self._methods.get(method)
-        if ch is None:
-            if len(self._methods) >= _MAX_METHODS:
-                method = "other"
-                ch = self._methods.get(method)
-            if ch is None:
-                ch = self._methods[method] = (
-                    self._requests.labels(method),
-                    self._errors.labels(method),
-                    self._seconds.labels(method),
-                )
-        return ch
+    def _op(self, method: str) -> _Op:
+        if len(self.ops) >= _MAX_METHODS:  # unknown method names are lumped together
+            method = "other"
+        op = self.ops.get(method)
+        if op is None:
+            op = self.ops[method] = _Op()
+        return op
 
     def observe(
         self, method: str, seconds: float, ok: bool, args: Any = None, result: Any = None
     ) -> None:
         """One RPC ``method`` took ``seconds``; ``args``/``result`` (decoded arguments and the
         handler's result when ``ok``) feed the hit/miss and lease counters."""
-        req, err, sec = self._children(method)
-        req.inc()
-        sec.observe(seconds)
+        op = self.ops.get(method)
+        if op is None:
+            op = self._op(method)
+        op.n += 1
+        op.buckets[bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        op.seconds += seconds
         if not ok:
-            err.inc()
-        pub = self._pub.get(method)
-        if pub is not None:
-            pub[0].inc()
-            if not ok:
-                pub[1].inc()
+            op.errors += 1
         if args is None:
             return
         if method == "get_replica_list":
@@ -195,7 +169,7 @@ class Metrics:
         if ttl is None:
             server = self.server
             ttl = float(server.state.cfg.lease_ttl_s) if server is not None else 0.0
-        self._lease_grants.inc()
+        self.lease_grants += 1
         now = time.monotonic()
         leases = self.leases
         leases[key] = now + float(ttl)
@@ -222,6 +196,58 @@ class Metrics:
 
 def _g(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
+
+
+class _OpCollector(Collector):
+    """The per-RPC families, built from :class:`Metrics`' tallies at scrape time (the same
+    names prometheus_client's Counter/Histogram would export)."""
+
+    def __init__(self, m: Metrics) -> None:
+        self.m = m
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.m
+        ops = sorted(m.ops.items())
+        req = CounterMetricFamily(
+            "mooncake_master_requests", "RPC requests by method", labels=["method"]
+        )
+        err = CounterMetricFamily(
+            "mooncake_master_request_errors",
+            "RPC requests that failed, by method",
+            labels=["method"],
+        )
+        sec = HistogramMetricFamily(
+            "mooncake_master_request_seconds", "RPC handling latency", labels=["method"]
+        )
+        bounds = [*(f"{b:g}" for b in LATENCY_BUCKETS), "+Inf"]
+        for name, op in ops:
+            req.add_metric([name], op.n)
+            err.add_metric([name], op.errors)
+            acc, cum = 0, []
+            for le, c in zip(bounds, op.buckets, strict=True):
+                acc += c
+                cum.append((le, acc))
+            sec.add_metric([name], cum, op.seconds)
+        yield req
+        yield err
+        yield sec
+        for ours, pub in PUBLISHED_METHODS.items():
+            seen = m.ops.get(ours)
+            yield _counter(f"master_{pub}_requests", f"{pub} requests", seen.n if seen else 0)
+            yield _counter(
+                f"master_{pub}_failures", f"failed {pub} requests", seen.errors if seen else 0
+            )
+        yield _counter(
+            "mooncake_master_bad_frames", "malformed RPC frames (connection closed)", m.bad_frames
+        )
+        yield _counter(
+            "mooncake_master_lease_grants",
+            "read leases granted (replica lookups and exists that found the object)",
+            m.lease_grants,
+        )
 
 
 class _StateCollector(Collector):

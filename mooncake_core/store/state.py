@@ -68,7 +68,7 @@ from mooncake_core.store.state_core import (
     check_batch,
     check_key,
 )
-from mooncake_core.store.tenants import Quota, TenantObjects, TenantQuotas, tenant_of
+from mooncake_core.store.tenants import SEP, Quota, TenantQuotas
 from mooncake_core.store.tiering import SsdTiering
 
 __all__ = [
@@ -94,7 +94,8 @@ class MasterState(Reservations, EvictionDriver, SsdTiering, HotKeys, Replication
         self.rng = rng or random.Random()
         self.clients: dict[str, ClientInfo] = {}
         self.segments: dict[str, Segment] = {}
-        self.objects: dict[str, Obj] = TenantObjects()  # counts bytes per tenant
+        # a plain dict; a TenantObjects (bytes per tenant) while quotas are set (tenants.py)
+        self.objects: dict[str, Obj] = {}
         self.tenant_quotas: dict[str, Quota] = {}
         self.tenant_counters: dict[str, dict[str, int]] = {}
         self.lru: OrderedDict[str, None] = OrderedDict()
@@ -418,13 +419,15 @@ class MasterState(Reservations, EvictionDriver, SsdTiering, HotKeys, Replication
     def keys_by_regex(self, pattern: str, tenant: str = "") -> list[str]:
         """Complete keys of ``tenant`` whose key (without the tenant prefix) matches."""
         rx = self._regex(pattern)
-        if not tenant and not self.objects.count.keys() - {""}:  # type: ignore[attr-defined]
-            return [k for k, o in self.objects.items() if o.complete and rx.search(k)]
-        cut = len(tenant) + 1 if tenant else 0
+        if not tenant:  # the default tenant: keys without a tenant prefix
+            objs = self.objects.items()
+            return [k for k, o in objs if o.complete and SEP not in k and rx.search(k)]
+        prefix = tenant + SEP
+        cut = len(prefix)
         return [
             k
             for k, o in self.objects.items()
-            if o.complete and tenant_of(k) == tenant and rx.search(k[cut:])
+            if o.complete and k.startswith(prefix) and rx.search(k[cut:])
         ]
 
     def remove_by_regex(self, pattern: str, force: bool, now: float, tenant: str = "") -> int:

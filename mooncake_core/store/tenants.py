@@ -47,6 +47,7 @@ __all__ = [
     "namespaced",
     "parse_quotas",
     "read_quota_file",
+    "tenant_counts",
     "tenant_of",
     "user_key",
 ]
@@ -185,12 +186,18 @@ def read_quota_file(path: str) -> dict[str, Quota]:
 
 
 class TenantObjects(dict[str, Obj]):
-    """The master's object table, counting bytes and objects per tenant as it changes."""
+    """The master's object table, counting bytes and objects per tenant as it changes.
 
-    def __init__(self) -> None:
+    Only used while quotas are configured (:attr:`TenantQuotas.tenant_quotas`): the counts
+    cost every put and removal a Python call, so a master without quotas keeps a plain
+    ``dict`` and counts by walking it when asked (``/tenants``, ``/stats``)."""
+
+    def __init__(self, objects: Mapping[str, Obj] | None = None) -> None:
         super().__init__()
         self.bytes: dict[str, int] = {}
         self.count: dict[str, int] = {}
+        for k, o in (objects or {}).items():
+            self[k] = o
 
     def _add(self, key: str, o: Obj, sign: int) -> None:
         t = tenant_of(key)
@@ -218,11 +225,42 @@ class TenantObjects(dict[str, Obj]):
         raise KeyError(key)
 
 
-class TenantQuotas(StateCore):
-    """The part of ``MasterState`` that admits puts under their tenant's quota."""
+def tenant_counts(objects: Mapping[str, Obj]) -> tuple[dict[str, int], dict[str, int]]:
+    """``(bytes, objects)`` per tenant: kept by a :class:`TenantObjects`, else one walk."""
+    if isinstance(objects, TenantObjects):
+        return objects.bytes, objects.count
+    nbytes: dict[str, int] = {}
+    count: dict[str, int] = {}
+    for k, o in objects.items():
+        t = tenant_of(k) if SEP in k else ""
+        nbytes[t] = nbytes.get(t, 0) + o.size
+        count[t] = count.get(t, 0) + 1
+    return nbytes, count
 
-    tenant_quotas: dict[str, Quota]
+
+class TenantQuotas(StateCore):
+    """The part of ``MasterState`` that admits puts under their tenant's quota.
+
+    Zero cost until quotas are set: the object table is a plain ``dict`` and :meth:`_admit`
+    returns at its first test. Setting :attr:`tenant_quotas` to a non-empty mapping turns the
+    table into a :class:`TenantObjects` (one walk to count what is there); setting it empty
+    turns it back."""
+
     tenant_counters: dict[str, dict[str, int]]
+    _quotas: dict[str, Quota]
+
+    @property
+    def tenant_quotas(self) -> dict[str, Quota]:
+        return self._quotas
+
+    @tenant_quotas.setter
+    def tenant_quotas(self, quotas: dict[str, Quota]) -> None:
+        self._quotas = quotas
+        counting = isinstance(self.objects, TenantObjects)
+        if quotas and not counting:
+            self.objects = TenantObjects(self.objects)
+        elif not quotas and counting:
+            self.objects = dict(self.objects)
 
     def _tenant_count(self, tenant: str, what: str, n: int = 1) -> None:
         c = self.tenant_counters.setdefault(tenant, {"evictions": 0, "refused": 0})
@@ -236,13 +274,17 @@ class TenantQuotas(StateCore):
 
     def _admit(self, key: str, size: int, now: float) -> None:
         """Make room for ``size`` more bytes in ``key``'s tenant, or raise ``NoSpace``."""
-        if not self.tenant_quotas:
+        if not self._quotas:
             return
         t = tenant_of(key)
         q = self.quota_of(t)
         if q is None:
             return
-        objs: Any = self.objects
+        objs = self.objects
+        if not isinstance(objs, TenantObjects):  # quotas set by hand, table not switched
+            self.tenant_quotas = self._quotas
+            objs = self.objects
+            assert isinstance(objs, TenantObjects)
         used = int(objs.bytes.get(t, 0))
         if used + size <= q.bytes:
             return
@@ -274,19 +316,15 @@ class TenantQuotas(StateCore):
         )
 
     def tenant_stats(self) -> dict[str, dict[str, Any]]:
-        objs: Any = self.objects
-        names = (
-            set(objs.count)
-            | set(self.tenant_counters)
-            | {t for t in self.tenant_quotas if t != "*"}
-        )
+        nbytes, count = tenant_counts(self.objects)
+        names = set(count) | set(self.tenant_counters) | {t for t in self.tenant_quotas if t != "*"}
         out: dict[str, dict[str, Any]] = {}
         for t in sorted(names):
             q = self.quota_of(t)
             c = self.tenant_counters.get(t, {})
             out[t] = {
-                "objects": int(objs.count.get(t, 0)),
-                "bytes": int(objs.bytes.get(t, 0)),
+                "objects": int(count.get(t, 0)),
+                "bytes": int(nbytes.get(t, 0)),
                 "quota": q.bytes if q is not None else None,
                 "on_full": None if q is None else ("refuse" if q.refuse else "evict"),
                 "evictions": c.get("evictions", 0),
