@@ -80,6 +80,8 @@ from mooncake_core.errors import (
     SegmentError,
 )
 from mooncake_core.store import StoreClient
+from mooncake_core.store.protocol import InvalidArgument
+from mooncake_core.store.tenants import check_tenant
 from mooncake_core.transfer.engine import TransferEngine as _Engine
 from mooncake_core.transfer.memory import host_view
 
@@ -207,8 +209,13 @@ class MooncakeDistributedStore(TensorMethods, ReplicaMethods, SegmentMethods, Se
                 "setup: sizes must not be negative (%d, %d)", global_segment_size, local_buffer_size
             )
             return INVALID_PARAMS
-        if tenant_id != "default" or enable_client_http_server:
-            logger.info("setup: tenant_id and the client HTTP server are not supported; ignored")
+        if enable_client_http_server:
+            logger.info("setup: the client HTTP server is not supported; ignored")
+        try:  # keys live in the tenant's namespace, under its quota (docs/store.md)
+            tenant = check_tenant("" if tenant_id == "default" else tenant_id, "setup: tenant_id")
+        except InvalidArgument as exc:
+            logger.error("%s", exc)
+            return INVALID_PARAMS
         env = dict(environment())
         env.pop("MOONCAKE_CONFIG_PATH", None)
         meta = metadata_server.strip() or "P2PHANDSHAKE"
@@ -252,6 +259,7 @@ class MooncakeDistributedStore(TensorMethods, ReplicaMethods, SegmentMethods, Se
                 segment_size=global_segment_size,
                 engine=inner,
                 ssd_path=ssd_offload_path if enable_ssd_offload else "",
+                tenant=tenant,
             )
             client.start()
         except (MooncakeError, OSError) as exc:
@@ -319,7 +327,8 @@ class MooncakeDistributedStore(TensorMethods, ReplicaMethods, SegmentMethods, Se
         """True (after logging why) when the published store refuses this call with -600:
         a config it rejects, or a bytes call (``staged``) on a store set up with
         ``local_buffer_size=0`` (the published client stages such values in that buffer)."""
-        why = config.problem() if config is not None else None
+        tenant = self._client.tenant if self._client is not None else None
+        why = config.problem(tenant) if config is not None else None
         if why is None and staged and self._client is not None and not self._local_buffer_size:
             why = "the store was set up with local_buffer_size=0 (use put_from / get_into)"
         if why is not None:

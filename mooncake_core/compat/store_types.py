@@ -186,6 +186,7 @@ _FIELDS = (
     "prefer_alloc_in_same_node",
     "data_type",
     "group_ids",
+    "tenant_id",
 )
 
 
@@ -200,6 +201,9 @@ class ReplicateConfig:
     ``preferred_segments``), ``prefer_alloc_in_same_node`` (local-first placement).
     Kept but without effect: ``nof_replica_num``, ``dfs_replica_num``,
     ``preferred_nof_segments``, ``data_type``, ``group_ids``.
+    Ours only: ``tenant_id`` ("" = the store's own): a put naming another tenant than the one
+    its store was set up with (``setup(..., tenant_id=...)``) is refused, so a writer never
+    charges a tenant's quota or namespace it did not mean to.
     """
 
     __slots__ = tuple("_v_" + f for f in _FIELDS)
@@ -216,6 +220,7 @@ class ReplicateConfig:
     prefer_alloc_in_same_node = _Typed(_flag, lambda: False)
     data_type = _Typed(_member_of(ObjectDataType), lambda: ObjectDataType.UNKNOWN)
     group_ids = _Typed(_opt_texts, lambda: None)
+    tenant_id = _Typed(_text, lambda: "")
 
     def __init__(self) -> None:
         for name in _FIELDS:
@@ -242,8 +247,12 @@ class ReplicateConfig:
             f"data_type: {self.data_type.name} }}"
         )
 
-    def problem(self) -> str | None:
-        """Why a put with this config is refused (-600 in the published store), or None."""
+    def problem(self, tenant: str | None = None) -> str | None:
+        """Why a put with this config is refused (-600 in the published store), or None.
+        ``tenant``: the putting store's tenant ("" the default one; None: not checked)."""
+        own = (tenant or "default") if tenant is not None else None
+        if own is not None and self.tenant_id and self.tenant_id != own:
+            return f"config.tenant_id {self.tenant_id!r} is not this store's tenant {own!r}"
         if self.soft_pin_ttl_ms is not None and self.soft_pin_action != SoftPinAction.ENABLE:
             return (
                 f"soft_pin_ttl_ms={self.soft_pin_ttl_ms} needs soft_pin_action ENABLE"

@@ -8,6 +8,7 @@ tenant's quota is enforced at put by evicting only that tenant's objects (or ref
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -201,3 +202,115 @@ def test_bad_quota_flags_are_one_line_errors(tmp_path: Path) -> None:
         )
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr
+
+
+# ---------------------------------------------------------------------- compat entry points
+def _compat(m: Master, *args: Any, **kw: Any) -> Any:
+    """A compat ``MooncakeDistributedStore`` set up against ``m`` (positional form)."""
+    from mooncake_core.compat.store import MooncakeDistributedStore
+
+    s = MooncakeDistributedStore()
+    rc = s.setup("127.0.0.1", "P2PHANDSHAKE", 4 << 20, 1 << 20, "tcp", "", m.address, *args, **kw)
+    assert rc == 0
+    return s
+
+
+def test_compat_setup_tenant_id_and_mooncake_json(
+    master: tuple[Master, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The published entry points: ``setup(..., tenant_id=)``, ``setup({"tenant_id": ...})``
+    and a ``MOONCAKE_CONFIG_PATH`` file read by ``mooncake_config``, each put in its tenant."""
+    from mooncake_core.compat.mooncake_config import MooncakeConfig
+    from mooncake_core.compat.store import MooncakeDistributedStore, ReplicateConfig
+
+    m, _ = master
+    a = _compat(m, tenant_id="compat-a")
+    b = MooncakeDistributedStore()
+    assert (
+        b.setup(
+            {
+                "local_hostname": "127.0.0.1",
+                "metadata_server": "P2PHANDSHAKE",
+                "global_segment_size": 4 << 20,
+                "local_buffer_size": 1 << 20,
+                "master_server_addr": m.address,
+                "tenant_id": "compat-b",
+            }
+        )
+        == 0
+    )
+    plain = _compat(m)  # tenant_id "default": the default tenant, as before
+    cfg_file = tmp_path / "mooncake.json"
+    cfg_file.write_text(
+        json.dumps(
+            {
+                "local_hostname": "127.0.0.1",
+                "metadata_server": "P2PHANDSHAKE",
+                "master_server_address": m.address,
+                "global_segment_size": 0,
+                "local_buffer_size": 1 << 20,
+                "tenant_id": "compat-b",
+            }
+        )
+    )
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(cfg_file))
+    c = MooncakeConfig.load_from_env()
+    from_file = MooncakeDistributedStore()
+    assert (
+        from_file.setup(
+            c.local_hostname,
+            c.metadata_server,
+            c.global_segment_size,
+            c.local_buffer_size,
+            c.protocol,
+            c.device_name,
+            c.master_server_address,
+            tenant_id=c.tenant_id,
+        )
+        == 0
+    )
+    try:
+        assert a.put("k", b"from-a") == 0
+        assert b.is_exist("k") == 0 and plain.is_exist("k") == 0 and b.get("k") == b""
+        assert b.put("k", b"from-b") == 0 and plain.put("k", b"plain") == 0
+        assert a.get("k") == b"from-a" and b.get("k") == b"from-b"
+        assert plain.get("k") == b"plain"
+        assert from_file.get("k") == b"from-b"  # mooncake.json's tenant_id: compat-b
+        # ReplicateConfig.tenant_id: a put naming another tenant than the store's is refused
+        cfg = ReplicateConfig()
+        cfg.tenant_id = "compat-a"
+        assert a.put("k2", b"x", cfg) == 0 and a.get("k2") == b"x"
+        with caplog.at_level(logging.ERROR):
+            assert b.put("k3", b"y", cfg) < 0
+        assert "not this store's tenant 'compat-b'" in caplog.text
+        assert a.is_exist("k3") == 0 and b.is_exist("k3") == 0
+        # a bad tenant name: setup fails with one line naming it
+        caplog.clear()
+        bad = MooncakeDistributedStore()
+        with caplog.at_level(logging.ERROR):
+            assert (
+                bad.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", m.address, tenant_id="a b")
+                < 0
+            )
+        assert "tenant_id 'a b'" in caplog.text
+    finally:
+        for s in (a, b, plain, from_file):
+            s.remove_all()
+            s.close()
+
+
+def test_compat_store_is_held_to_its_tenants_quota(
+    master: tuple[Master, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    m, _ = master
+    strict = _compat(m, tenant_id="strict")  # --tenant-quota strict=128KB:refuse
+    try:
+        with caplog.at_level(logging.ERROR):
+            assert strict.put("too-big", b"z" * (200 * KB)) < 0
+        assert "tenant 'strict'" in caplog.text and "128.0 KiB quota" in caplog.text
+        assert strict.is_exist("too-big") == 0
+    finally:
+        strict.close()

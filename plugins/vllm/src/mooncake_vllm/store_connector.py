@@ -30,7 +30,9 @@ cache into the pool); ``get_transfer_results`` reports requests whose saves fini
 Options (``kv_connector_extra_config``): ``mooncake`` (config overrides, e.g.
 ``master_server_address``), ``segment_size`` (memory this instance lends to the pool,
 default the config's ``global_segment_size``; ``0`` lends none), ``stats_dir``,
-``lookup_timeout_s`` (2), ``retry_after_s`` (10), ``warm_up`` (true).
+``lookup_timeout_s`` (2), ``retry_after_s`` (10), ``warm_up`` (true), ``tenant`` (the
+store tenant whose namespace and quota this instance's pages use; default none: see
+docs/store.md, "Tenants and quotas").
 
 Start-up does the first-use work, so the first store hit costs what later ones do: the
 scheduler connects to the master when the engine starts (not at its first lookup); the
@@ -112,6 +114,13 @@ def _rank_dir(rank: int, size: int) -> str:
     return rank_dir(rank, size)
 
 
+def tenant_of_config(extra: dict[str, Any]) -> str:
+    """The ``tenant`` option, checked (a bad name stops the engine with one clear line)."""
+    from mooncake_core.store.tenants import check_tenant
+
+    return check_tenant(str(option(extra, "tenant", "") or ""), "kv_connector_extra_config.tenant")
+
+
 def scheme_of(vllm_config: Any) -> StoreKeyScheme:
     """The key scheme of this vLLM engine (model, dtype, block size, TP size)."""
     mc = vllm_config.model_config
@@ -133,10 +142,12 @@ class _StoreScheduler:
         self.tp_size = self.scheme.tp_size
         self.retry_after_s = float(option(extra, "retry_after_s", 10.0))
         self.counters = Counters(f"store-sched-{engine_id}", option(extra, "stats_dir", None))
+        tenant = tenant_of_config(extra)
         self._make_client: Any = lambda: StoreClient(
             config_from_engine(extra),
             segment_size=0,
             failover_timeout_s=float(option(extra, "lookup_timeout_s", 2.0)),
+            tenant=tenant,
         )
         self.client: Any = None
         self._down_until = 0.0
@@ -297,6 +308,7 @@ class _StoreWorker:
         self, vllm_config: Any, extra: dict[str, Any], engine_id: str, tp_rank: int
     ) -> None:
         self.extra = extra
+        self.tenant = tenant_of_config(extra)
         self.scheme = scheme_of(vllm_config)
         self.tp_rank = tp_rank
         self.counters = Counters(
@@ -336,7 +348,7 @@ class _StoreWorker:
         size = int(cfg.global_segment_size) if seg is None else int(parse_size(seg))
         try:
             self.client = StoreClient(
-                cfg, segment_size=size, failover_timeout_s=self.retry_timeout_s
+                cfg, segment_size=size, failover_timeout_s=self.retry_timeout_s, tenant=self.tenant
             ).start()
         except Exception as exc:  # serve without the pool rather than not at all
             logger.warning(
