@@ -40,7 +40,7 @@ from mooncake_core.jsonpipe import JsonLinesProcess
 __all__ = ["main"]
 
 PY = sys.executable
-DEFAULT_CONCURRENCY = 4
+DEFAULT_CONCURRENCY = 8
 DEFAULT_ORIGIN_STREAMS = 2
 
 

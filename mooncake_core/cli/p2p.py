@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("name", metavar="NAME")
     p.add_argument("out", metavar="OUT", help="file (or directory, for a directory seed)")
     p.add_argument("--serve", action="store_true", help="keep serving it after writing OUT")
-    p.add_argument("--concurrency", type=int, default=4, help="shards fetched at once")
+    p.add_argument("--concurrency", type=int, default=8, help="shards fetched at once (default 8)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p = sub.add_parser("ls", help="list registered names and their live holders")
     p.add_argument("prefix", nargs="?", default="", metavar="PREFIX")

@@ -267,13 +267,18 @@ class Download:
                 (self.keys.obj(m.name), self._manifest_event, False),
             ):
                 self._cancels.append(
-                    watch(key, cb, prefix=prefix, start_revision=rev + 1, on_error=self._unwatch)
+                    watch(key, cb, prefix=prefix, start_revision=rev + 1, on_error=self._watch_lost)
                 )
         except MetadataError as exc:
             logger.warning("p2p %s: no etcd watch (%s); polling instead", m.name, exc)
             self._unwatch(exc)
             return
         self._watching = True
+
+    def _watch_lost(self, exc: BaseException) -> None:
+        """A watch ended (etcd lost): poll from now on (called on the etcd client's thread,
+        so the watches are cancelled later, by :meth:`run`)."""
+        self._watching = False
 
     def _unwatch(self, exc: BaseException | None = None) -> None:
         """Stop the watches (the refresher polls from then on)."""

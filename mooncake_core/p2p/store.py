@@ -415,7 +415,7 @@ class P2PStore:
         into: Any = None,
         *,
         swarm: bool = True,
-        concurrency: int = 4,
+        concurrency: int = 8,
         origin_streams: int = 2,
         progress: Callable[[Progress], None] | None = None,
         timeout: float | None = None,
