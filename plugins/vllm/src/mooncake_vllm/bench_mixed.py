@@ -8,8 +8,9 @@ What PD is for: long prefills stop disturbing decodes. Under a steady load:
   ``--mixed-interval`` seconds, whatever is in flight;
 
 served by PD (a prefill vLLM pinned to the first core and a decode vLLM pinned to the second,
-each with ``taskset`` and one OpenMP thread, ``MooncakeCoreConnector`` between them, the
-proxy in the bench process) and by one monolithic vLLM with both cores (``taskset`` on both,
+each with one OpenMP thread, every thread of its processes moved there with ``taskset``
+once it is ready, ``MooncakeCoreConnector`` between them, the
+proxy in the bench process) and by one monolithic vLLM with both cores (``taskset`` onto both,
 two OpenMP threads, vLLM's default scheduler: chunked prefill mixes a long prompt's chunk
 into the decodes' step). Both run the same load in alternating windows (PD, mono, PD, mono),
 so drift on a shared machine hits both alike. All prompts are distinct (no prefix hits).
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +55,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mixed-interval", type=float, default=8.0, help="seconds between long prompts")
     g.add_argument("--slo-ttft-ms", type=float, default=10000.0)
     g.add_argument("--slo-tbt-ms", type=float, default=500.0)
+
+
+def _group_pids(pgid: int) -> list[int]:
+    """Live processes of process group ``pgid`` (from /proc)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(d))
+    return out
 
 
 def _tokens(n: int, rng: random.Random) -> list[int]:
@@ -175,13 +193,25 @@ def mixed_phase(
             kv_transfer_config=kv,
             **common,
         )
-        s.cmd = ["taskset", "-c", cpus, *s.cmd]  # every thread of the server, not only OpenMP's
         reaper.server(s)
         return s
 
+    def pin_group(s: VLLMServer, cpus: str) -> None:
+        """Every thread of every process of the server's group onto ``cpus`` (once it is
+        ready: a pinned start-up takes minutes on loaded cores)."""
+        assert s.proc is not None
+        for pid in _group_pids(s.proc.pid):
+            subprocess.run(
+                ["taskset", "-a", "-cp", cpus, str(pid)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                check=False,
+            )
+
     pre = pinned("mixed-prefill", c0, pd_transfer_config("kv_producer", stats_dir=stats))
     dec = pinned("mixed-decode", c1, pd_transfer_config("kv_consumer", stats_dir=stats))
-    mono = pinned("mixed-mono", f"{c0},{c1}" if c0 != c1 else c0, None)
+    mono_cpus = f"{c0},{c1}" if c0 != c1 else c0
+    mono = pinned("mixed-mono", mono_cpus, None)
     servers = [pre, dec, mono]
     stop = None
     load0 = os.getloadavg()[0]
@@ -193,6 +223,8 @@ def mixed_phase(
         for s in servers:
             s.wait_ready(args.start_timeout)
         reaper.sync()
+        for s, cpus in ((pre, c0), (dec, c1), (mono, mono_cpus)):
+            pin_group(s, cpus)
         proxy = ProxyServer(ProxyConfig(prefill=(pre.url,), decode=(dec.url,), port=0))
         purl, stop = proxy.run_in_thread()
         log(
