@@ -5,8 +5,9 @@ rank 0 bound to core 0 and rank 1 to core 1 (``--enforce-eager``: torch.compile'
 of two ranks at once took over 2 minutes on this 2-core machine):
 
 - PD: a prefill instance (``kv_producer``) and a decode instance (``kv_consumer``), both
-  TP=2, behind the proxy. The reference output is the decode instance asked directly: a
-  request without ``kv_transfer_params`` is computed there in full (a TP=2 monolithic run).
+  TP=2, behind the proxy. The reference output is a TP=2 instance computing the prompt in
+  full: S2 below on a prompt it never saw, or the decode instance asked directly (a request
+  without ``kv_transfer_params`` is computed there) on a prompt it never saw.
 - store: a master, a TP=2 instance S2 with ``MooncakeCoreStoreConnector`` and vLLM's own
   prefix cache off (so a repeated prompt can only be served from the store), and a TP=1
   instance S1 on the same master.
@@ -163,9 +164,12 @@ def test_pd_tp2_equals_tp2_monolithic(tp: TP) -> None:
     stats = tp.stats / "pd"
     for n, salt in ((5 * BLOCK + 1, 1), (300, 2)):
         prompt = token_prompt(n, salt)
+        # the reference first, on S2 (prefix cache off, store empty for this prompt): computed
+        # in full on TP=2; not on the decode instance, whose prefix cache would then serve PD
+        want = _ask(tp.s2.url, prompt)
+        assert _cached(want) == 0
         before = _per_rank(stats, "pd-kv_consumer-", "recv_blocks")
         got = _ask(tp.proxy_url, prompt)
-        want = _ask(tp.decode.url, token_prompt(n, salt))  # computed in full on TP=2
         assert _text(got) == _text(want), f"PD TP=2 answer differs for a {n}-token prompt"
         after = _per_rank(stats, "pd-kv_consumer-", "recv_blocks")
         # each decode rank pulled its own shard of the prompt's full blocks
