@@ -65,7 +65,7 @@ class TP:
 def _no_tp_error(server: VLLMServer) -> str | None:
     for line in server.log_text().splitlines():
         if _NO_TP.search(line):
-            return line.strip()
+            return str(line).strip()
     return None
 
 
@@ -97,7 +97,10 @@ def tp(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[T
         )
 
     def store(name: str) -> dict[str, Any]:
-        return store_transfer_config(addr, segment_size="32MiB", stats_dir=str(stats / name))
+        cfg: dict[str, Any] = store_transfer_config(
+            addr, segment_size="32MiB", stats_dir=str(stats / name)
+        )
+        return cfg
 
     servers = [
         server("prefill", pd_transfer_config("kv_producer", stats_dir=str(stats / "pd")), True),
@@ -181,11 +184,14 @@ def test_store_hit_tp2_seen_by_both_ranks(tp: TP) -> None:
     prompt = token_prompt(7 * BLOCK + 5, 3)
     pages = len(prompt) // BLOCK
     stats = tp.stats / "S2"
+    before = _per_rank(stats, "store-worker-", "save_objects")  # cumulative over the module
     first = _ask(tp.s2.url, prompt)  # a miss: computed and saved by both ranks
     assert _cached(first) == 0
     wait_for(
         lambda: all(
-            _per_rank(stats, "store-worker-", "save_objects").get(r, 0) >= pages * 2 for r in (0, 1)
+            _per_rank(stats, "store-worker-", "save_objects").get(r, 0)
+            >= before.get(r, 0) + pages * 2
+            for r in (0, 1)
         ),
         60,
         "both ranks' pages saved (2 layers each)",
@@ -202,11 +208,13 @@ def test_store_hit_tp2_seen_by_both_ranks(tp: TP) -> None:
 
 def test_tp1_does_not_take_tp2_shards(tp: TP) -> None:
     prompt = token_prompt(6 * BLOCK + 3, 4)
-    _ask(tp.s2.url, prompt)
     stats = tp.stats / "S2"
-    wait_for(
+    before = _per_rank(stats, "store-worker-", "save_objects")
+    _ask(tp.s2.url, prompt)
+    wait_for(  # 6 pages x 2 layers more on each rank
         lambda: all(
-            _per_rank(stats, "store-worker-", "save_objects").get(r, 0) >= 6 * 2 for r in (0, 1)
+            _per_rank(stats, "store-worker-", "save_objects").get(r, 0) >= before.get(r, 0) + 12
+            for r in (0, 1)
         ),
         60,
         "the TP=2 pages saved",
