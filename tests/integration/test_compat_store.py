@@ -385,6 +385,7 @@ def test_an_abandoned_store_closes_without_blocking_the_thread_that_collects_it(
     del store
     gc.collect()
     took = time.monotonic() - t0
-    assert took < 1.0, f"dropping the store blocked the collecting thread for {took:.1f}s"
+    # the old behaviour waited 15 s for the master; 5 s leaves room for a loaded machine
+    assert took < 5.0, f"dropping the store blocked the collecting thread for {took:.1f}s"
     inner._poller.join(15)
     assert inner._closed and not inner._poller.is_alive()
