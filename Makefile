@@ -11,8 +11,11 @@ demo: setup
 demo-transfer: setup
 	$(PY) -m mooncake_core demo
 
+# Two pytest-xdist workers, one test module (or the engine group) per worker at a time;
+# see conftest.py. TEST_WORKERS=0 runs the suite in this process.
+TEST_WORKERS ?= 2
 test: setup lint mooncake-peer
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=25
 
 # The published Mooncake wheel in a scratch venv: the comparison tests run our compat
 # layer and the real package side by side (they skip, saying why, if this failed).
@@ -24,8 +27,8 @@ test-quick: setup
 
 # lint-imports checks the import layering in .importlinter (no cycles, no adapter in the core).
 lint: setup
-	$(PY) -m ruff check mooncake_core plugins conformance tests benchmarks examples
-	$(PY) -m ruff format --check mooncake_core plugins conformance tests benchmarks examples
+	$(PY) -m ruff check conftest.py mooncake_core plugins conformance tests benchmarks examples
+	$(PY) -m ruff format --check conftest.py mooncake_core plugins conformance tests benchmarks examples
 	$(PY) -m mypy
 	.venv/bin/lint-imports --no-cache --no-logo
 
