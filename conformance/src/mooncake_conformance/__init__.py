@@ -7,7 +7,7 @@ Adapters subclass :class:`AdapterContract` together with their own
 from __future__ import annotations
 
 from mooncake_conformance.adapter import AdapterContract
-from mooncake_conformance.fixtures import AdapterFixtures
+from mooncake_conformance.fixtures import AdapterFixtures, adapter_fixtures
 from mooncake_conformance.harness import EngineHarness, HarnessSpec, KVLayout, build_harness
 from mooncake_conformance.status import describe
 from mooncake_conformance.store import StoreCluster
@@ -19,6 +19,7 @@ __all__ = [
     "HarnessSpec",
     "KVLayout",
     "StoreCluster",
+    "adapter_fixtures",
     "build_harness",
     "describe",
 ]

@@ -10,6 +10,8 @@ An adapter's test module defines one class per engine::
     class TestSGLang(AdapterContract, SGLangFixtures):
         pass
 
+:func:`adapter_fixtures` builds such a class from plain values (the usual way).
+
 *Must* override: ``adapter_name``, ``harness_factory``, ``kv_layout`` (give it
 ``params=`` with every layout the engine offers) and ``base_layout`` (the layout the
 behavioural checks use). *May* override: ``adapter_package``, ``harness_options``,
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -32,7 +34,7 @@ from mooncake_conformance.harness import EngineHarness, HarnessSpec, KVLayout, b
 from mooncake_conformance.store import StoreCluster
 from mooncake_conformance.worker import Worker
 
-__all__ = ["AdapterFixtures", "MakeHarness", "SpawnWorker"]
+__all__ = ["AdapterFixtures", "MakeHarness", "SpawnWorker", "adapter_fixtures"]
 
 MakeHarness = Callable[..., EngineHarness]
 SpawnWorker = Callable[[HarnessSpec], Worker]
@@ -185,3 +187,77 @@ class AdapterFixtures:
         yield spawn
         for w in started:
             w.close()
+
+
+def adapter_fixtures(
+    adapter_name: str,
+    harness_factory: str,
+    layouts: Sequence[KVLayout],
+    *,
+    adapter_package: str = "",
+    harness_options: Mapping[str, Any] | None = None,
+    worker_env: Callable[[], dict[str, str]] | None = None,
+    call_budget_s: float = 20.0,
+    supports_multiprocess: bool = True,
+    supports_store_faults: bool = True,
+) -> type[AdapterFixtures]:
+    """An :class:`AdapterFixtures` subclass from plain values, so an adapter's test module
+    needs no fixture boilerplate::
+
+        SGLangFixtures = adapter_fixtures("sglang", "pkg.harness:make_harness", LAYOUTS)
+
+        class TestSGLang(AdapterContract, SGLangFixtures):
+            pass
+
+    ``layouts[0]`` is the base layout the behavioural checks use; every layout is a
+    parameter of the layout checks. ``worker_env`` is called per check (it may read the
+    environment at that time).
+    """
+    if not layouts:
+        raise ValueError(f"adapter {adapter_name!r}: layouts is empty; give at least one")
+    all_layouts = list(layouts)
+    options = dict(harness_options or {})
+
+    class _Fixtures(AdapterFixtures):
+        @pytest.fixture
+        def adapter_name(self) -> str:
+            return adapter_name
+
+        @pytest.fixture
+        def adapter_package(self) -> str:
+            return adapter_package
+
+        @pytest.fixture
+        def harness_factory(self) -> str:
+            return harness_factory
+
+        @pytest.fixture(params=all_layouts, ids=[lay.label for lay in all_layouts])
+        def kv_layout(self, request: pytest.FixtureRequest) -> KVLayout:
+            return request.param  # type: ignore[no-any-return]
+
+        @pytest.fixture
+        def base_layout(self) -> KVLayout:
+            return all_layouts[0]
+
+        @pytest.fixture
+        def harness_options(self) -> dict[str, Any]:
+            return dict(options)
+
+        @pytest.fixture
+        def worker_env(self) -> dict[str, str]:
+            return worker_env() if worker_env is not None else {}
+
+        @pytest.fixture
+        def call_budget_s(self) -> float:
+            return call_budget_s
+
+        @pytest.fixture
+        def supports_multiprocess(self) -> bool:
+            return supports_multiprocess
+
+        @pytest.fixture
+        def supports_store_faults(self) -> bool:
+            return supports_store_faults
+
+    _Fixtures.__name__ = _Fixtures.__qualname__ = f"{adapter_name.title()}Fixtures"
+    return _Fixtures

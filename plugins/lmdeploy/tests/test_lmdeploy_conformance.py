@@ -19,7 +19,7 @@ pytest.importorskip(
     "lmdeploy.pytorch.kv_connector", reason="lmdeploy is not installed (scripts/setup.sh)"
 )
 
-from mooncake_conformance import AdapterContract, AdapterFixtures, KVLayout  # noqa: E402
+from mooncake_conformance import AdapterContract, KVLayout, adapter_fixtures  # noqa: E402
 
 # LMDeploy's packed layout: one uint8 pool [layers, blocks, K|V bytes of a block]
 BASE = KVLayout("packed", num_layers=4, page_size=16, num_kv_heads=4, head_dim=32, num_slots=24)
@@ -30,35 +30,18 @@ LAYOUTS = [
 ]
 
 
-class LMDeployFixtures(AdapterFixtures):
-    @pytest.fixture
-    def adapter_name(self) -> str:
-        return "lmdeploy"
-
-    @pytest.fixture
-    def adapter_package(self) -> str:
-        return "mooncake_lmdeploy"
-
-    @pytest.fixture
-    def harness_factory(self) -> str:
-        return "mooncake_lmdeploy.store_harness:make_harness"
-
-    @pytest.fixture(params=LAYOUTS, ids=[lay.label for lay in LAYOUTS])
-    def kv_layout(self, request: pytest.FixtureRequest) -> KVLayout:
-        return request.param  # type: ignore[no-any-return]
-
-    @pytest.fixture
-    def base_layout(self) -> KVLayout:
-        return BASE
-
-    @pytest.fixture
-    def supports_store_faults(self) -> bool:
-        # LMDeploy's worker calls the compat store synchronously, which waits up to 15 s
-        # per call for a master: an outage blocks saves longer than the suite's budget
-        return False
+LMDeployFixtures = adapter_fixtures(
+    "lmdeploy",
+    "mooncake_lmdeploy.store_harness:make_harness",
+    LAYOUTS,
+    adapter_package="mooncake_lmdeploy",
+    # LMDeploy's worker calls the compat store synchronously, which waits up to 15 s per
+    # call for a master: an outage blocks saves longer than the suite's budget
+    supports_store_faults=False,
+)
 
 
-class TestLMDeploy(AdapterContract, LMDeployFixtures):
+class TestLMDeploy(AdapterContract, LMDeployFixtures):  # type: ignore[valid-type,misc]
     """LMDeploy's MooncakeStoreConnector, our store underneath."""
 
     @pytest.mark.xfail(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -17,7 +16,7 @@ pytest.importorskip(
     "sglang.srt.mem_cache.hicache_storage", reason="sglang is not installed (scripts/setup.sh)"
 )
 
-from mooncake_conformance import AdapterContract, AdapterFixtures, KVLayout  # noqa: E402
+from mooncake_conformance import AdapterContract, KVLayout, adapter_fixtures  # noqa: E402
 
 BASE = KVLayout("page_first", num_layers=4, page_size=16, num_kv_heads=4, head_dim=32, num_slots=24)
 LAYOUTS = [
@@ -32,41 +31,23 @@ LAYOUTS = [
 ]
 
 
-class SGLangFixtures(AdapterFixtures):
-    """How the suite drives mooncake-sglang (``mooncake_sglang.testing.harness``)."""
-
-    @pytest.fixture
-    def adapter_name(self) -> str:
-        return "sglang"
-
-    @pytest.fixture
-    def adapter_package(self) -> str:
-        return "mooncake_sglang"
-
-    @pytest.fixture
-    def harness_factory(self) -> str:
-        # mooncake_sglang.testing.harness:make_harness, after the inert torchvision is in
-        # place (worker processes do not run conftest.py)
-        return "sglang_worker_harness:make_harness"
-
-    @pytest.fixture
-    def worker_env(self) -> dict[str, str]:
-        here = str(Path(__file__).resolve().parent)
-        path = os.environ.get("PYTHONPATH", "")
-        return {"PYTHONPATH": here + (os.pathsep + path if path else "")}
-
-    @pytest.fixture(params=LAYOUTS, ids=[lay.label for lay in LAYOUTS])
-    def kv_layout(self, request: pytest.FixtureRequest) -> KVLayout:
-        return request.param  # type: ignore[no-any-return]
-
-    @pytest.fixture
-    def base_layout(self) -> KVLayout:
-        return BASE
-
-    @pytest.fixture
-    def harness_options(self) -> dict[str, Any]:
-        return {"backend": "dynamic", "interface_v1": 1}
+def _worker_env() -> dict[str, str]:
+    here = str(Path(__file__).resolve().parent)
+    path = os.environ.get("PYTHONPATH", "")
+    return {"PYTHONPATH": here + (os.pathsep + path if path else "")}
 
 
-class TestSGLang(AdapterContract, SGLangFixtures):
+SGLangFixtures = adapter_fixtures(
+    "sglang",
+    # mooncake_sglang.testing.harness:make_harness, after the inert torchvision is in
+    # place (worker processes do not run conftest.py)
+    "sglang_worker_harness:make_harness",
+    LAYOUTS,
+    adapter_package="mooncake_sglang",
+    harness_options={"backend": "dynamic", "interface_v1": 1},
+    worker_env=_worker_env,
+)
+
+
+class TestSGLang(AdapterContract, SGLangFixtures):  # type: ignore[valid-type,misc]
     """The zero-copy (``interface_v1``) path, as SGLang selects it for our dynamic backend."""

@@ -10,13 +10,11 @@ memory node (see ``mooncake_trtllm.testing.harness``).
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 pytest.importorskip("torch")
 
-from mooncake_conformance import AdapterContract, AdapterFixtures, KVLayout  # noqa: E402
+from mooncake_conformance import AdapterContract, KVLayout, adapter_fixtures  # noqa: E402
 
 BASE = KVLayout(
     "block_major", num_layers=4, page_size=16, num_kv_heads=4, head_dim=32, num_slots=24
@@ -25,33 +23,14 @@ BASE = KVLayout(
 LAYOUTS = [BASE, BASE.replace(tp_size=2)]
 
 
-class TrtllmFixtures(AdapterFixtures):
-    """How the suite drives mooncake-trtllm (``mooncake_trtllm.testing.harness``)."""
-
-    @pytest.fixture
-    def adapter_name(self) -> str:
-        return "trtllm"
-
-    @pytest.fixture
-    def adapter_package(self) -> str:
-        return "mooncake_trtllm"
-
-    @pytest.fixture
-    def harness_factory(self) -> str:
-        return "mooncake_trtllm.testing.harness:make_harness"
-
-    @pytest.fixture(params=LAYOUTS, ids=[lay.label for lay in LAYOUTS])
-    def kv_layout(self, request: pytest.FixtureRequest) -> KVLayout:
-        return request.param  # type: ignore[no-any-return]
-
-    @pytest.fixture
-    def base_layout(self) -> KVLayout:
-        return BASE
-
-    @pytest.fixture
-    def harness_options(self) -> dict[str, Any]:
-        return {"lookup_timeout_s": 2.0, "retry_after_s": 1.0}
+TrtllmFixtures = adapter_fixtures(
+    "trtllm",
+    "mooncake_trtllm.testing.harness:make_harness",
+    LAYOUTS,
+    adapter_package="mooncake_trtllm",
+    harness_options={"lookup_timeout_s": 2.0, "retry_after_s": 1.0},
+)
 
 
-class TestTrtllmStore(AdapterContract, TrtllmFixtures):
+class TestTrtllmStore(AdapterContract, TrtllmFixtures):  # type: ignore[valid-type,misc]
     """The store connector's scheduler and worker halves in one process per rank."""

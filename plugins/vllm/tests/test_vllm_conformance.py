@@ -7,13 +7,11 @@ memory node; no vLLM engine or model runs (see ``mooncake_vllm.testing.harness``
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 pytest.importorskip("vllm.v1.worker.utils", reason="vllm is not installed (scripts/setup.sh)")
 
-from mooncake_conformance import AdapterContract, AdapterFixtures, KVLayout  # noqa: E402
+from mooncake_conformance import AdapterContract, KVLayout, adapter_fixtures  # noqa: E402
 
 # vLLM's CPU attention backend: kernel block sizes are multiples of 32, head sizes from 32.
 BASE = KVLayout("LBHNC", num_layers=4, page_size=32, num_kv_heads=4, head_dim=32, num_slots=24)
@@ -21,33 +19,14 @@ BASE = KVLayout("LBHNC", num_layers=4, page_size=32, num_kv_heads=4, head_dim=32
 LAYOUTS = [BASE, BASE.replace(tp_size=2)]
 
 
-class VLLMFixtures(AdapterFixtures):
-    """How the suite drives mooncake-vllm's store connector (``mooncake_vllm.testing.harness``)."""
-
-    @pytest.fixture
-    def adapter_name(self) -> str:
-        return "vllm"
-
-    @pytest.fixture
-    def adapter_package(self) -> str:
-        return "mooncake_vllm"
-
-    @pytest.fixture
-    def harness_factory(self) -> str:
-        return "mooncake_vllm.testing.harness:make_harness"
-
-    @pytest.fixture(params=LAYOUTS, ids=[lay.label for lay in LAYOUTS])
-    def kv_layout(self, request: pytest.FixtureRequest) -> KVLayout:
-        return request.param  # type: ignore[no-any-return]
-
-    @pytest.fixture
-    def base_layout(self) -> KVLayout:
-        return BASE
-
-    @pytest.fixture
-    def harness_options(self) -> dict[str, Any]:
-        return {"lookup_timeout_s": 2.0, "retry_after_s": 1.0}
+VLLMFixtures = adapter_fixtures(
+    "vllm",
+    "mooncake_vllm.testing.harness:make_harness",
+    LAYOUTS,
+    adapter_package="mooncake_vllm",
+    harness_options={"lookup_timeout_s": 2.0, "retry_after_s": 1.0},
+)
 
 
-class TestVLLMStore(AdapterContract, VLLMFixtures):
+class TestVLLMStore(AdapterContract, VLLMFixtures):  # type: ignore[valid-type,misc]
     """The store connector (KV pool), scheduler and worker halves in one process per rank."""
