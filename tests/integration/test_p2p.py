@@ -102,6 +102,14 @@ def worker(url: str, shm: bool, ttl: float) -> None:
                 say({"ok": True})
             elif cmd == "held":
                 say({"held": store.held()})
+            elif cmd == "reset":  # back to the pool: finish the download, hold nothing
+                resume.set()
+                if "thread" in job:
+                    job["thread"].join(60)
+                job.clear()
+                for name in store.held():
+                    store.delete_replica(name)
+                say({"ok": True})
             elif cmd == "exit":
                 say({"ok": True})
                 break
@@ -125,29 +133,51 @@ class Proc(JsonLinesProcess):
         self.segment: str = self.hello["segment"]
 
 
+@pytest.fixture(scope="module")
+def _idle(etcd_server: Any) -> Iterator[dict[tuple[Any, ...], list[Proc]]]:
+    """Worker processes kept between this module's tests (each start costs about a second
+    of CPU): idle ones, by the options they were started with."""
+    idle: dict[tuple[Any, ...], list[Proc]] = {}
+    yield idle
+    for ps in idle.values():
+        for p in ps:
+            p.close()
+
+
 @pytest.fixture()
-def procs(etcd_url: str) -> Iterator[Any]:
-    made: list[Proc] = []
+def procs(etcd_server: Any, _idle: dict[tuple[Any, ...], list[Proc]]) -> Iterator[Any]:
+    """``procs(n, **options)``: n worker processes on the session's etcd, idle ones first
+    (reset: they hold nothing), the rest started together."""
+    taken: list[tuple[tuple[Any, ...], Proc]] = []
 
     def make(n: int = 1, **kw: Any) -> list[Proc]:
-        # start them together: each spends most of a second importing
-        out: list[Proc] = [None] * n  # type: ignore[list-item]
+        key = tuple(sorted(kw.items()))
+        pool = _idle.setdefault(key, [])
+        out: list[Proc] = [pool.pop() for _ in range(min(n, len(pool)))]
+        new: list[Proc | None] = [None] * (n - len(out))
 
         def one(i: int) -> None:
-            out[i] = Proc(etcd_url, **kw)
+            new[i] = Proc(etcd_server.url, **kw)
 
-        ts = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        ts = [threading.Thread(target=one, args=(i,)) for i in range(len(new))]
         for t in ts:
             t.start()
         for t in ts:
             t.join()
-        made.extend(p for p in out if p is not None)
-        assert all(p is not None for p in out), "a worker did not start"
+        out += [p for p in new if p is not None]
+        taken.extend((key, p) for p in out)
+        assert len(out) == n, "a worker did not start"
         return out
 
     yield make
-    for p in made:
-        p.close()
+    for key, p in taken:
+        try:
+            if p.proc.poll() is None and p.call("reset", timeout=30)["ok"]:
+                _idle[key].append(p)
+                continue
+        except (OSError, RuntimeError, TimeoutError, ValueError):
+            pass
+        p.kill()
 
 
 @pytest.fixture()
@@ -173,9 +203,9 @@ def test_six_readers_at_once_get_the_exact_bytes_and_a_later_one_spares_the_seed
     procs: Any, store: Any
 ) -> None:
     name, size = unique("swarm"), 12 << 20
-    (seeder,) = procs(1, shm=True)
+    (seeder,) = procs(1)
     seeder.call("register", name=name, size=size, seed=1, shard="1MB")
-    readers = procs(6, shm=True)
+    readers = procs(6)
     for r in readers:
         r.send("get", name=name)
     for r in readers:
@@ -187,7 +217,7 @@ def test_six_readers_at_once_get_the_exact_bytes_and_a_later_one_spares_the_seed
     assert info.complete == 7 and info.size == size and info.shards == 12
     assert set(info.holders) == {seeder.segment} | {r.segment for r in readers}
     # a later reader takes every shard from readers' replicas, sparing the seeder
-    late = procs(1, shm=True)
+    late = procs(1)
     for r in late:
         r.send("get", name=name)
     for r in late:
