@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -38,6 +39,12 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: vLLM servers get SIGTERM when the process that started them dies, however it dies (a
+#: killed pytest or xdist worker never runs ``stop()``; in their own session they were left
+#: running, 7 servers per killed module).
+_SETPRIV = shutil.which("setpriv")
+_DIE_WITH_US: list[str] = [_SETPRIV, "--pdeathsig", "TERM"] if _SETPRIV else []
 
 _CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -225,7 +232,7 @@ class VLLMServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(
-            self.cmd,
+            [*_DIE_WITH_US, *self.cmd],
             env=self.env,
             stdout=log,
             stderr=subprocess.STDOUT,
