@@ -148,6 +148,7 @@ class StoreClient(ReservationLending, RememberedReads):
         self._where_max = self._where.capacity
         self.location_hits = 0  # gets served by the remembered replica
         self.reads_by_segment: dict[str, int] = {}  # slices read, per segment read from
+        self._failed_peers: dict[str, float] = {}  # peer -> when a remembered read from it failed
         self.location_misses = (
             0  # gets that read a remembered replica in vain (stale, or its holder failed)
         )

@@ -65,6 +65,7 @@ class ClientCore:
     location_hits: int
     location_misses: int
     reads_by_segment: dict[str, int]  # slices read, per segment read from (store/hotkeys.py)
+    _failed_peers: dict[str, float]  # peer -> when a remembered read from it failed (reads.py)
 
     # ------------------------------------------------------------------ the master
     def _register(self) -> None:

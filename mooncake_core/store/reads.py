@@ -72,6 +72,8 @@ class RememberedReads(ClientCore):
                 exc,
             )
             self._where.forget_peers({s.peer for s in rep})
+            now = time.monotonic()
+            self._failed_peers.update((s.peer, now) for s in rep)
         except BaseException:
             self.rpc.abandon(pending)
             raise
@@ -94,14 +96,26 @@ class RememberedReads(ClientCore):
                     f"get {key!r}: the read took longer than the {ttl:.1f}s lease; retry"
                 )
             self.location_hits += 1
-            if len(reps) > 1:  # several replicas (a hot key): the next read picks one again
-                self._where.remember(key, gen, token2, size, self._rank(reps)[0])
+            nxt = self._repick(reps) if len(reps) > 1 else None
+            if nxt is not None:  # several replicas (a hot key): the next read picks one again
+                self._where.remember(key, gen, token2, size, nxt)
             else:
                 self._where.touch(key)
             return size
         self.location_misses += 1
         self._where.forget([key])
         return ReplicaAnswer(size2, reps, ttl, pending.sent, token2, gen)
+
+    def _repick(self, reps: list[list[SliceW]]) -> list[SliceW] | None:
+        """The replica the next read of a key with several replicas should try, never one on
+        a holder a remembered read failed from lately (the master may still list it until
+        the client TTL drops it); None: keep the replica just read."""
+        if self._failed_peers:
+            cutoff = time.monotonic() - 2 * self.lease_ttl_s - 30.0
+            for peer in [p for p, t in self._failed_peers.items() if t < cutoff]:
+                del self._failed_peers[peer]
+        ok = [r for r in reps if not any(s.peer in self._failed_peers for s in r)]
+        return self._rank(ok)[0] if ok else None
 
     def _batch_read_remembered(
         self, keys: Sequence[str], bufs: Sequence[Any], sizes: Sequence[int] | None, gen: int
