@@ -11,11 +11,12 @@ demo: setup
 demo-transfer: setup
 	$(PY) -m mooncake_core demo
 
-# Two pytest-xdist workers, one test module (or all engine modules) per worker at a time;
-# see conftest.py. TEST_WORKERS=0 runs the suite in this process.
-TEST_WORKERS ?= 2
+# TEST_WORKERS=2: two pytest-xdist workers, one test module (or all engine modules) per
+# worker at a time (see conftest.py). Default 0, one process: on 2 cores the engine tests
+# are CPU-bound, and two workers were not faster, only closer to the per-test timeouts.
+TEST_WORKERS ?= 0
 test: setup lint mooncake-peer
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --durations=25
 
 # The published Mooncake wheel in a scratch venv: the comparison tests run our compat
 # layer and the real package side by side (they skip, saying why, if this failed).
