@@ -163,6 +163,14 @@ def _per_rank(stats: Path, prefix: str, key: str) -> dict[int, float]:
     return out
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known bug (2026-12-01, quiet machine too): at TP=2 each decode rank's KV fetch from "
+    "its prefill rank fails with \"peer '127.0.0.1:P' ... did not answer the handshake within "
+    '5.0s" (one distinct port per rank), so decode recomputes: answers equal, 0 blocks '
+    "received. Suspect the prefill workers' transfer-engine listener starved inside vLLM's "
+    "TP worker processes; TP=1 PD is unaffected (test_vllm_pd.py)",
+)
 def test_pd_tp2_equals_tp2_monolithic(tp: TP) -> None:
     stats = tp.stats / "pd"
     for n, salt in ((5 * BLOCK + 1, 1), (300, 2)):
