@@ -405,16 +405,7 @@ def run_bench(quick: bool, transport: str, rounds: int) -> dict[str, Any]:
         result["rounds"] = rounds
         return result
     finally:
-        for p in reversed(procs):
-            if p.stdin is not None:
-                p.stdin.close()
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        store_hot.stop_processes(procs)
 
 
 def main(argv: list[str] | None = None) -> int:

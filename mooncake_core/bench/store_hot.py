@@ -167,17 +167,7 @@ def _mode(hot: bool, quick: bool) -> dict[str, float]:
             "segments": float(len(segs)),
         }
     finally:
-        for p in reversed(procs):
-            if p.stdin is not None:
-                p.stdin.close()
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(procs)
 
 
 def run_hot(quick: bool, rounds: int = 1) -> dict[str, Any]:
@@ -235,3 +225,18 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def stop_processes(procs: list[subprocess.Popen[Any]]) -> None:
+    """Close the bench's worker processes: stdin closed and SIGTERM in reverse start order,
+    then each waited for (SIGKILL after 10 s). Also used by :mod:`mooncake_core.bench.store`."""
+    for p in reversed(procs):
+        if p.stdin is not None:
+            p.stdin.close()
+        p.terminate()  # a no-op for a process that already exited
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
