@@ -28,8 +28,8 @@ test-quick: setup
 
 # lint-imports checks the import layering in .importlinter (no cycles, no adapter in the core).
 lint: setup
-	$(PY) -m ruff check conftest.py mooncake_core plugins conformance tests benchmarks examples
-	$(PY) -m ruff format --check conftest.py mooncake_core plugins conformance tests benchmarks examples
+	$(PY) -m ruff check --no-cache conftest.py mooncake_core plugins conformance tests benchmarks examples
+	$(PY) -m ruff format --no-cache --check conftest.py mooncake_core plugins conformance tests benchmarks examples
 	$(PY) -m mypy
 	.venv/bin/lint-imports --no-cache --no-logo
 

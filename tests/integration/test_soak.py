@@ -16,8 +16,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, EtcdServer
 from store_support import Master
+
+from conftest import ROOT, EtcdServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.etcd]
 
