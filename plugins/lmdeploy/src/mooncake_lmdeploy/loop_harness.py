@@ -22,7 +22,7 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-__all__ = ["DecodeLoop"]
+__all__ = ["DecodeLoop", "add_migrating_sequence", "decode_engine_loop"]
 
 
 class _Conn:
@@ -53,38 +53,11 @@ class DecodeLoop:
         return asyncio.run_coroutine_threadsafe(coro, self.aloop).result(timeout)
 
     async def _start(self, blocks: int, block_size: int) -> None:
-        from lmdeploy.pytorch.config import CacheConfig, SchedulerConfig
-        from lmdeploy.pytorch.disagg.config import EngineRole, MigrationBackend
-        from lmdeploy.pytorch.engine.engine_loop import EngineLoop, EngineLoopConfig
         from lmdeploy.pytorch.engine.executor.uni_executor import UniExecutor
-        from lmdeploy.pytorch.engine.request import RequestManager
-        from lmdeploy.pytorch.messages import SequenceMeta
-        from lmdeploy.pytorch.paging import Scheduler
-        from lmdeploy.pytorch.strategies.ar.sequence import ARSequenceStrategy
 
-        sched = Scheduler(
-            SchedulerConfig(max_batches=4, max_session_len=4096, max_request_output_len=64),
-            CacheConfig(
-                max_batches=4,
-                block_size=block_size,
-                num_cpu_blocks=0,
-                num_gpu_blocks=blocks,
-                migration_backend=MigrationBackend.Mooncake,
-            ),
-            seq_meta=SequenceMeta(block_size, strategy=ARSequenceStrategy()),
-        )
         executor = UniExecutor.__new__(UniExecutor)  # its __init__ builds a GPU model agent
         executor.model_agent = SimpleNamespace(cache_engine=self.eng)
-        self.loop = EngineLoop(
-            req_manager=RequestManager(),
-            scheduler=sched,
-            state_checkpoints=None,
-            executor=executor,
-            seq_strategy=None,
-            inputs_maker=SimpleNamespace(has_pending_long_context_chunk=lambda: False),
-            config=EngineLoopConfig(role=EngineRole.Decode),
-            engine_conn=self.conn,
-        )
+        self.loop = decode_engine_loop(executor, self.conn, blocks, block_size)
         self.task = asyncio.get_running_loop().create_task(self.loop.migration_loop())
 
     def info(self) -> dict[str, Any]:
@@ -139,33 +112,7 @@ class DecodeLoop:
     async def _add(
         self, session_id: int, remote_engine_id: str, remote_block_ids: list[int], n: int
     ) -> Any:
-        from lmdeploy.messages import ResponseType
-        from lmdeploy.pytorch.disagg.conn.protocol import MigrationProtocol, MigrationRequest
-        from lmdeploy.pytorch.engine.request import Response
-        from lmdeploy.pytorch.messages import SamplingParam
-
-        sched = self.loop.scheduler
-        sched.add_session(session_id)
-        sess = sched.get_session(session_id)
-        req = MigrationRequest(
-            protocol=MigrationProtocol.RDMA,
-            remote_engine_id=remote_engine_id,
-            remote_session_id=session_id,
-            remote_token_id=7,
-            remote_block_ids=list(remote_block_ids),
-        )
-        sess.add_sequence(
-            list(range(1, n + 1)), sampling_param=SamplingParam(), migration_request=req
-        )
-        seq = next(iter(sess.sequences.values()))
-        # as RequestManager makes it: the type until the engine answers
-        seq.resp = Response(
-            type=ResponseType.INTERNAL_ENGINE_ERROR,
-            sender_id=0,
-            event=asyncio.Event(),
-            data=None,
-            err_msg=None,
-        )
+        seq = add_migrating_sequence(self.loop, session_id, remote_engine_id, remote_block_ids, n)
         self.loop.migration_event.set()
         return seq
 
@@ -184,3 +131,89 @@ class DecodeLoop:
             self.aloop.call_soon_threadsafe(self.task.cancel)
         self.aloop.call_soon_threadsafe(self.aloop.stop)
         self.thread.join(timeout=5)
+
+
+def decode_engine_loop(
+    executor: Any,
+    conn: Any,
+    blocks: int,
+    block_size: int = 16,
+    max_session_len: int = 4096,
+    max_request_output_len: int = 64,
+) -> Any:
+    """LMDeploy's real decode-role ``EngineLoop`` and ``Scheduler`` (Mooncake migration
+    backend, ``blocks`` KV blocks) around ``executor``; ``conn`` stands in for the
+    engine's P2P connection (``zmq_send``)."""
+    from lmdeploy.pytorch.config import CacheConfig, SchedulerConfig
+    from lmdeploy.pytorch.disagg.config import EngineRole, MigrationBackend
+    from lmdeploy.pytorch.engine.engine_loop import EngineLoop, EngineLoopConfig
+    from lmdeploy.pytorch.engine.request import RequestManager
+    from lmdeploy.pytorch.messages import SequenceMeta
+    from lmdeploy.pytorch.paging import Scheduler
+    from lmdeploy.pytorch.strategies.ar.sequence import ARSequenceStrategy
+
+    sched = Scheduler(
+        SchedulerConfig(
+            max_batches=4,
+            max_session_len=max_session_len,
+            max_request_output_len=max_request_output_len,
+        ),
+        CacheConfig(
+            max_batches=4,
+            block_size=block_size,
+            num_cpu_blocks=0,
+            num_gpu_blocks=blocks,
+            migration_backend=MigrationBackend.Mooncake,
+        ),
+        seq_meta=SequenceMeta(block_size, strategy=ARSequenceStrategy()),
+    )
+    return EngineLoop(
+        req_manager=RequestManager(),
+        scheduler=sched,
+        state_checkpoints=None,
+        executor=executor,
+        seq_strategy=None,
+        inputs_maker=SimpleNamespace(has_pending_long_context_chunk=lambda: False),
+        config=EngineLoopConfig(role=EngineRole.Decode),
+        engine_conn=conn,
+    )
+
+
+def add_migrating_sequence(
+    loop: Any,
+    session_id: int,
+    remote_engine_id: str,
+    remote_block_ids: list[int],
+    num_tokens: int,
+    remote_token_id: int = 7,
+) -> Any:
+    """A session with one sequence waiting for migration from ``remote_block_ids``, as
+    the engine adds it for a decode request (call on ``loop``'s event loop)."""
+    from lmdeploy.messages import ResponseType
+    from lmdeploy.pytorch.disagg.conn.protocol import MigrationProtocol, MigrationRequest
+    from lmdeploy.pytorch.engine.request import Response
+    from lmdeploy.pytorch.messages import SamplingParam
+
+    sched = loop.scheduler
+    sched.add_session(session_id)
+    sess = sched.get_session(session_id)
+    req = MigrationRequest(
+        protocol=MigrationProtocol.RDMA,
+        remote_engine_id=remote_engine_id,
+        remote_session_id=session_id,
+        remote_token_id=remote_token_id,
+        remote_block_ids=list(remote_block_ids),
+    )
+    sess.add_sequence(
+        list(range(1, num_tokens + 1)), sampling_param=SamplingParam(), migration_request=req
+    )
+    seq = next(iter(sess.sequences.values()))
+    # as RequestManager makes it: the type until the engine answers
+    seq.resp = Response(
+        type=ResponseType.INTERNAL_ENGINE_ERROR,
+        sender_id=0,
+        event=asyncio.Event(),
+        data=None,
+        err_msg=None,
+    )
+    return seq

@@ -185,27 +185,7 @@ def _executor(errors: list[BaseException | None]) -> Any:
 
 def _loop_with(executor: object) -> Any:
     """LMDeploy's real decode EngineLoop and Scheduler around ``executor``."""
-    from types import SimpleNamespace
-
-    from lmdeploy.pytorch.config import CacheConfig, SchedulerConfig
-    from lmdeploy.pytorch.disagg.config import EngineRole, MigrationBackend
-    from lmdeploy.pytorch.engine.engine_loop import EngineLoop, EngineLoopConfig
-    from lmdeploy.pytorch.engine.request import RequestManager
-    from lmdeploy.pytorch.messages import SequenceMeta
-    from lmdeploy.pytorch.paging import Scheduler
-    from lmdeploy.pytorch.strategies.ar.sequence import ARSequenceStrategy
-
-    sched = Scheduler(
-        SchedulerConfig(max_batches=4, max_session_len=1024, max_request_output_len=16),
-        CacheConfig(
-            max_batches=4,
-            block_size=16,
-            num_cpu_blocks=0,
-            num_gpu_blocks=12,
-            migration_backend=MigrationBackend.Mooncake,
-        ),
-        seq_meta=SequenceMeta(16, strategy=ARSequenceStrategy()),
-    )
+    from mooncake_lmdeploy.loop_harness import decode_engine_loop
 
     class Conn:
         sent: list[int] = []
@@ -213,46 +193,13 @@ def _loop_with(executor: object) -> Any:
         async def zmq_send(self, remote_engine_id: str, remote_session_id: int) -> None:
             self.sent.append(remote_session_id)
 
-    return EngineLoop(
-        req_manager=RequestManager(),
-        scheduler=sched,
-        state_checkpoints=None,
-        executor=executor,
-        seq_strategy=None,
-        inputs_maker=SimpleNamespace(has_pending_long_context_chunk=lambda: False),
-        config=EngineLoopConfig(role=EngineRole.Decode),
-        engine_conn=Conn(),
-    )
+    return decode_engine_loop(executor, Conn(), 12, 16, 1024, 16)
 
 
 def _add(loop: Any, session_id: int) -> Any:
-    import asyncio
+    from mooncake_lmdeploy.loop_harness import add_migrating_sequence
 
-    from lmdeploy.messages import ResponseType
-    from lmdeploy.pytorch.disagg.conn.protocol import MigrationProtocol, MigrationRequest
-    from lmdeploy.pytorch.engine.request import Response
-    from lmdeploy.pytorch.messages import SamplingParam
-
-    sched = loop.scheduler
-    sched.add_session(session_id)
-    req = MigrationRequest(
-        protocol=MigrationProtocol.RDMA,
-        remote_engine_id="p",
-        remote_session_id=session_id,
-        remote_token_id=3,
-        remote_block_ids=[0, 1],
-    )
-    sess = sched.get_session(session_id)
-    sess.add_sequence(list(range(1, 21)), sampling_param=SamplingParam(), migration_request=req)
-    seq = next(iter(sess.sequences.values()))
-    seq.resp = Response(
-        type=ResponseType.INTERNAL_ENGINE_ERROR,
-        sender_id=0,
-        event=asyncio.Event(),
-        data=None,
-        err_msg=None,
-    )
-    return seq
+    return add_migrating_sequence(loop, session_id, "p", [0, 1], 20, remote_token_id=3)
 
 
 def test_engine_loop_is_patched_and_a_failed_migration_fails_one_request() -> None:
