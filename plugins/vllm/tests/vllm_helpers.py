@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mooncake_vllm.testing import free_port
+from mooncake_vllm.testing import free_port, stop_process
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(
@@ -72,10 +72,4 @@ class ProxyProcess:
             return False
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc)

@@ -109,13 +109,9 @@ class _Proxy:
         return data
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        from mooncake_vllm.testing import stop_process
+
+        stop_process(self.proc)
 
 
 class _Cluster:

@@ -4,6 +4,8 @@
   benchmark: a tiny local Llama (:func:`build_tiny_llama`), :class:`VLLMServer` (a vLLM
   OpenAI server in a subprocess), HTTP helpers, connector configs and counters; re-exported
   here.
+- :mod:`mooncake_vllm.testing.procs`: the store master of the engine tests
+  (:class:`StoreMaster`, dies with its parent) and :func:`stop_process`; re-exported here.
 - :mod:`mooncake_vllm.testing.harness`: the conformance harness of
   ``MooncakeCoreStoreConnector`` (factory ``mooncake_vllm.testing.harness:make_harness``,
   also reachable as ``mooncake_vllm.testing:make_harness``); imports torch and vLLM only
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mooncake_vllm.testing.procs import StoreMaster, stop_process
 from mooncake_vllm.testing.server import (
     VLLMServer,
     build_tiny_llama,
@@ -38,6 +41,8 @@ __all__ = [
     "read_counters",
     "pd_transfer_config",
     "store_transfer_config",
+    "StoreMaster",
+    "stop_process",
     "make_harness",
 ]
 

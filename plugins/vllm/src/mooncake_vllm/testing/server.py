@@ -170,6 +170,9 @@ class VLLMServer:
         log_path: where stdout/stderr go (a file, so a full pipe never blocks the server).
         args: extra command-line arguments.
         log_stats: keep vLLM's statistics on (its /metrics counters need them).
+        enforce_eager: ``--enforce-eager``: no torch.compile warm-up at start (on these
+            2 cores it took 100-130 s per server when several started together); compare
+            outputs only between servers that agree on it.
     """
 
     def __init__(
@@ -185,6 +188,7 @@ class VLLMServer:
         args: list[str] | None = None,
         name: str = "vllm",
         log_stats: bool = False,
+        enforce_eager: bool = False,
     ) -> None:
         self.model = str(model)
         self.name = name
@@ -216,6 +220,8 @@ class VLLMServer:
         ]
         if not log_stats:  # stats also feed /metrics (prefix-cache hit counters)
             cmd.append("--disable-log-stats")
+        if enforce_eager:
+            cmd.append("--enforce-eager")
         if kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         cmd += list(args or [])
