@@ -44,6 +44,7 @@ leaves all of it to the first request, as before).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -69,7 +70,8 @@ __all__ = ["MooncakeCoreStoreConnector", "page_chain", "scheme_of"]
 logger = logging.getLogger(__name__)
 
 _WARM_PREFIX = "mcv-warm-up"  # keys of the start-up probe (never a KV page: no "mcv/")
-_LOAD_THREADS = 4  # layers read from the store at once
+_LOAD_THREADS = 4  # batches read from the store at once
+_LOAD_BATCHES = 0  # default of the load_batches option (0: one batch per layer)
 _SAVE_NICE = 10  # niceness of the save thread
 
 
@@ -155,6 +157,7 @@ class _StoreScheduler:
         self._loads: list[PageJob] = []
         self._saves: list[PageJob] = []
         self.warm_up_s: float | None = None  # how long the start-up connection took
+        self._counts: dict[str, float] = {}  # counter increments of this step (one write)
         if parse_bool(option(extra, "warm_up", True), "warm_up"):
             self.warm_up()
 
@@ -185,6 +188,12 @@ class _StoreScheduler:
             self.client = client
         return self.client
 
+    def _count(self, **deltas: float) -> None:
+        """Add to the counters with this step's other increments (written once, in
+        :meth:`build_connector_meta`: every counters write is a file write)."""
+        for k, v in deltas.items():
+            self._counts[k] = self._counts.get(k, 0) + v
+
     def _lookup(self, pages: list[str]) -> int:
         """How many of ``pages`` (in order) the store holds; 0 while the master is down."""
         if not pages or time.monotonic() < self._down_until:
@@ -194,7 +203,7 @@ class _StoreScheduler:
             client = self._connect()
             # a page is a hit only when every TP rank's shard of it is in the store
             n = self.scheme.held_pages(client.batch_exists(self.scheme.exists_keys(pages)))
-            self.counters.add(lookup_seconds=time.monotonic() - t0)
+            self._count(lookup_seconds=time.monotonic() - t0)
         except Exception as exc:
             self._down_until = time.monotonic() + self.retry_after_s
             self.counters.add(lookup_failures=1)
@@ -229,7 +238,7 @@ class _StoreScheduler:
             return 0, False
         hit = self._lookup(st.pages[start:max_pages])
         asked = max_pages - start
-        self.counters.add(lookup_requests=1, lookup_pages=asked, **lookup_outcome(hit, asked))
+        self._count(lookup_requests=1, lookup_pages=asked, **lookup_outcome(hit, asked))
         st.hit_pages = hit
         tokens = (start + hit) * bs - num_computed_tokens
         return max(0, tokens), False
@@ -243,7 +252,7 @@ class _StoreScheduler:
         start = st.local_hit // self.block_size
         if num_external_tokens > 0 and st.hit_pages:
             n = st.hit_pages
-            self.counters.add(hit_requests=1, hit_pages=n)
+            self._count(hit_requests=1, hit_pages=n)
             self._loads.append(
                 PageJob(request.request_id, st.pages[start : start + n], ids[start : start + n])
             )
@@ -282,6 +291,9 @@ class _StoreScheduler:
                 st.saving = True
         meta = StoreMetadata(loads=self._loads, saves=self._saves)
         self._loads, self._saves = [], []
+        if self._counts:
+            counts, self._counts = self._counts, {}
+            self.counters.add(**counts)
         return meta
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
@@ -317,7 +329,15 @@ class _StoreWorker:
         self.client: Any = None
         self.layers: list[tuple[str, Any]] = []
         self.block_bytes = 0
-        self._loading: dict[str, list[tuple[Any, list[int]]]] = {}  # layer -> [(batch, block ids)]
+        # layer -> [(future of its group's batch, offset and count of its keys there, blocks)]
+        self._loading: dict[str, list[tuple[Future[list[Any]], int, int, list[int]]]] = {}
+        self.load_batches = int(option(extra, "load_batches", _LOAD_BATCHES))
+        if self.load_batches < 0:
+            raise ValueError(
+                f"kv_connector_extra_config.load_batches must be >= 0, got {self.load_batches}"
+            )
+        self._load_secs = 0.0  # this step's load-thread seconds (added to the counters once)
+        self._load_meta: dict[str, float] = {}
         self._load_errors: set[int] = set()
         # saves are off the critical path: the save thread yields the core to the forward
         self._save_pool = ThreadPoolExecutor(
@@ -387,15 +407,22 @@ class _StoreWorker:
 
         assert self.client is not None
         t0 = time.monotonic()
-        for f in [self._load_pool.submit(time.sleep, 0.01) for _ in range(_LOAD_THREADS)]:
-            f.result()  # the sleeps make every pool thread start
-        self._save_pool.submit(time.sleep, 0).result()
         n = self.block_bytes
         probe = torch.empty(2 * n, dtype=torch.uint8)
         probe[:n] = torch.randint(0, 256, (n,), dtype=torch.uint8)
         key = f"{_WARM_PREFIX}/{self.client.client_id}"
         src, dst = int(probe.data_ptr()), int(probe.data_ptr()) + n
+        together = threading.Barrier(_LOAD_THREADS)
+
+        def ask() -> None:  # all load threads at once: one master connection each
+            with contextlib.suppress(threading.BrokenBarrierError):
+                together.wait(5.0)
+            self.client.batch_exists([key])
+
         try:
+            for f in [self._load_pool.submit(ask) for _ in range(_LOAD_THREADS)]:
+                f.result()
+            self._save_pool.submit(time.sleep, 0).result()
             self.client.register_buffer(probe)
             try:
                 self.client.batch_exists([key])
@@ -428,34 +455,53 @@ class _StoreWorker:
         return self.scheme.layer_keys(pages, self.tp_rank, layer)
 
     # ------------------------------------------------------------------ loads
+    def _layer_groups(self) -> list[list[int]]:
+        """The layers split into ``load_batches`` consecutive groups (0: one per layer)."""
+        n = len(self.layers)
+        k = n if self.load_batches <= 0 else min(self.load_batches, n)
+        return [list(range(i * n // k, (i + 1) * n // k)) for i in range(k)]
+
     def start_load(self, meta: StoreMetadata) -> None:
+        """Start this step's loads: one ``batch_get_into`` per group of layers, in layer order,
+        on the load threads; :meth:`wait_for_layer_load` waits for a layer's group."""
         if not meta.loads or self.client is None:
             return
         bb = self.block_bytes
         self._load_t0 = time.monotonic()
         self._load_waited = 0.0
-        for li, (name, t) in enumerate(self.layers):
-            base = int(t.data_ptr())
-            for job in meta.loads:
-                keys = self._keys(job.pages, li)
-                addrs = [base + b * bb for b in job.block_ids]
-                fut = self._save_pool_free_load(keys, addrs)
-                self._loading.setdefault(name, []).append((fut, list(job.block_ids)))
-        self.counters.add(
-            load_requests=len(meta.loads),
-            load_pages=sum(len(j.pages) for j in meta.loads),
-            load_bytes=sum(len(j.pages) for j in meta.loads) * bb * len(self.layers),
-        )
+        self._load_secs = 0.0
+        pages = sum(len(j.pages) for j in meta.loads)
+        for group in self._layer_groups():
+            keys: list[str] = []
+            addrs: list[int] = []
+            parts: list[tuple[str, int, int, list[int]]] = []
+            for li in group:
+                name, t = self.layers[li]
+                base = int(t.data_ptr())
+                for job in meta.loads:
+                    parts.append((name, len(keys), len(job.pages), list(job.block_ids)))
+                    keys += self._keys(job.pages, li)
+                    addrs += [base + b * bb for b in job.block_ids]
+            fut = self._save_pool_free_load(keys, addrs)
+            for name, off, n, blocks in parts:
+                self._loading.setdefault(name, []).append((fut, off, n, blocks))
+        # counted with the waits when the last layer is in (one counters write per load)
+        self._load_meta = {
+            "load_requests": len(meta.loads),
+            "load_pages": pages,
+            "load_bytes": pages * bb * len(self.layers),
+        }
 
     def _save_pool_free_load(self, keys: list[str], addrs: list[int]) -> Future[list[Any]]:
-        """Start one layer's reads on the load threads (the save thread may be busy)."""
+        """Start one batch of reads on the load threads (the save thread may be busy)."""
         fut: Future[list[Any]] = Future()
 
         def run() -> None:
             try:
                 t0 = time.monotonic()
                 res = self.client.batch_get_into(keys, addrs, [self.block_bytes] * len(keys))
-                self.counters.add(load_seconds=time.monotonic() - t0)
+                with self._lock:
+                    self._load_secs += time.monotonic() - t0
                 fut.set_result(res)
             except BaseException as exc:
                 fut.set_exception(exc)
@@ -472,21 +518,30 @@ class _StoreWorker:
         self._load_waited += time.monotonic() - t0
         if not self._loading:  # the last layer of this step's loads
             took = time.monotonic() - self._load_t0
-            self.counters.add(load_wait_seconds=self._load_waited)
+            with self._lock:
+                secs, self._load_secs = self._load_secs, 0.0
+            self.counters.add(
+                load_wait_seconds=self._load_waited, load_seconds=secs, **self._load_meta
+            )
+            self._load_meta = {}
             self._loads_logged += 1
             logger.log(
                 logging.INFO if self._loads_logged <= 3 else logging.DEBUG,
-                "mooncake_vllm: store load %d: %d layers in %.1f ms, the forward waited %.1f ms",
+                "mooncake_vllm: store load %d: %d layers in %d batch(es), %.1f ms, "
+                "the forward waited %.1f ms",
                 self._loads_logged,
                 len(self.layers),
+                len(self._layer_groups()),
                 took * 1e3,
                 self._load_waited * 1e3,
             )
 
-    def _wait_layer(self, layer_name: str, jobs: list[tuple[Any, list[int]]]) -> None:
-        for fut, blocks in jobs:
+    def _wait_layer(
+        self, layer_name: str, jobs: list[tuple[Future[list[Any]], int, int, list[int]]]
+    ) -> None:
+        for fut, off, n, blocks in jobs:
             try:
-                res = fut.result()
+                res = fut.result()[off : off + n]
                 bad = [b for b, r in zip(blocks, res, strict=True) if isinstance(r, BaseException)]
                 first = next((r for r in res if isinstance(r, BaseException)), None)
             except BaseException as exc:
