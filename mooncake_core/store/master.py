@@ -281,6 +281,10 @@ class MasterServer(HANode):
             "ping": lambda a, now: {"role": self.role, "id": self.id},
             "stats": lambda a, now: st.stats(),
             "query_key": lambda a, now: st.query_key(a.key),
+            "create_replica_task": lambda a, now: st.create_replica_task(
+                a.client_id, a.kind, a.key, a.targets, a.source, now
+            ),
+            "query_replica_task": lambda a, now: st.query_replica_task(a.task_id),
         }
 
     def handle(self, conn: Conn, req: P.Request) -> None:
@@ -421,6 +425,7 @@ class MasterServer(HANode):
                 self.state.reclaim(now)
                 self.state.check_watermarks(now)
                 self.state.tier_tick(now)
+                self.state.replica_task_tick(now)
                 if self._parked:  # early commits that timed out
                     self._unpark_resolved()
                 if self._etcd is not None:

@@ -361,6 +361,18 @@ class NoArgs(_A):
     pass
 
 
+class ReplicaTaskArgs(_A):
+    client_id: str
+    kind: str  # "copy" | "move" (store/replica_tasks.py)
+    key: str
+    targets: list[str]
+    source: str = ""
+
+
+class TaskIdArgs(_A):
+    task_id: str
+
+
 METHOD_ARGS: dict[str, type[msgspec.Struct]] = {
     "register_client": RegisterClientArgs,
     "mount": MountArgs,
@@ -390,6 +402,8 @@ METHOD_ARGS: dict[str, type[msgspec.Struct]] = {
     "ping": NoArgs,
     "stats": NoArgs,
     "query_key": KeyArgs,
+    "create_replica_task": ReplicaTaskArgs,
+    "query_replica_task": TaskIdArgs,
 }
 
 _enc = msgspec.msgpack.Encoder()

@@ -57,6 +57,7 @@ from mooncake_core.store.protocol import (
     RetryLater,
     code_of,
 )
+from mooncake_core.store.replica_tasks import ReplicaTasks
 from mooncake_core.store.replication import Replication
 from mooncake_core.store.reservations import RESERVE_MAX_OBJECT, Reservations
 from mooncake_core.store.state_core import (
@@ -86,7 +87,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class MasterState(Reservations, EvictionDriver, SsdTiering, HotKeys, Replication, TenantQuotas):
+class MasterState(
+    Reservations, EvictionDriver, SsdTiering, HotKeys, ReplicaTasks, Replication, TenantQuotas
+):
     """All master metadata (see module doc)."""
 
     def __init__(self, cfg: StoreConfig, *, rng: random.Random | None = None) -> None:
@@ -123,6 +126,7 @@ class MasterState(Reservations, EvictionDriver, SsdTiering, HotKeys, Replication
         }
         self._tier_init()  # SSD tier moves and hot keys (tiering.py, hotkeys.py)
         self._hot_init()
+        self._rtask_init()  # replica copy/move tasks (replica_tasks.py)
 
     def register_client(
         self, client_id: str, host: str, peer: str, ssd: bool, now: float

@@ -43,10 +43,11 @@ class SsdTiering(StateCore):
     hot_on: bool
     hot_copies: dict[int, Any]
 
-    if TYPE_CHECKING:  # provided by HotKeys
+    if TYPE_CHECKING:  # provided by HotKeys and ReplicaTasks
 
         def hot_tick(self, now: float) -> None: ...
         def hot_copy_done(self, token: int, ok: bool, detail: str) -> None: ...
+        def replica_task_done(self, token: int, ok: bool, detail: str, now: float) -> bool: ...
 
     def _tier_init(self) -> None:
         self.promo_reads = WindowCounter(self.cfg.ssd_promote_window_s)
@@ -202,8 +203,9 @@ class SsdTiering(StateCore):
             o.replicas.append(rep)
             o.token = token  # a new memory replica: a new version (never seen by any client)
             self._emit(*self._obj_entry(o))
-        elif kind == "copy":
-            self.hot_copy_done(token, ok, detail)
+        elif kind == "copy":  # a replica task's (replica_tasks.py), else a hot key's
+            if not self.replica_task_done(token, ok, detail, now):
+                self.hot_copy_done(token, ok, detail)
         else:
             raise InvalidArgument(f"task_done: unknown task kind {kind!r}")
 
