@@ -49,12 +49,6 @@ _CUDA = "needs CUDA / torch.distributed GPU kernels; the non-CUDA wheel cannot r
 _TORCH_DIST = "a torch.distributed backend (process groups over the transfer engine): out of scope"
 _SSD = "remote SSD provisioning over SSH (paramiko, SPDK targets): an operator tool, out of scope"
 _NOF = "NVMe-over-Fabrics segments: needs NoF hardware and the published master's NoF RPCs"
-_PARALLEL = (
-    "sharded tensors described by ParallelAxis (dp/pp/ep/tp kinds, expert and stage ids),"
-    " ReadTarget modes and writer partitions: the wheel documents none of their layouts or"
-    " key names, and they were not worked out by running it; plain TP splits are provided"
-    " (put_tensor_with_tp & co.)"
-)
 _CUDA_T = "CUDA tensors; the non-CUDA wheel refuses them too"
 _POOL = "C++ buffer pools over the wheel's allocator: not implemented yet"
 _ENGRAM = "Engram embedding tables (a research feature of the wheel): out of scope"
@@ -65,12 +59,6 @@ _CLI = "the published command-line tools; ours is `mooncake-core` (docs/store.md
 _SEG = (
     "file-backed and local-disk segments (mount_segment(path)): our segments are memory;"
     " memory ones: allocate_and_mount_segment"
-)
-_TASKS = (
-    "replica copy/move tasks need a master RPC that copies one object's replica to, or moves"
-    " it between, named segments; ours copies and drops single replicas only for its own"
-    " hot-key policy (store/hotkeys.py), and a client-side remove and re-put would hide the"
-    " object from readers meanwhile"
 )
 _TOPO = "the published engine's topology dump tool; ours: TransferEngine.get_local_topology()"
 _FABRIC = "probes the wheel's .so for fabric allocators (CUDA/NVLink): out of scope"
@@ -126,18 +114,6 @@ NOT_PROVIDED: dict[str, str] = {
     "mooncake.store:EngramStore": _ENGRAM,
     "mooncake.store:EngramStoreConfig": _ENGRAM,
     "mooncake.store:MooncakeDistributedNoFRegister": _NOF,
-    "mooncake.store:QueryTaskResponse": _TASKS,
-    "mooncake.store:TaskStatus": _TASKS,
-    "mooncake.store:TaskType": _TASKS,
-    "mooncake.store:PENDING": _TASKS,
-    "mooncake.store:PROCESSING": _TASKS,
-    "mooncake.store:SUCCESS": _TASKS,
-    "mooncake.store:FAILED": _TASKS,
-    "mooncake.store:REPLICA_COPY": _TASKS,
-    "mooncake.store:REPLICA_MOVE": _TASKS,
-    "mooncake.store:ParallelAxis": _PARALLEL,
-    "mooncake.store:TensorParallelism": _PARALLEL,
-    "mooncake.store:ReadTarget": _PARALLEL,
     # mooncake.store: MooncakeDistributedStore members
     "mooncake.*store:MooncakeDistributedStore*.setup_dummy": "a dummy client attaches over"
     " an IPC socket and shared memory to a separate `mooncake_client` process that holds the"
@@ -146,13 +122,10 @@ NOT_PROVIDED: dict[str, str] = {
     " published 0.3.13 wheel before connecting anywhere, with or without a master and etcd at"
     " its defaults: there is no published behaviour to follow; use setup()",
     "mooncake.*store:MooncakeDistributedStore*.alloc_from_mem_pool": _POOL,
-    "mooncake.*store:MooncakeDistributedStore*.create_*_task": _TASKS,
-    "mooncake.*store:MooncakeDistributedStore*.query_task": _TASKS,
     "mooncake.*store:MooncakeDistributedStore*.mount_segment": _SEG,
     "mooncake.*store:MooncakeDistributedStore*.unmount_segment": _SEG,
     "mooncake.*store:MooncakeDistributedStore*.unmount_local_disk_segment": _SEG,
     "mooncake.*store:MooncakeDistributedStore*.*_cuda": _CUDA_T,
-    "mooncake.*store:MooncakeDistributedStore*.*_with_parallelism*": _PARALLEL,
 }
 
 logger = logging.getLogger(__name__)

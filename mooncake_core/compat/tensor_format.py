@@ -17,12 +17,18 @@ offset type      field
 32     u64       data bytes
 40     i64[8]    shape of the whole tensor, -1 in unused slots
 104    i64[8]    shape of the stored tensor (the same unless a shard)
-168    u32       number of parallel axes (0 or 1 here)
-176    32 bytes  per axis: u32 kind (1 = TP), u32 0, u32 rank, u32 size, u32 split_dim,
-                 u32 0, u64 the shard's extent along split_dim
+168    u32       number of parallel axes (at most 4)
+176    32 bytes  per axis: u32 kind (0 DP, 1 TP, 2 EP, 3 PP), u32 the axis' index,
+                 u32 rank, u32 size, u32 split_dim (0xFFFFFFFF: none), u32 the stage id
+                 (PP) or expert id (EP), u64 the shard's extent along split_dim (TP)
 ====== ========= ==================================================================
 
-The rest of the header is zero. Torch is imported lazily (only these functions need it).
+The rest of the header is zero. A tensor stored in TP shards by
+``put_tensor_with_parallelism`` (or in writer partitions) also has a 96-byte manifest
+object (:func:`manifest`): u32 magic ``0x574D414E`` (``NAMW``), u16 version 1, u16 size 96,
+i32 dtype code, i32 number of dimensions, u32 split_dim, u32 number of shards, 8 zero bytes,
+i64[8] the whole tensor's shape (-1 in unused slots). Torch is imported lazily (only these
+functions need it).
 """
 
 from __future__ import annotations
@@ -34,13 +40,17 @@ __all__ = [
     "DTYPE_CODES",
     "HEADER_SIZE",
     "MAGIC",
+    "Axis",
+    "Manifest",
     "Shard",
     "TensorFormatError",
     "header",
     "is_tensor_object",
+    "manifest",
     "pack",
     "unpack",
     "unpack_header",
+    "unpack_manifest",
 ]
 
 MAGIC = 0x4D4F4F4E
@@ -51,6 +61,10 @@ _FIXED = struct.Struct("<IHHiiIIQQ")  # magic .. data bytes (40 bytes)
 _DIMS = struct.Struct("<8q")
 _AXIS = struct.Struct("<IIIIIIQ")
 _GLOBAL_AT, _SHAPE_AT, _AXES_AT, _AXIS_AT = 40, 104, 168, 176
+MAX_AXES = 4
+MANIFEST_MAGIC = 0x574D414E
+MANIFEST_SIZE = 96
+_MANIFEST = struct.Struct("<IHHiiII8x")  # magic .. number of shards (32 bytes)
 
 #: torch dtype name -> the published code (the dtypes the published store accepts).
 DTYPE_CODES: dict[str, int] = {
@@ -86,6 +100,26 @@ class Shard(NamedTuple):
     whole_shape: tuple[int, ...]
 
 
+class Axis(NamedTuple):
+    """One parallel axis of a stored shard (see the table above)."""
+
+    kind: int  # 0 DP, 1 TP, 2 EP, 3 PP
+    rank: int
+    size: int
+    split_dim: int = -1  # -1: none
+    ident: int = 0  # the stage id (PP) or expert id (EP)
+    extent: int = 0  # the shard's extent along split_dim (TP)
+
+
+class Manifest(NamedTuple):
+    """A sharded tensor's manifest: ``size`` shards along ``split_dim`` of ``whole_shape``."""
+
+    dtype: str
+    split_dim: int
+    size: int
+    whole_shape: tuple[int, ...]
+
+
 class Header(NamedTuple):
     dtype: str
     shape: tuple[int, ...]
@@ -98,27 +132,69 @@ def _dims(shape: tuple[int, ...]) -> bytes:
 
 
 def header(
-    dtype: str, shape: tuple[int, ...], data_bytes: int, shard: Shard | None = None
+    dtype: str,
+    shape: tuple[int, ...],
+    data_bytes: int,
+    shard: Shard | None = None,
+    *,
+    axes: list[Axis] | None = None,
+    whole_shape: tuple[int, ...] | None = None,
 ) -> bytes:
-    """The 304-byte header of a tensor of ``dtype`` (a torch dtype name) and ``shape``."""
+    """The 304-byte header of a tensor of ``dtype`` (a torch dtype name) and ``shape``: a
+    whole tensor, a TP ``shard``, or a shard on ``axes`` of ``whole_shape``."""
     code = DTYPE_CODES.get(dtype)
     if code is None:
         raise TensorFormatError(f"dtype {dtype} is not supported by the tensor format")
     if len(shape) > MAX_DIMS:
         raise TensorFormatError(f"{len(shape)} dimensions; the tensor format holds at most 8")
+    if shard is not None:
+        extent = shape[shard.split_dim]
+        axes = [Axis(1, shard.rank, shard.size, shard.split_dim, 0, extent)]
+        whole_shape = shard.whole_shape
+    if axes and len(axes) > MAX_AXES:
+        raise TensorFormatError(f"{len(axes)} parallel axes; the tensor format holds at most 4")
     out = bytearray(HEADER_SIZE)
-    layout = 0 if shard is None else 1
+    layout = 1 if axes else 0
     _FIXED.pack_into(
         out, 0, MAGIC, VERSION, HEADER_SIZE, code, len(shape), layout, 0, HEADER_SIZE, data_bytes
     )
     out[_SHAPE_AT : _SHAPE_AT + _DIMS.size] = _dims(shape)
-    whole = shape if shard is None else shard.whole_shape
+    whole = shape if whole_shape is None else whole_shape
     out[_GLOBAL_AT : _GLOBAL_AT + _DIMS.size] = _dims(whole)
-    if shard is not None:
-        struct.pack_into("<I", out, _AXES_AT, 1)
-        extent = shape[shard.split_dim]
-        _AXIS.pack_into(out, _AXIS_AT, 1, 0, shard.rank, shard.size, shard.split_dim, 0, extent)
+    if axes:
+        struct.pack_into("<I", out, _AXES_AT, len(axes))
+        m = 0xFFFFFFFF
+        for i, a in enumerate(axes):
+            at = _AXIS_AT + i * _AXIS.size
+            _AXIS.pack_into(
+                out, at, a.kind, i, a.rank & m, a.size & m, a.split_dim & m, a.ident & m, a.extent
+            )
     return bytes(out)
+
+
+def manifest(dtype: str, split_dim: int, size: int, whole_shape: tuple[int, ...]) -> bytes:
+    """The 96-byte manifest of a tensor stored in ``size`` shards along ``split_dim``."""
+    code = DTYPE_CODES.get(dtype)
+    if code is None:
+        raise TensorFormatError(f"dtype {dtype} is not supported by the tensor format")
+    head = _MANIFEST.pack(
+        MANIFEST_MAGIC, VERSION, MANIFEST_SIZE, code, len(whole_shape), split_dim, size
+    )
+    return head + _dims(whole_shape)
+
+
+def unpack_manifest(data: bytes | memoryview) -> Manifest:
+    """A manifest's fields; :class:`TensorFormatError` if ``data`` is not one."""
+    if len(data) < MANIFEST_SIZE:
+        raise TensorFormatError(f"{len(data)} bytes: too short for a manifest")
+    magic, version, size, code, ndim, split_dim, n = _MANIFEST.unpack_from(data)
+    dtype = _CODE_DTYPES.get(code)
+    if magic != MANIFEST_MAGIC or version != VERSION or size != MANIFEST_SIZE or dtype is None:
+        raise TensorFormatError("not a tensor manifest (bad magic, version or dtype)")
+    if not 0 <= ndim <= MAX_DIMS or not 0 <= split_dim < max(ndim, 1) or n < 1:
+        raise TensorFormatError(f"bad manifest ({ndim} dimensions, split_dim {split_dim})")
+    whole = _DIMS.unpack_from(data, _MANIFEST.size)[:ndim]
+    return Manifest(dtype, split_dim, n, tuple(whole))
 
 
 def _contiguous_bytes(tensor: Any) -> tuple[str, tuple[int, ...], bytes]:
@@ -137,10 +213,17 @@ def _contiguous_bytes(tensor: Any) -> tuple[str, tuple[int, ...], bytes]:
     return dtype, tuple(int(d) for d in t.shape), raw
 
 
-def pack(tensor: Any, shard: Shard | None = None) -> bytes:
+def pack(
+    tensor: Any,
+    shard: Shard | None = None,
+    *,
+    axes: list[Axis] | None = None,
+    whole_shape: tuple[int, ...] | None = None,
+) -> bytes:
     """Header and data of ``tensor`` (a CPU copy is taken of other devices' tensors)."""
     dtype, shape, raw = _contiguous_bytes(tensor)
-    return header(dtype, shape, len(raw), shard) + raw
+    head = header(dtype, shape, len(raw), shard, axes=axes, whole_shape=whole_shape)
+    return head + raw
 
 
 def is_tensor_object(data: bytes | memoryview) -> bool:

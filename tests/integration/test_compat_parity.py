@@ -902,6 +902,47 @@ REPLICA_CLEAR = PRELUDE + textwrap.dedent(
     r["after"] = [s.is_exist(k) for k in ["s1", "t1", "byt", "s2", "lz"]]
     r["r2_replicas"] = len(s.get_replica_desc("r2"))
     r["offload_reads"] = s.get_offload_rpc_read_count()
+    # replica copy/move tasks between the two clients' segments
+    import time
+    from mooncake.store import (TaskStatus, TaskType, PENDING, PROCESSING, FAILED, SUCCESS,
+                                REPLICA_COPY, REPLICA_MOVE)
+    names = {hs: "s", ht: "t"}
+    def where(k):
+        return sorted(names.get(x.get_memory_descriptor().buffer_descriptor.transport_endpoint,
+                                "?") for x in s.get_replica_desc(k))
+    def wait(tid):
+        for _ in range(80):
+            q, rc = s.query_task(tid)
+            if q is not None and q.status in (TaskStatus.SUCCESS, TaskStatus.FAILED):
+                break
+            time.sleep(0.125)
+        return [rc, str(q.type), str(q.status), q.message,
+                q.created_at_ms_epoch <= q.last_updated_at_ms_epoch,
+                [type(x).__name__ for x in q.id + q.assigned_client]]
+    r["cp_put"] = [s.put("cp", b"c" * 100, ons), s.put("mv", b"m" * 100, ons)]
+    tid, rc = s.create_copy_task("cp", [ht])
+    r["copy"] = [rc, type(tid).__name__, len(tid), wait(tid), where("cp"), t.get("cp")[:2].decode()]
+    tid, rc = s.create_copy_task("cp", [ht, hs])
+    r["copy_held"] = [rc, wait(tid)[2], where("cp")]
+    tid, rc = s.create_move_task("mv", hs, ht)
+    r["move"] = [rc, wait(tid), s.get("mv") == b"m" * 100, where("mv")]
+    r["move_refused"] = [s.create_move_task(*a) for a in [("mv", ht, ht), ("mv", hs, ht),
+                         ("nope", hs, ht), ("mv", "nope:1", ht), ("mv", ht, "nope:1")]]
+    r["copy_refused"] = [s.create_copy_task(*a) for a in [("nope", [ht]), ("cp", ["nope:1"]),
+                                                          ("cp", [])]]
+    r["query_unknown"] = s.query_task((1, 2))
+    for name, fn, args in [("copy_str", s.create_copy_task, ("cp", ht)),
+                           ("copy_ints", s.create_copy_task, ("cp", [1])),
+                           ("move_int", s.create_move_task, ("cp", hs, 1)),
+                           ("query_int", s.query_task, (5,)),
+                           ("query_str", s.query_task, (("a", "b"),))]:
+        try:
+            r["type_" + name] = fn(*args)
+        except TypeError:
+            r["type_" + name] = "TypeError"
+    r["task_enums"] = [[int(x) for x in (PENDING, PROCESSING, FAILED, SUCCESS)],
+                       [int(x) for x in (REPLICA_COPY, REPLICA_MOVE)], str(SUCCESS),
+                       repr(REPLICA_MOVE), TaskStatus.SUCCESS == 3, TaskType(1).name]
     s.close(); t.close()
     print(json.dumps(r))
     """
@@ -924,6 +965,58 @@ EXPECTED_CLEAR: dict[str, Any] = {
     "type_seg_int": "TypeError",
     "after": [0, 0, 0, 0, 1],
     "offload_reads": 0,
+    "cp_put": [0, 0],
+    "copy": [
+        0,
+        "tuple",
+        2,
+        [
+            0,
+            "TaskType.REPLICA_COPY",
+            "TaskStatus.SUCCESS",
+            "Task completed successfully",
+            True,
+            ["int"] * 4,
+        ],
+        ["s", "t"],
+        "cc",
+    ],
+    "copy_held": [0, "TaskStatus.SUCCESS", ["s", "t"]],
+    "move": [
+        0,
+        [
+            0,
+            "TaskType.REPLICA_MOVE",
+            "TaskStatus.SUCCESS",
+            "Task completed successfully",
+            True,
+            ["int"] * 4,
+        ],
+        True,
+        ["t"],
+    ],
+    "move_refused": [
+        [[0, 0], -600],
+        [[0, 0], -600],
+        [[0, 0], -704],
+        [[0, 0], -600],
+        [[0, 0], -600],
+    ],
+    "copy_refused": [[[0, 0], -704], [[0, 0], -600], [[0, 0], -600]],
+    "query_unknown": [None, -1400],
+    "type_copy_str": "TypeError",
+    "type_copy_ints": "TypeError",
+    "type_move_int": "TypeError",
+    "type_query_int": "TypeError",
+    "type_query_str": "TypeError",
+    "task_enums": [
+        [0, 1, 2, 3],
+        [0, 1],
+        "TaskStatus.SUCCESS",
+        "<TaskType.REPLICA_MOVE: 1>",
+        False,
+        "REPLICA_MOVE",
+    ],
 }
 # The one difference (docs/compat.md): with a segment name, the published store drops just
 # that segment's replica of an object kept elsewhere too; our master has no RPC to drop one

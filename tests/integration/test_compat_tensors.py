@@ -155,6 +155,138 @@ r["batch_upsert_pub"] = [s.batch_upsert_pub_tensor(["ph", "pj"], [w * 3, w]),
 r["pub_tp"] = [s.pub_tensor_with_tp("pk", w, tp_size=2, split_dim=1), raw("pk_tp_1") == raw("tf_tp_1")]
 r["batch_pub_tp"] = [s.batch_pub_tensor_with_tp(["pl", "pm"], [w, torch.zeros(3)], tp_size=2, split_dim=0),
                      s.is_exist("pl_tp_1")]
+# the *_with_parallelism family: the keys and bytes written, the tensors read back
+from mooncake.store import ParallelAxis, TensorParallelism, ReadTarget
+def ax(kind, rank, size, split_dim=None, expert_id=None, stage_id=None):
+    a = ParallelAxis()
+    a.kind, a.rank, a.size = kind, rank, size
+    a.split_dim, a.expert_id, a.stage_id = split_dim, expert_id, stage_id
+    return a
+def par(*axes):
+    t = TensorParallelism()
+    t.axes = list(axes)
+    return t
+def rt(mode, p=None):
+    t = ReadTarget()
+    t.mode = mode
+    t.parallelism = p
+    return t
+def keys(prefix, names):
+    return [n for n in names if s.is_exist(prefix + n) == 1]
+rc = ReplicateConfig()
+x = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+r["par_types"] = [[a.kind, a.rank, a.size, a.split_dim, a.expert_id, a.stage_id] for a in [ParallelAxis()]]
+r["par_types"] += [TensorParallelism().axes, ReadTarget().mode, ReadTarget().parallelism]
+for name, fn in [("kind_int", lambda: setattr(ParallelAxis(), "kind", 1)),
+                 ("rank_none", lambda: setattr(ParallelAxis(), "rank", None)),
+                 ("axes_str", lambda: setattr(TensorParallelism(), "axes", "x")),
+                 ("mode_bad", lambda: setattr(ReadTarget(), "mode", "sideways")),
+                 ("mode_int", lambda: setattr(ReadTarget(), "mode", 1))]:
+    try:
+        fn()
+        r["par_type_" + name] = "ok"
+    except Exception as e:
+        r["par_type_" + name] = type(e).__name__
+t0 = ReadTarget(); t0.mode = "FULL"
+r["par_mode_case"] = t0.mode
+r["par_tp"] = [s.put_tensor_with_parallelism("pt", x[:2], par(ax("tp", 0, 2, 0))),
+               s.put_tensor_with_parallelism("pt", x[2:], par(ax("TP", 1, 2, 0))),
+               keys("pt", ["", "_tp_0", "_tp_1", "__parallelism_manifest"]),
+               raw("pt_tp_1"), raw("pt__parallelism_manifest")]
+r["par_dp_pp_ep"] = [s.put_tensor_with_parallelism("pd", x, par(ax("dp", 1, 2))),
+                     s.put_tensor_with_parallelism("pp", x, par(ax("pp", 1, 4, stage_id=3))),
+                     s.put_tensor_with_parallelism("pe", x, par(ax("ep", 1, 2, expert_id=5))),
+                     s.put_tensor_with_parallelism("pm", x, par(ax("pp", 1, 2, stage_id=0), ax("ep", 0, 2, expert_id=3))),
+                     raw("pd__dp_1of2"), raw("pp__pp_1of4_sid3"), raw("pe__ep_1of2_eid5"),
+                     raw("pm__ep_0of2_eid3__pp_1of2_sid0")]
+r["par_refused"] = [s.put_tensor_with_parallelism("pr", x, p_) for p_ in [
+    par(ax("pp", 1, 2)), par(ax("ep", 1, 2)), par(ax("ep", 1, 2, 0, expert_id=1)),
+    par(ax("dp", 0, 2), ax("tp", 0, 2, 1)), par(ax("tp", 0, 2)), par(ax("zz", 0, 2, 0)), par(),
+    par(ax("tp", 2, 2, 0)), par(ax("tp", 0, 2, 5)), par(ax("tp", 0, 0, 0)),
+    par(ax("tp", 0, 2, 0), ax("tp", 0, 2, 1)), par(ax("dp", 0, 2, 1)), {"axes": []}]]
+r["par_refused"] += [s.put_tensor_with_parallelism("pr", x, par(ax("tp", 0, 2, 0)), rc, ax("tp", 0, 2, 0)),
+                     s.put_tensor_with_parallelism("pr", torch.tensor(3.0), par(ax("tp", 0, 2, 0))),
+                     s.put_tensor_with_parallelism("pr", x, None, rc, {"rank": 0, "size": 2, "split_dim": 0}),
+                     s.put_tensor_with_parallelism("pr", x, None, rc, ax("tp", 1, 4, 1)),
+                     s.put_tensor_with_parallelism("pr", x, par(ax("dp", 0, 2)), bad),
+                     s.is_exist("pr")]
+dt = lambda r_: par(ax("dp", 0, 2), ax("tp", r_, 2, 1))
+r["par_multi"] = [s.put_tensor_with_parallelism("pq", x, dt(0)), s.put_tensor_with_parallelism("pq", x, dt(1)),
+                  keys("pq", ["__dp_0of2__tp_0of2_sd1", "__dp_0of2__tp_1of2_sd1", "__parallelism_manifest"]),
+                  raw("pq__dp_0of2__tp_1of2_sd1"), raw("pq__parallelism_manifest"),
+                  desc(s.get_tensor_with_parallelism("pq", rt("shard", dt(1)))),
+                  desc(s.get_tensor_with_parallelism("pq", rt("full", dt(0)))),
+                  s.put_tensor_with_parallelism("pq2", x, par(ax("tp", 1, 2, 0), ax("pp", 0, 2, stage_id=1))),
+                  raw("pq2__tp_1of2_sd0__pp_0of2_sid1")]
+r["par_writer"] = [s.put_tensor_with_parallelism("pw", x, None, rc, ax("tp", r_, 2, 1)) for r_ in (0, 1)]
+r["par_writer"] += [keys("pw", ["__writer_0of2_sd1", "__writer_1of2_sd1", "__writer_manifest"]),
+                    raw("pw__writer_1of2_sd1"), raw("pw__writer_manifest")]
+r["par_plain"] = [s.put_tensor_with_parallelism("pn", x), raw("pn") == [s.put_tensor("pn2", x), raw("pn2")][1]]
+reads = {
+    "pt": [None, rt("as_stored"), rt("full"), rt("shard"), rt("full", par(ax("tp", 1, 2, 0))),
+           rt("shard", par(ax("tp", 1, 2, 0))), rt("shard", par(ax("tp", 1, 4, 0))),
+           rt("shard", par(ax("tp", 0, 1, 0))), rt("shard", par(ax("tp", 1, 3, 0))),
+           rt("full", par(ax("tp", 1, 3, 0))), rt("full", par(ax("tp", 0, 2, 1))),
+           rt("full", par(ax("dp", 0, 2))), rt("as_stored", par(ax("tp", 1, 2, 0)))],
+    "pd": [None, rt("full"), rt("shard", par(ax("dp", 1, 2))), rt("shard", par(ax("dp", 0, 2)))],
+    "pm": [rt("shard", par(ax("ep", 0, 2, expert_id=3), ax("pp", 1, 2, stage_id=0))),
+           rt("shard", par(ax("pp", 1, 2, stage_id=0)))],
+    "pw": [None, rt("full"), rt("shard", par(ax("tp", 1, 2, 1))), rt("shard", par(ax("tp", 1, 2, 0))),
+           rt("full", par(ax("tp", 0, 2, 1)))],
+    "pn": [None, rt("full"), rt("shard", par(ax("tp", 1, 2, 0)))],
+    "b1": [rt("shard", par(ax("tp", 1, 2, 1))), rt("full", par(ax("tp", 0, 2, 1)))],
+    "nope": [None, rt("full", par(ax("tp", 0, 2, 0)))],
+}
+r["par_reads"] = {k: [desc(s.get_tensor_with_parallelism(k, t_)) for t_ in ts] for k, ts in reads.items()}
+r["par_read_bad_target"] = [desc(s.get_tensor_with_parallelism("pt", "full"))]
+r["par_batch_get"] = [[desc(y) for y in s.batch_get_tensor_with_parallelism(["pn", "pt", "nope"], t_)]
+                      for t_ in [None, [None, rt("full", par(ax("tp", 0, 2, 0))), None], [None]]]
+q2 = p + 40000
+y = s.get_tensor_with_parallelism_into("pt", q2, 4096, rt("shard", par(ax("tp", 1, 4, 0))))
+r["par_into"] = [desc(y), y.data_ptr() - q2, ctypes.string_at(q2, 304) == s.get("pt_tp_1")[:304]]
+y = s.get_tensor_with_parallelism_into("pt", q2, 4096, rt("full", par(ax("tp", 1, 2, 0))))
+r["par_into"] += [desc(y), ctypes.string_at(q2, 400) == s.get("pn")]
+y = s.get_tensor_with_parallelism_into("pt", q2, 4096, rt("shard", par(ax("tp", 1, 2, 0))))
+r["par_into"] += [ctypes.string_at(q2, 352) == s.get("pt_tp_1"),
+                  desc(s.get_tensor_with_parallelism_into("pt", q2, 100, rt("full", par(ax("tp", 1, 2, 0))))),
+                  desc(s.get_tensor_with_parallelism_into("nope", q2, 4096))]
+r["par_batch_into"] = [desc(y) for y in s.batch_get_tensor_with_parallelism_into(
+    ["pt", "pn"], [q2, q2 + 2048], [2048, 2048], [rt("full", par(ax("tp", 0, 2, 0))), None])]
+s.get_tensor_into("pn", q2, 4096)
+r["par_from"] = [s.put_tensor_with_parallelism_from("pf", q2, 400, par(ax("tp", 0, 2, 0))),
+                 keys("pf", ["", "_tp_0", "_tp_1", "__parallelism_manifest"]), raw("pf_tp_1"),
+                 s.put_tensor_with_parallelism_from("pf2", q2, 400), raw("pf2") == raw("pn"),
+                 s.put_tensor_with_parallelism_from("pf3", q2, 400, None, rc, ax("tp", 1, 2, 0)),
+                 raw("pf3__writer_1of2_sd0"),
+                 s.put_tensor_with_parallelism_from("pf4", q2, 400, par(ax("dp", 0, 2))), raw("pf4__dp_0of2"),
+                 s.put_tensor_with_parallelism_from("pf5", q2 + 500, 400, par(ax("tp", 0, 2, 0)))]
+r["par_upsert"] = [s.put_tensor_with_parallelism("pt", x[2:] * 10, par(ax("tp", 1, 2, 0))),
+                   desc(s.get_tensor("pt_tp_1")),
+                   s.upsert_tensor_with_parallelism("pt", x[2:] * 10, par(ax("tp", 1, 2, 0))),
+                   desc(s.get_tensor_with_parallelism("pt", rt("full", par(ax("tp", 0, 2, 0))))),
+                   s.upsert_tensor_with_parallelism_from("pf2", q2, 400, par(ax("dp", 1, 2))),
+                   raw("pf2__dp_1of2")]
+r["par_batch_put"] = [
+    s.batch_put_tensor_with_parallelism(["q1", "q2"], [x[:2], x[:, :3]], [par(ax("tp", 0, 2, 0)), par(ax("tp", 0, 2, 1))]),
+    s.batch_put_tensor_with_parallelism(["q3", "q4"], [x, x]),
+    s.batch_put_tensor_with_parallelism(["q5", "q6"], [x, x], [par(ax("tp", 0, 2, 0))]),
+    s.batch_put_tensor_with_parallelism(["q7", "q8"], [x, x], None, rc, [ax("tp", 0, 2, 0), ax("tp", 1, 2, 0)]),
+    s.batch_put_tensor_with_parallelism(["q9", "q10"], [x, x], [par(ax("tp", 0, 2, 0)), par(ax("zz", 0, 2, 0))]),
+    s.batch_put_tensor_with_parallelism(["q11"], [x, x]),
+    s.batch_put_tensor_with_parallelism(["q12"], [x], [par(ax("dp", 0, 2))], rc, [ax("tp", 0, 2, 0)]),
+    s.batch_put_tensor_with_parallelism(["q13", "q14"], [x, x], None, rc, [ax("tp", 0, 2, 0)]),
+    s.batch_upsert_tensor_with_parallelism(["q3"], [x * 2], [par(ax("dp", 0, 2))]),
+    s.batch_put_tensor_with_parallelism_from(["q15", "q16"], [q2, q2 + 500], [400, 400], [par(ax("dp", 0, 2))] * 2),
+    s.batch_upsert_tensor_with_parallelism_from(["q15"], [q2], [400], [par(ax("dp", 0, 2))]),
+    [s.is_exist(k) for k in ["q1_tp_0", "q2_tp_0", "q3", "q4", "q5", "q7__writer_0of2_sd0",
+                             "q8__writer_1of2_sd0", "q9_tp_0", "q10", "q3__dp_0of2", "q15__dp_0of2"]]]
+for name, fn in [("key_int", lambda: s.put_tensor_with_parallelism(5, x)),
+                 ("config_str", lambda: s.put_tensor_with_parallelism("pz", x, None, "x")),
+                 ("not_tensor", lambda: s.put_tensor_with_parallelism("pz", b"x", par(ax("tp", 0, 2, 0))))]:
+    try:
+        r["par_call_" + name] = fn()
+    except Exception as e:
+        r["par_call_" + name] = type(e).__name__
 r["unreg"] = s.unregister_buffer(p)
 s.close()
 print(json.dumps(r))
@@ -259,6 +391,132 @@ EXPECTED: dict[str, Any] = {'setup': 0,
  'batch_upsert_pub': [[0, 0], True],
  'pub_tp': [0, True],
  'batch_pub_tp': [[0, -600], 1],
+ 'par_types': [['', 0, 1, None, None, None], [], 'as_stored', None],
+ 'par_type_kind_int': 'TypeError',
+ 'par_type_rank_none': 'TypeError',
+ 'par_type_axes_str': 'TypeError',
+ 'par_type_mode_bad': 'RuntimeError',
+ 'par_type_mode_int': 'TypeError',
+ 'par_mode_case': 'full',
+ 'par_tp': [0,
+            0,
+            ['_tp_0', '_tp_1', '__parallelism_manifest'],
+            [352, '92d1b867a8fd2939'],
+            [96, 'b1312a05673472a4']],
+ 'par_dp_pp_ep': [0,
+                  0,
+                  0,
+                  0,
+                  [400, '2839c29aca88a4fb'],
+                  [400, '22b6d2a775235856'],
+                  [400, 'ea886ddd344ca4d1'],
+                  [400, '11950b2ee573c165']],
+ 'par_refused': [-600,
+                 -600,
+                 -600,
+                 0,
+                 -600,
+                 -600,
+                 -600,
+                 -600,
+                 -600,
+                 -600,
+                 -600,
+                 -600,
+                 -600,
+                 -600,
+                 -600,
+                 -600,
+                 -600,
+                 -600,
+                 0],
+ 'par_multi': [0,
+               0,
+               ['__dp_0of2__tp_0of2_sd1', '__dp_0of2__tp_1of2_sd1', '__parallelism_manifest'],
+               [352, 'e647fb614cb1de44'],
+               [96, 'be901b35ba3bc6ac'],
+               ['torch.float32', [4, 3], 'bd1189ecbfc4fc07'],
+               ['torch.float32', [4, 6], '45a99655901702d5'],
+               0,
+               [352, 'f0d86bb8de4a9580']],
+ 'par_writer': [0,
+                0,
+                ['__writer_0of2_sd1', '__writer_1of2_sd1', '__writer_manifest'],
+                [352, '7553d3ac0f90fcf3'],
+                [96, 'be901b35ba3bc6ac']],
+ 'par_plain': [0, True],
+ 'par_reads': {'pt': [None,
+                      None,
+                      None,
+                      None,
+                      ['torch.float32', [4, 6], '45a99655901702d5'],
+                      ['torch.float32', [2, 6], 'b38a7cbad080dac2'],
+                      ['torch.float32', [1, 6], 'e7ea4f54a88b8809'],
+                      ['torch.float32', [4, 6], '45a99655901702d5'],
+                      ['torch.float32', [2, 6], 'b38a7cbad080dac2'],
+                      None,
+                      None,
+                      None,
+                      None],
+               'pd': [None, None, ['torch.float32', [4, 6], '45a99655901702d5'], None],
+               'pm': [['torch.float32', [4, 6], '45a99655901702d5'], None],
+               'pw': [None,
+                      ['torch.float32', [4, 6], '45a99655901702d5'],
+                      ['torch.float32', [4, 3], 'bd1189ecbfc4fc07'],
+                      None,
+                      None],
+               'pn': [['torch.float32', [4, 6], '45a99655901702d5'],
+                      ['torch.float32', [4, 6], '45a99655901702d5'],
+                      None],
+               'b1': [None, None],
+               'nope': [None, None]},
+ 'par_read_bad_target': [None],
+ 'par_batch_get': [[['torch.float32', [4, 6], '45a99655901702d5'], None, None],
+                   [['torch.float32', [4, 6], '45a99655901702d5'],
+                    ['torch.float32', [4, 6], '45a99655901702d5'],
+                    None],
+                   [None, None, None]],
+ 'par_into': [['torch.float32', [1, 6], 'e7ea4f54a88b8809'],
+              304,
+              False,
+              ['torch.float32', [4, 6], '45a99655901702d5'],
+              True,
+              True,
+              None,
+              None],
+ 'par_batch_into': [['torch.float32', [4, 6], '45a99655901702d5'],
+                    ['torch.float32', [4, 6], '45a99655901702d5']],
+ 'par_from': [0,
+              ['_tp_0', '_tp_1'],
+              [352, '92d1b867a8fd2939'],
+              0,
+              True,
+              0,
+              [352, '92d1b867a8fd2939'],
+              0,
+              [400, '15a13fec708dd637'],
+              -600],
+ 'par_upsert': [0,
+                ['torch.float32', [2, 6], 'b38a7cbad080dac2'],
+                0,
+                ['torch.float32', [4, 6], 'b2ad35953fd226d7'],
+                0,
+                [400, '2839c29aca88a4fb']],
+ 'par_batch_put': [[0, 0],
+                   [0, 0],
+                   [-600, -600],
+                   [0, 0],
+                   [0, -600],
+                   [-600],
+                   [-600],
+                   [-600, -600],
+                   [0],
+                   [0, -600],
+                   [0],
+                   [1, 1, 1, 1, 0, 1, 1, 1, 0, 1, 1]],
+ 'par_call_key_int': 'TypeError',
+ 'par_call_config_str': 'TypeError',
+ 'par_call_not_tensor': 'AttributeError',
  'unreg': 0}
 # fmt: on
 
