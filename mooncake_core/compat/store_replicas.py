@@ -171,9 +171,8 @@ class ReplicaMethods:
 
         As published: another client's objects, leased or missing keys are left alone (not
         listed). ``segment_name`` is a client's segment name (its ``get_hostname()``), which
-        covers every segment that client mounted. An object with a replica on some other
-        segment is left whole and not listed, where the published store drops just that
-        segment's replica: our master has no RPC to drop one replica of several."""
+        covers every segment that client mounted. An object with replicas elsewhere too
+        keeps those: only the replicas on that segment are dropped (and the key listed)."""
         if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
             raise TypeError("batch_replica_clear(): keys must be a list of str")
         if not isinstance(segment_name, str):
@@ -194,9 +193,18 @@ class ReplicaMethods:
                 if float(q.get("lease_s", 0.0)) > 0 or q.get("hard_pin"):
                     continue
                 slices = [s for rep in q.get("replicas", []) for s in rep]
-                if segment_name and (
-                    q.get("ssd") or not slices or not all(on_segment(s["segment"]) for s in slices)
-                ):
+                if segment_name and not any(on_segment(s["segment"]) for s in slices):
+                    continue
+                if segment_name and (q.get("ssd") or not all(on_segment(s["segment"])
+                                                             for s in slices)):  # fmt: skip
+                    # replicas elsewhere too: drop only the ones on that segment
+                    try:
+                        dropped = c._call("drop_replicas", (c.client_id, key, segment_name))
+                    except StoreError as exc:
+                        logger.debug("batch_replica_clear %r: %s", key, exc)
+                        continue
+                    if dropped:
+                        out.append(key)
                     continue
                 try:
                     c.remove(key)

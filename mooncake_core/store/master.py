@@ -285,6 +285,7 @@ class MasterServer(HANode):
                 a.client_id, a.kind, a.key, a.targets, a.source, now
             ),
             "query_replica_task": lambda a, now: st.query_replica_task(a.task_id),
+            "drop_replicas": lambda a, now: st.drop_replicas(a.client_id, a.key, a.segment, now),
         }
 
     def handle(self, conn: Conn, req: P.Request) -> None:

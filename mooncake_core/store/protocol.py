@@ -373,6 +373,12 @@ class TaskIdArgs(_A):
     task_id: str
 
 
+class DropReplicasArgs(_A):
+    client_id: str
+    key: str
+    segment: str
+
+
 METHOD_ARGS: dict[str, type[msgspec.Struct]] = {
     "register_client": RegisterClientArgs,
     "mount": MountArgs,
@@ -404,6 +410,7 @@ METHOD_ARGS: dict[str, type[msgspec.Struct]] = {
     "query_key": KeyArgs,
     "create_replica_task": ReplicaTaskArgs,
     "query_replica_task": TaskIdArgs,
+    "drop_replicas": DropReplicasArgs,
 }
 
 _enc = msgspec.msgpack.Encoder()

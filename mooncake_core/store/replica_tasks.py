@@ -24,6 +24,8 @@ store's ``create_copy_task`` / ``create_move_task`` / ``query_task``):
   ``FAILED`` (a copy failed, was not reported within ``put_timeout_s``, or the object changed
   or went away meanwhile; ``message`` says which). Finished tasks are kept for an hour (at
   most :data:`MAX_TASKS` tasks in all).
+- ``drop_replicas(client_id, key, segment)`` drops the replicas on one client's segments
+  while another replica is left (refused while read-leased or pinned).
 - Tasks live on the master that created them: they are not replicated to HA standbys (the
   replicas they add or drop are, as ordinary object changes).
 """
@@ -37,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mooncake_core.errors import NoSpace, ObjectNotFound
-from mooncake_core.store.protocol import InvalidArgument
+from mooncake_core.store.protocol import InvalidArgument, ObjectBusy
 from mooncake_core.store.state_core import Obj, Segment, SliceT, StateCore
 
 __all__ = ["MAX_TASKS", "ReplicaTasks", "TASK_STATUS", "TASK_TYPES"]
@@ -167,6 +169,30 @@ class ReplicaTasks(StateCore):
         if not task.copies:
             self._rtask_advance(task, now)
         return task.id
+
+    def drop_replicas(self, client_id: str, key: str, segment: str, now: float) -> int:
+        """Drop ``key``'s replicas that lie on ``segment`` (or the segments ``segment#N`` its
+        client mounted later) while another replica is left; the number dropped (0 when none
+        lies there or none would be left). :class:`ObjectBusy` while read-leased or pinned
+        (the published ``batch_replica_clear`` with a segment name)."""
+        self._client(client_id, now)
+        o = self.objects.get(key)
+        if o is None or not o.complete:
+            raise ObjectNotFound(f"drop replicas: no object {key!r}")
+        if o.lease_until > now or o.busy or o.hard_pin:
+            raise ObjectBusy(f"drop replicas of {key!r}: the object is leased or pinned")
+        here = [
+            r for r in o.replicas if all(x[0] == segment or x[0].startswith(segment + "#")
+                                         for x in r)
+        ]  # fmt: skip
+        if not here or len(here) == len(o.replicas):
+            return 0
+        for rep in here:
+            o.replicas.remove(rep)
+            self._free_replica(key, rep)
+        o.token = self._next_token()
+        self._emit(*self._obj_entry(o))
+        return len(here)
 
     def query_replica_task(self, task_id: str) -> dict[str, Any] | None:
         t = self.rtasks.get(task_id)

@@ -11,7 +11,7 @@ import pytest
 
 from mooncake_core.config import StoreConfig
 from mooncake_core.errors import NoSpace, ObjectNotFound
-from mooncake_core.store.protocol import InvalidArgument, ReplicaCfg
+from mooncake_core.store.protocol import InvalidArgument, ObjectBusy, ReplicaCfg
 from mooncake_core.store.state import MasterState
 
 MiB = 1 << 20
@@ -111,3 +111,20 @@ def test_refusals() -> None:
     with pytest.raises(NoSpace):
         st.create_replica_task("c0", "copy", "k", ["seg2", "seg1"], "", 0.0)
     assert st.segments["seg2"].allocator.used == 0  # the partial reservation was given back
+
+
+def test_drop_replicas_keeps_the_others_and_refuses_while_leased() -> None:
+    st = _state(lease_ttl_s=1.0)
+    tid = st.create_replica_task("c0", "copy", "k", ["seg1"], "", 0.0)
+    ((c, t),) = _copies(st, 0.0)
+    st.task_done(c, "copy", "k", t["token"], True, "", 0.1)
+    assert _status(st, tid)[0] == 3 and _where(st) == ["seg0", "seg1"]
+    st.get_replica_list("k", 2.0)  # a read lease until 3.0
+    with pytest.raises(ObjectBusy):
+        st.drop_replicas("c0", "k", "seg0", 2.5)
+    assert st.drop_replicas("c0", "k", "seg2", 3.5) == 0  # none there
+    assert st.drop_replicas("c0", "k", "seg0", 3.5) == 1
+    assert _where(st) == ["seg1"] and st.segments["seg0"].allocator.used == 0
+    assert st.drop_replicas("c0", "k", "seg1", 3.5) == 0  # never the last replica
+    with pytest.raises(ObjectNotFound):
+        st.drop_replicas("c0", "nope", "seg1", 3.5)
