@@ -166,6 +166,9 @@ class Conductor:
         self._nic_free = np.zeros(n)
         self.queued = np.zeros(n, dtype=np.int64)
         self._inf = np.full(n, np.inf)
+        self._ones = np.ones(n)
+        #: the last decision's per-instance view (wait, local prefix, TTFT options)
+        self.last_view: PrefillView | None = None
         self._bt = profile.block_tokens
         self._blk_bytes = float(profile.block_tokens * profile.kv_bytes_per_token)
         self._bw = profile.transfer_gbps * 1e9
@@ -205,13 +208,26 @@ class Conductor:
         tok = np.bincount(inst, weights=self._w_tok[:k][active], minlength=m)
         return cnt, tok
 
-    def decide(self, req: Request, now: float | None = None, commit: bool = True) -> Decision:
+    def decide(
+        self,
+        req: Request,
+        now: float | None = None,
+        commit: bool = True,
+        wait_s: Sequence[float] | np.ndarray | None = None,
+        speed: Sequence[float] | np.ndarray | None = None,
+    ) -> Decision:
         """Place one request (see the module docstring).
 
         Args:
             req: The request.
             now: Current time in seconds (default: ``req.arrival_s``).
             commit: Apply an accepted decision to the state (False: only predict).
+            wait_s: Per prefill instance, the wait before it could start this prefill, from
+                outside (a live proxy measures its instances' queues); default: the
+                conductor's own queue model.
+            speed: Per prefill instance, real seconds per second of the cost profile (an
+                instance measured slower than its profile); scales prefill and fetch
+                times. Default: 1 (the profile is exact).
 
         Returns:
             The decision; when ``rejected`` is True nothing was changed.
@@ -226,8 +242,12 @@ class Conductor:
         bt = self._bt
         matched, union = self.index.match(req.blocks)
         local = matched[: cfg.n_prefill]
-        wait = np.maximum(self._free_at - t, 0.0)
-        ttft_local = wait + cost.prefill_s_array(n_in, local * bt)
+        if wait_s is None:
+            wait = np.maximum(self._free_at - t, 0.0)
+        else:
+            wait = np.maximum(np.asarray(wait_s, dtype=np.float64), 0.0)
+        k = self._ones if speed is None else np.asarray(speed, dtype=np.float64)
+        ttft_local = wait + k * cost.prefill_s_array(n_in, local * bt)
         best = 0
         src = -1
         ttft_fetch = self._inf
@@ -241,17 +261,22 @@ class Conductor:
             gain = best - local
             ok = gain > cfg.balance_threshold_blocks
             if ok.any():
-                xfer = self._lat + gain * (self._blk_bytes / self._bw)
+                xfer = k * (self._lat + gain * (self._blk_bytes / self._bw))
                 nic_wait = np.maximum(self._nic_free - t, 0.0)
                 ttft_fetch = np.where(
-                    ok, np.maximum(wait, nic_wait + xfer) + cost.prefill_s(n_in, best * bt), np.inf
+                    ok,
+                    np.maximum(wait, nic_wait + xfer) + k * cost.prefill_s(n_in, best * bt),
+                    np.inf,
                 )
-        choice = self.policy.choose(PrefillView(wait, local, ttft_local, ttft_fetch))
+        view = PrefillView(wait, local, ttft_local, ttft_fetch)
+        self.last_view = view
+        choice = self.policy.choose(view)
         i = choice.instance
+        ki = float(k[i])
         if choice.fetch:
             cached = best
             fetch_blocks = best - int(local[i])
-            transfer = cost.transfer_s(fetch_blocks)
+            transfer = ki * cost.transfer_s(fetch_blocks)
             fetch_end = max(t, float(self._nic_free[i])) + transfer
         else:
             cached = int(local[i])
@@ -259,8 +284,8 @@ class Conductor:
             transfer = 0.0
             fetch_end = t
             src = -1
-        start = max(t, float(self._free_at[i]), fetch_end)
-        prefill = cost.prefill_s(n_in, cached * bt)
+        start = max(t + float(wait[i]), fetch_end)
+        prefill = ki * cost.prefill_s(n_in, cached * bt)
         end = start + prefill
         ttft = end - t
         # Decode: least predicted TBT at the time the request would get there.

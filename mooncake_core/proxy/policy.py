@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from mooncake_core.conductor import policy as conductor_policy
 from mooncake_core.conductor.policy import least_loaded, prefix_blocks
 from mooncake_core.errors import ConfigError, ProxyError
@@ -97,6 +99,8 @@ class Job:
         store_blocks: leading blocks of the prompt the shared store holds (``None``: not looked up).
         instance_blocks: per prefill instance, leading blocks in its own store segment (from the
             store's events; ``None``: not known).
+        log: the request's decision record (``GET /proxy/decisions``): the proxy puts the load
+            it saw and the timings in, a policy adds why it chose (e.g. matched blocks).
     """
 
     rid: int
@@ -106,6 +110,7 @@ class Job:
     arrival: float = field(default_factory=time.monotonic)
     store_blocks: int | None = None
     instance_blocks: list[int] | None = None
+    log: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -219,7 +224,11 @@ class GlobalCachePolicy(RoutingPolicy):
     Prompt blocks are hashed by :func:`~mooncake_core.conductor.policy.prefix_blocks` (over token
     ids: given ones, or text prompts tokenized by the instances' ``/tokenize``); after a prefill
     the instance is recorded as holding them, so later requests sharing the prefix go where it lies
-    (unless the predicted TTFT says another instance is better). With ``reject`` the
+    (unless the predicted TTFT says another instance is better). The TTFT is predicted in real
+    seconds: queues are the prefills each instance has in flight and the cost profile is scaled
+    by each instance's measured speed (:class:`~mooncake_core.proxy.livequeue.LiveQueues`), so a
+    busy holder of the prefix loses to an idle instance once the wait outweighs the prefix
+    (which the other may then load from the store). With ``reject`` the
     conductor's early rejection is on: :meth:`choose` raises :class:`RequestRejected`.
 
     Args:
@@ -248,6 +257,9 @@ class GlobalCachePolicy(RoutingPolicy):
             with no RPC per request.
         store_holders: with ``store_events``, the segment name of each prefill instance's store
             client: pages held in an instance's segment count as cached on that instance.
+        live_queues: predict waits from the prefills in flight and each instance's measured
+            speed (default); False: from the conductor's own queue model in profile seconds
+            (the simulator's; for comparison).
     """
 
     name = conductor_policy.GlobalCachePolicy.name
@@ -270,6 +282,7 @@ class GlobalCachePolicy(RoutingPolicy):
         store_timeout_s: float = 0.5,
         store_events: str | None = None,
         store_holders: Sequence[str] | None = None,
+        live_queues: bool = True,
     ) -> None:
         super().__init__(prefill, decode)
         if kv_events and len(kv_events) != len(self.prefill):
@@ -337,15 +350,25 @@ class GlobalCachePolicy(RoutingPolicy):
                 slo_ttft_s=DEFAULT_SLO_TTFT_S if slo_ttft_s is None else slo_ttft_s,
                 slo_tbt_s=DEFAULT_SLO_TBT_S if slo_tbt_s is None else slo_tbt_s,
                 store_blocks=None if self.store is not None else 0,
-                fetch_sources="store" if self.store is not None else "any",
+                # instances read each other's KV only through the store: no store, no fetch
+                fetch_sources="store",
             ),
             prof,
         )
+        from mooncake_core.conductor.cache import BlockIndex
+        from mooncake_core.proxy.livequeue import LiveQueues
+
+        self.live = LiveQueues(len(self.prefill))
+        self.live_queues = live_queues
+        #: blocks each instance holds by its own KV events alone (the decision log's ``events``)
+        self.event_index = BlockIndex(len(self.prefill), None, 0)
         self.counters = {
             "store_blocks_seen": 0,
             "fetch_from_store": 0,
             "fetched_blocks": 0,
             "char_hashed_prompts": 0,
+            "event_blocks_stored": 0,
+            "event_blocks_removed": 0,
         }
         self._t0 = time.monotonic()
 
@@ -410,8 +433,15 @@ class GlobalCachePolicy(RoutingPolicy):
             if new:
                 self.conductor.kv_stored(i, new)
                 local.append((i, new))
+        live = self.live_queues
+        speed = self.live.speed() if live else np.ones(len(self.prefill))
         try:
-            d = self.conductor.decide(req, now=req.arrival_s)
+            d = self.conductor.decide(
+                req,
+                now=req.arrival_s,
+                wait_s=self.live.wait_s(req.arrival_s) if live else None,
+                speed=speed if live else None,
+            )
         finally:
             if held:
                 self.conductor.store_removed(held)
@@ -431,6 +461,9 @@ class GlobalCachePolicy(RoutingPolicy):
         else:
             source = "none"
         self.counters["fetched_blocks"] += d.fetch_blocks
+        k = float(speed[d.prefill])
+        self.live.started(d.prefill, job.rid, (d.prefill_s + d.transfer_s) / k, req.arrival_s)
+        self._explain(job, blocks)
         info = (
             f"cached_blocks={d.cached_blocks}; fetch_blocks={d.fetch_blocks}; "
             f"fetch_source={source}; "
@@ -445,6 +478,32 @@ class GlobalCachePolicy(RoutingPolicy):
             headers={"X-Mooncake-Decision": info},
         )
 
+    def _explain(self, job: Job, blocks: Sequence[int]) -> None:
+        """Why the last decision went where it did, into the request's decision record."""
+        v = self.conductor.last_view
+        if v is None:
+            return
+        ev, _ = self.event_index.match(blocks)
+        job.log.update(
+            blocks=len(blocks),
+            local=[int(x) for x in v.local_blocks],
+            events=[int(x) for x in ev[: len(self.prefill)]],
+            store=job.store_blocks,
+            wait_s=[round(float(x), 4) for x in v.wait_s],
+            speed=[round(float(x), 2) for x in self.live.speed()],
+            predicted_s=[round(float(x), 4) for x in np.minimum(v.ttft_local_s, v.ttft_fetch_s)],
+        )
+
+    def _kv_stored(self, instance: int, blocks: list[int]) -> None:
+        self.conductor.kv_stored(instance, blocks)
+        self.event_index.insert(instance, blocks)
+        self.counters["event_blocks_stored"] += len(blocks)
+
+    def _kv_removed(self, instance: int, blocks: list[int]) -> None:
+        self.conductor.kv_removed(instance, blocks)
+        self.event_index.remove(instance, blocks)
+        self.counters["event_blocks_removed"] += len(blocks)
+
     async def start(self) -> None:
         if self.kv_event_endpoints and self.kv_listener is None:
             from mooncake_core.proxy.kvevents import KVEventListener
@@ -453,8 +512,8 @@ class GlobalCachePolicy(RoutingPolicy):
             self.kv_listener = KVEventListener(
                 self.kv_event_endpoints,
                 self.block_tokens,
-                self.conductor.kv_stored,
-                self.conductor.kv_removed,
+                self._kv_stored,
+                self._kv_removed,
                 asyncio.get_running_loop(),
                 engine.decode_kv_events,
             )
@@ -484,9 +543,13 @@ class GlobalCachePolicy(RoutingPolicy):
 
     def prefill_done(self, job: Job, placement: Placement) -> None:
         d, blocks = placement.detail
-        self.conductor.prefill_done(d, blocks, self._now())
+        now = self._now()
+        self.live.answered(d.prefill, job.rid, now)
+        self.conductor.prefill_done(d, blocks, now)
 
     def finished(self, job: Job, placement: Placement, ok: bool) -> None:
+        d, _ = placement.detail
+        self.live.dropped(d.prefill, job.rid)  # a prefill that failed: no answer to measure
         self.conductor.decode_done(job.rid, self._now())
 
     def stats(self) -> dict[str, Any]:
@@ -499,6 +562,7 @@ class GlobalCachePolicy(RoutingPolicy):
             out["kv_events"] = self.kv_listener.events
         if self.store is not None:
             out["store"] = self.store.stats()
+        out["speed"] = [round(float(x), 3) for x in self.live.speed()]
         return out
 
 

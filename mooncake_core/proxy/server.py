@@ -23,13 +23,23 @@ Cache-aware policies (``global-cache``) get token ids for text prompts: the prox
 prefill instance's tokenizer endpoint first (:mod:`mooncake_core.proxy.tokenize`), then
 calls the policy's ``prepare`` (e.g. a store lookup) and ``choose``.
 
-Also served: ``GET /health``, ``GET /v1/models`` (from a decode instance) and
-``GET /proxy/stats`` (per-instance load and counters, the policy's under ``policy_stats``).
+Also served: ``GET /health``, ``GET /v1/models`` (from a decode instance),
+``GET /proxy/stats`` (per-instance load and counters, the policy's under ``policy_stats``) and
+``GET /proxy/decisions`` (the decision log: one record per recent request, oldest first: its
+number, arrival ``t`` (s since the proxy started), the client's ``user`` field as ``tag``, prompt
+tokens, seconds the policy's ``prepare`` took (``prepare_s``: e.g. a store lookup), the
+chosen ``prefill`` / ``decode`` index, the live ``load`` (prompt tokens in flight
+per prefill instance) it was chosen under, the policy's reasons (``global-cache``: matched
+blocks per instance from its index and from the engines' events alone, store blocks,
+predicted ``wait_s``, ``speed`` and TTFT ``predicted_s`` per instance), the prefill leg
+``prefill_s`` and the proxy-side ``ttft_s``; ``?since=N`` gives records after request N).
+Each record is also logged at DEBUG.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import json
 import logging
@@ -55,9 +65,12 @@ from mooncake_core.proxy.policy import (
 )
 from mooncake_core.proxy.tokenize import RemoteTokenizer
 
-__all__ = ["ProxyConfig", "ProxyServer", "UpstreamError"]
+__all__ = ["ProxyConfig", "ProxyServer", "UpstreamError", "DECISION_LOG_SIZE"]
 
 logger = logging.getLogger(__name__)
+
+#: decision records the proxy keeps (``GET /proxy/decisions``)
+DECISION_LOG_SIZE = 4096
 
 
 @dataclass(frozen=True)
@@ -159,6 +172,11 @@ class ProxyServer:
             else None
         )
         self._ids = itertools.count(1)
+        self._t0 = time.monotonic()
+        #: recent decision records (``GET /proxy/decisions``), oldest first
+        self.decisions: collections.deque[dict[str, Any]] = collections.deque(
+            maxlen=DECISION_LOG_SIZE
+        )
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self.port = config.port
@@ -169,6 +187,7 @@ class ProxyServer:
         self.app.router.add_get("/v1/models", self._models)
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/proxy/stats", self._stats)
+        self.app.router.add_get("/proxy/decisions", self._decisions)
         self.metrics = ProxyMetrics(self.policy.name, [*self.prefill, *self.decode])
         self.app.router.add_get("/metrics", self.metrics.handler)
         self.app.on_cleanup.append(self._close_session)
@@ -266,6 +285,13 @@ class ProxyServer:
             out["tokenizer"] = self.tokenizer.stats()
         return web.json_response(out)
 
+    async def _decisions(self, request: web.Request) -> web.Response:
+        try:
+            since = int(request.query.get("since", "0"))
+        except ValueError:
+            return _error(400, "since must be a request number", "invalid_request_error")
+        return web.json_response([r for r in self.decisions if r["rid"] > since])
+
     async def _models(self, request: web.Request) -> web.Response:
         inst = self.decode[0]
         try:
@@ -307,20 +333,35 @@ class ProxyServer:
                 key, n_tokens = ids, len(ids)
         max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
         job = Job(next(self._ids), n_tokens, key, max_tokens)
+        tag = body.get("user")
+        job.log.update(
+            rid=job.rid,
+            t=round(t0 - self._t0, 4),
+            tag=tag if isinstance(tag, str) and len(tag) <= 200 else None,
+            tokens=n_tokens,
+        )
         self.stats["requests"] += 1
+        t_prep = time.monotonic()
         await self.policy.prepare(job)
+        job.log["prepare_s"] = round(time.monotonic() - t_prep, 4)
+        job.log["load"] = [i.tokens_in_flight for i in self.prefill]
         try:
             place = self.policy.choose(job)
         except RequestRejected as exc:
             self.stats["rejected"] += 1
             self.metrics.rejected()
             logger.info("request %d %s", job.rid, exc)
+            job.log["rejected"] = str(exc)
+            self._record(job)
             return _error(429, str(exc), "rate_limit_exceeded")
+        job.log["prefill"] = place.prefill.index
+        job.log["decode"] = place.decode.index
         self.metrics.routed_to(place.prefill.url, place.decode.url)
         ok = False
         stage = place.prefill
         try:
             params = await self._prefill(place.prefill, path, body, job)
+            job.log["prefill_s"] = round(time.monotonic() - t0, 4)
             self.policy.prefill_done(job, place)
             stage = place.decode
             dbody = self.engine.decode_body(body, params)
@@ -330,6 +371,7 @@ class ProxyServer:
             ok = True
             if not body.get("stream"):  # the whole answer is its first byte
                 self.metrics.first_byte(time.monotonic() - t0)
+                job.log["ttft_s"] = round(time.monotonic() - t0, 4)
             self.metrics.done(time.monotonic() - t0)
             self.metrics.outcome("ok")
             return resp
@@ -341,6 +383,14 @@ class ProxyServer:
             return exc.response()
         finally:
             self.policy.finished(job, place, ok)
+            job.log["ok"] = ok
+            self._record(job)
+
+    def _record(self, job: Job) -> None:
+        """Keep the request's decision record (and log it at DEBUG)."""
+        self.decisions.append(job.log)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("decision %s", json.dumps(job.log, default=str))
 
     @staticmethod
     def _route_headers(place: Placement) -> dict[str, str]:
@@ -447,6 +497,7 @@ class ProxyServer:
                     await out.write(chunk)
                     if t_first is not None:  # time to first token, as the client sees it
                         self.metrics.first_byte(time.monotonic() - t_first)
+                        job.log["ttft_s"] = round(time.monotonic() - t_first, 4)
                         t_first = None
                 await out.write_eof()
                 inst.served += 1
