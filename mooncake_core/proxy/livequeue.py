@@ -10,10 +10,12 @@ the profiled hardware). Behind a live proxy two things differ from the profile:
   prediction keeps at least :data:`OVERDUE_SHARE` of it (never 0 while it is busy);
 - the speed: the instances are rarely the profiled hardware (the shipped profile is an
   8-GPU node; a CPU core is tens of times slower, and an instance sharing its core with
-  another runs slower still). :class:`LiveQueues` measures, per instance, real seconds per
-  profile second from its answers: busy time (some prefill in flight) over the profile work
-  it answered, as decayed sums, with a prior of 1 (the profile is right) that the first
-  answers outweigh. An instance with no answers yet takes the pooled figure of all.
+  another runs slower still). :class:`LiveQueues` measures real seconds per profile second
+  from the answers: busy time (some prefill in flight) over the profile work answered, as
+  decayed sums. The pooled figure of all instances starts from a prior of 1 (the profile is
+  right) that the first answer outweighs; each instance's own figure starts from the pooled
+  one and leaves it only after a few answers (one quick answer does not make an instance
+  look faster than one that has not answered yet).
 
 Both go into :meth:`~mooncake_core.conductor.Conductor.decide` (``wait_s``, ``speed``), so
 queue and prefix gain are weighed in the same, real seconds. Without this, the profile's
@@ -39,20 +41,36 @@ class LiveQueues:
     Args:
         n: prefill instances.
         prior_speed: real seconds per profile second before any answer.
-        prior_work_s: weight of that prior, in profile seconds of answered work.
+        prior_work_s: weight of that prior in the pooled figure, in profile seconds of
+            answered work.
+        instance_work_s: weight of the pooled figure in each instance's own (profile seconds;
+            0.3 is about four 500-token prefills of the shipped profile).
         decay: weight of the past per answer (0..1; 0.9 remembers about ten answers).
     """
 
     def __init__(
-        self, n: int, prior_speed: float = 1.0, prior_work_s: float = 0.05, decay: float = 0.9
+        self,
+        n: int,
+        prior_speed: float = 1.0,
+        prior_work_s: float = 0.02,
+        instance_work_s: float = 0.3,
+        decay: float = 0.9,
     ) -> None:
-        if n <= 0 or prior_speed <= 0 or prior_work_s <= 0 or not 0 <= decay < 1:
+        if (
+            n <= 0
+            or prior_speed <= 0
+            or prior_work_s <= 0
+            or instance_work_s <= 0
+            or not 0 <= decay < 1
+        ):
             raise ValueError(
-                "LiveQueues needs n > 0, prior_speed > 0, prior_work_s > 0 and 0 <= decay < 1"
+                "LiveQueues needs n > 0, prior_speed > 0, prior_work_s > 0, "
+                "instance_work_s > 0 and 0 <= decay < 1"
             )
         self.n = n
         self.prior_speed = prior_speed
         self.prior_work_s = prior_work_s
+        self.instance_work_s = instance_work_s
         self.decay = decay
         self._work: list[dict[int, float]] = [{} for _ in range(n)]
         self._mark = np.zeros(n)  # since when the instance works on what is in flight
@@ -61,9 +79,9 @@ class LiveQueues:
 
     def speed(self) -> np.ndarray:
         """Real seconds per profile second, per instance."""
-        w0 = self.prior_work_s
+        w0, wi = self.prior_work_s, self.instance_work_s
         pooled = (float(self._busy.sum()) + self.prior_speed * w0) / (float(self._done.sum()) + w0)
-        out: np.ndarray = (self._busy + pooled * w0) / (self._done + w0)
+        out: np.ndarray = (self._busy + pooled * wi) / (self._done + wi)
         return out
 
     def in_flight_s(self) -> np.ndarray:
