@@ -32,10 +32,7 @@ __all__ = ["ShmTransport", "host_identity"]
 
 logger = logging.getLogger(__name__)
 
-POPULATE_LIMIT = 8 << 30  # peers' segments up to this size get their page tables built
-_POPULATE_CHUNK = 32 << 20  # the background populate works in steps of this many bytes
-_POPULATE_NOW = 8 << 20  # smaller mappings are populated at once (cheap)
-_MADV_POPULATE_READ = 22  # Linux 5.14+ (Python 3.11's mmap module lacks the constant)
+POPULATE_LIMIT = 8 << 20  # peers' segments up to this size are mapped with MAP_POPULATE
 _PER_THREAD = 1 << 20  # a copy thread gets at least this many bytes
 _CUT = 64 << 10  # copies are split at multiples of this
 
@@ -66,8 +63,6 @@ def _cma() -> Any:
                 ctypes.c_ulong,
                 ctypes.c_ulong,
             ]
-        _libc.madvise.restype = ctypes.c_int
-        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return _libc
 
 
@@ -166,45 +161,20 @@ class ShmTransport(Transport):
                 ) from exc
             try:
                 size = int(region["memfd_offset"]) + int(region["length"])
-                now = getattr(mmap, "MAP_POPULATE", 0) if size <= _POPULATE_NOW else 0
-                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | now)
+                # A small segment's page tables are built now (MAP_POPULATE), else the first
+                # copy from every page pays a minor fault. Not a large one's: that made the
+                # first read from a peer wait until every page of its segment, mostly never
+                # written, was allocated and mapped (0.7-2 s for 735 MiB, a store hit's first
+                # read), and populating in the background held this process's mmap lock at
+                # low priority (munmap in the forward stalled for seconds). Copies fault in
+                # what they touch: about 4 ms more per 75 MiB read the first time.
+                populate = getattr(mmap, "MAP_POPULATE", 0) if size <= POPULATE_LIMIT else 0
+                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
             finally:
                 os.close(fd)
             base = ctypes.addressof(ctypes.c_char.from_buffer(mm)) + int(region["memfd_offset"])
             self._maps[key] = (mm, base)
-            # Build our page tables for the peer's segment (up to POPULATE_LIMIT), else the
-            # first copy from every page pays a minor fault. Large segments in the background:
-            # a MAP_POPULATE here made the first read from a peer wait for the whole segment
-            # (0.7-2 s for 735 MiB, mostly pages nobody wrote yet); the copies meanwhile fault
-            # in just the pages they touch. The anchor (a buffer export) keeps the mapping
-            # alive meanwhile: a concurrent close() fails with BufferError (ignored) and the
-            # memory goes with the anchor.
-            if _POPULATE_NOW < size <= POPULATE_LIMIT:
-                threading.Thread(
-                    target=self._populate,
-                    args=(key, ctypes.c_char.from_buffer(mm), size),
-                    name="mc-shm-populate",
-                    daemon=True,
-                ).start()
             return base
-
-    def _populate(self, key: tuple[int, int, int], anchor: ctypes.c_char, size: int) -> None:
-        """Pre-fault the mapping ``key`` starts at ``anchor``, at the lowest priority and a
-        chunk at a time; stops when the mapping is dropped or the kernel lacks
-        MADV_POPULATE_READ."""
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (AttributeError, OSError):
-            pass
-        start = ctypes.addressof(anchor)
-        madvise = _cma().madvise
-        for off in range(0, size, _POPULATE_CHUNK):
-            with self._lock:
-                if key not in self._maps:  # forgotten or closed: stop
-                    return
-            if madvise(start + off, min(_POPULATE_CHUNK, size - off), _MADV_POPULATE_READ):
-                logger.debug("populating a peer mapping stopped: errno %d", ctypes.get_errno())
-                return
 
     def forget(self, pid: int) -> None:
         """Drop our mappings of ``pid``'s memory (unmapped once no copy is in flight)."""
