@@ -1,7 +1,11 @@
 """Fixtures for the vLLM adapter's tests: the tiny local model and the proxy.
 
 Engine tests run real vLLM OpenAI servers in subprocesses (``VLLMServer``); they are
-marked ``engine`` and ``slow`` and skip when vLLM is not installed.
+marked ``engine`` and ``slow`` and skip when vLLM is not installed. Their servers run with
+``enforce_eager=True``: torch.compile's warm-up took 100-130 s per server when a module
+started its servers together on these 2 cores, and none of the tests is about compiled
+graphs (outputs are compared only between servers of the same module, all eager). Store
+masters come from ``mooncake_vllm.testing.StoreMaster`` (they die with the test process).
 """
 
 from __future__ import annotations

@@ -24,8 +24,6 @@ the prefill engine id read from its bootstrap server (``GET /query``), prefill
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +33,7 @@ from typing import Any
 
 import pytest
 from mooncake_conformance.faults import corrupt_writes_env
-from mooncake_vllm.testing import VLLMServer, engine_env, free_port, http_json
+from mooncake_vllm.testing import StoreMaster, VLLMServer, free_port, http_json
 from vllm_helpers import BLOCK, needs_vllm, token_prompt, wait_for
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, needs_vllm, pytest.mark.timeout(900)]
@@ -53,7 +51,7 @@ class Servers:
     noshim: VLLMServer
     a: VLLMServer
     b: VLLMServer
-    master: subprocess.Popen[bytes]
+    master: StoreMaster
     master_http: str
     bootstrap: str
     base: Path
@@ -73,32 +71,14 @@ def _pd(role: str) -> dict[str, Any]:
 def servers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     base = tmp_path_factory.mktemp("builtin")
     boot_port, boot2 = free_port(), free_port()
-    rpc, http = free_port(), free_port()
-    log = open(base / "master.log", "wb")  # noqa: SIM115
-    master = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mooncake_core",
-            "master",
-            "--rpc-port",
-            str(rpc),
-            "--http-port",
-            str(http),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        env=engine_env(),
-    )
-    log.close()
+    master = StoreMaster(base / "master.log").start()
     # the file vLLM's MooncakeStoreConnector reads (vllm/distributed/mooncake_store.py)
     cfg = base / "mooncake.json"
     cfg.write_text(
         json.dumps(
             {
                 "metadata_server": "P2PHANDSHAKE",
-                "master_server_address": f"127.0.0.1:{rpc}",
+                "master_server_address": master.addr,
                 "protocol": "tcp",
                 "device_name": "",
                 "global_segment_size": "64MB",
@@ -108,7 +88,10 @@ def servers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     )
     store = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
     store_env = {"MOONCAKE_CONFIG_PATH": str(cfg)}  # no shim: the store connector runs unmodified
-    mk = VLLMServer
+
+    def mk(model: Path, **kw: Any) -> VLLMServer:
+        return VLLMServer(model, enforce_eager=True, **kw)  # no compile warm-up (conftest)
+
     all_servers = [
         mk(tiny_model, name="mono", log_path=base / "mono.log", block_size=BLOCK),
         mk(
@@ -180,7 +163,7 @@ def servers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             a,
             b,
             master,
-            f"http://127.0.0.1:{http}",
+            master.http_url,
             f"http://127.0.0.1:{boot_port}",
             base,
             corrupt,
@@ -189,9 +172,7 @@ def servers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     finally:
         for s in all_servers:
             s.stop()
-        if master.poll() is None:
-            master.kill()
-        master.wait(10)
+        master.stop()
 
 
 def _text(ans: dict[str, Any]) -> str:
