@@ -15,7 +15,9 @@ demo-transfer: setup
 # worker at a time (see conftest.py). Default 0, one process: on 2 cores the engine tests
 # are CPU-bound, and two workers were not faster, only closer to the per-test timeouts.
 TEST_WORKERS ?= 0
-test: setup lint mooncake-peer
+# lint and the peer venv side by side: mypy keeps one core busy, pip the other.
+test: setup
+	@$(MAKE) --no-print-directory -j2 lint mooncake-peer
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --durations=25
 
 # The published Mooncake wheel in a scratch venv: the comparison tests run our compat
