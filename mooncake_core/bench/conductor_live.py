@@ -53,6 +53,11 @@ __all__ = [
     "find_runner",
     "add_live_arguments",
     "summarize",
+    "routing_summary",
+    "merge_phases",
+    "phase_order",
+    "turn_split",
+    "request_tag",
     "run_live",
 ]
 
@@ -92,7 +97,9 @@ class LiveSettings:
         max_prompt_tokens: the longest prompt of the slice (for the engines' context size).
         workdir: model, logs and counters go here.
         quick: the short variant (a smaller model where the runner has one).
-        policies: the proxy policies in the order their phases run.
+        policies: the proxy policy of each phase, in the order the phases run (a policy
+            may come more than once: :func:`phase_order`; the runner merges its phases with
+            :func:`merge_phases`).
         cores: CPU ids for the instances (one per prefill instance).
         log: progress lines.
     """
@@ -120,6 +127,10 @@ class PhaseResult:
         routed: prefill instance -> requests it served.
         wall_s: the phase's wall time.
         notes: anything else worth printing (name -> value).
+        decisions: the proxy's decision records of the phase (``GET /proxy/decisions``; the
+            client sends :func:`request_tag` as each request's ``user`` field).
+        tagged_ttft: ``(request_tag, TTFT)`` per answered request (first turns of a
+            conversation and later turns are told apart with it).
     """
 
     ttft_s: list[float] = field(default_factory=list)
@@ -130,6 +141,123 @@ class PhaseResult:
     routed: dict[str, int] = field(default_factory=dict)
     wall_s: float = 0.0
     notes: dict[str, Any] = field(default_factory=dict)
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    tagged_ttft: list[tuple[str, float]] = field(default_factory=list)
+
+
+def request_tag(r: LiveRequest) -> str:
+    """The ``user`` field a runner sends with ``r`` (names it in the proxy's decision log)."""
+    return f"trace-{r.rid}"
+
+
+def routing_summary(
+    requests: Sequence[LiveRequest], decisions: Sequence[dict[str, Any]]
+) -> dict[str, Any]:
+    """How a phase was routed, from the proxy's decision records (any policy).
+
+    Walking each phase's records (``phase`` key, default 0) in the proxy's order, every
+    instance is taken to hold every prefix it prefilled before in that phase (no eviction).
+    ``prefix_available``: requests for which some instance held at least 2 leading blocks
+    (the trace's first block is a system prompt every conversation shares);
+    ``prefix_followed``: of those, routed to an instance with the longest.
+    ``prefill_leg_mean_s`` / ``proxy_ttft_mean_s``: the prefill leg and the first byte as the
+    proxy timed them. With ``global-cache`` records also
+    ``events_confirmed``: of the requests whose chosen instance the policy's index credited
+    with at least 2 blocks, those the engine's own KV events credited too (0 while the
+    events and the proxy name blocks differently).
+    """
+    by_tag = {request_tag(r): r for r in requests}
+    recs = sorted(
+        (d for d in decisions if d.get("tag") in by_tag and d.get("prefill") is not None),
+        key=lambda d: (int(d.get("phase", 0)), int(d.get("rid", 0))),
+    )
+    held: dict[int, set[tuple[int, ...]]] = {}
+    phase = None
+    available = followed = credited = confirmed = 0
+    legs: list[float] = []
+    ttfts: list[float] = []
+    for d in recs:
+        if d.get("phase", 0) != phase:
+            phase, held = d.get("phase", 0), {}
+        r = by_tag[d["tag"]]
+        i = int(d["prefill"])
+        match: dict[int, int] = {}
+        for j, prefixes in held.items():
+            k = 0
+            while k < len(r.blocks) and tuple(r.blocks[: k + 1]) in prefixes:
+                k += 1
+            match[j] = k
+        best = max(match.values(), default=0)
+        if best >= 2:
+            available += 1
+            followed += int(match.get(i, 0) == best)
+        held.setdefault(i, set()).update(tuple(r.blocks[:k]) for k in range(1, len(r.blocks) + 1))
+        if isinstance(d.get("prefill_s"), (int, float)):
+            legs.append(float(d["prefill_s"]))
+        if isinstance(d.get("ttft_s"), (int, float)):
+            ttfts.append(float(d["ttft_s"]))
+        local, events = d.get("local"), d.get("events")
+        if isinstance(local, list) and isinstance(events, list) and i < len(local):
+            if local[i] >= 2:
+                credited += 1
+                confirmed += int(i < len(events) and events[i] >= 2)
+    out: dict[str, Any] = {
+        "routing_records": len(recs),
+        "prefix_available": available,
+        "prefix_followed": followed,
+        "prefill_leg_mean_s": round(statistics.fmean(legs), 4) if legs else None,
+        "proxy_ttft_mean_s": round(statistics.fmean(ttfts), 4) if ttfts else None,
+    }
+    if credited:
+        out["events_confirmed"] = round(confirmed / credited, 3)
+    return out
+
+
+def merge_phases(phases: Sequence[PhaseResult]) -> PhaseResult:
+    """One policy's phases as one result (TTFTs, tokens, routing and records pooled)."""
+    out = PhaseResult()
+    for p in phases:
+        out.ttft_s += p.ttft_s
+        out.errors += p.errors
+        out.prompt_tokens += p.prompt_tokens
+        out.prefix_hit_tokens += p.prefix_hit_tokens
+        out.store_hit_tokens += p.store_hit_tokens
+        for url, n in p.routed.items():
+            out.routed[url] = out.routed.get(url, 0) + n
+        out.wall_s += p.wall_s
+        for k, v in p.notes.items():
+            out.notes[k] = out.notes.get(k, 0) + v if isinstance(v, (int, float)) else v
+        out.decisions += p.decisions
+        out.tagged_ttft += p.tagged_ttft
+    return out
+
+
+def turn_split(
+    requests: Sequence[LiveRequest], tagged: Sequence[tuple[str, float]]
+) -> dict[str, Any]:
+    """Mean TTFT of the conversations' first turns (nothing to reuse: routing cannot help
+    them) and of their later turns (a prefix to reuse), from ``(tag, TTFT)`` pairs."""
+    seen: set[int] = set()
+    first: set[str] = set()
+    for r in requests:
+        if r.conversation not in seen:
+            seen.add(r.conversation)
+            first.add(request_tag(r))
+    a = [t for tag, t in tagged if tag in first]
+    b = [t for tag, t in tagged if tag not in first]
+    return {
+        "first_turns_mean_ttft_s": round(statistics.fmean(a), 4) if a else None,
+        "later_turns_mean_ttft_s": round(statistics.fmean(b), 4) if b else None,
+    }
+
+
+def phase_order(order: Sequence[str], rounds: int) -> tuple[str, ...]:
+    """The phases of ``rounds`` rounds: ``order``, then reversed, and so on (A B B A ...), so a
+    load that drifts during the run weighs on both policies alike."""
+    out: list[str] = []
+    for k in range(rounds):
+        out += list(order) if k % 2 == 0 else list(reversed(order))
+    return tuple(out)
 
 
 def block_token_ids(block: int, block_tokens: int, vocab: int = 400) -> list[int]:
@@ -276,6 +404,13 @@ def add_live_arguments(ap: argparse.ArgumentParser) -> None:
         default=",".join(POLICIES),
         help="policies in the order their phases run (default global-cache,least-load)",
     )
+    g.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds of phases: 2 runs A B B A, so a drifting machine load weighs on both "
+        "policies alike (default 1)",
+    )
     g.add_argument("--cores", default="0,1", help="CPU ids of the prefill instances (default 0,1)")
     g.add_argument("--workdir", default=None, help="model, logs, counters (default: a temp dir)")
 
@@ -310,6 +445,10 @@ def summarize(results: dict[str, PhaseResult]) -> dict[str, Any]:
     out["live_mean_ttft_ratio_global_vs_least"] = round(g / least, 3) if g and least else None
     g50, l50 = out.get("live_p50_ttft_s_global_cache"), out.get("live_p50_ttft_s_least_load")
     out["live_p50_ttft_ratio_global_vs_least"] = round(g50 / l50, 3) if g50 and l50 else None
+    gl = out.get("live_later_turns_mean_ttft_s_global_cache")
+    ll = out.get("live_later_turns_mean_ttft_s_least_load")
+    if gl and ll:  # the turns with a prefix to reuse: where the policies can differ
+        out["live_later_turns_ttft_ratio_global_vs_least"] = round(gl / ll, 3)
     return out
 
 
@@ -330,6 +469,20 @@ def _table(results: dict[str, PhaseResult], fig: dict[str, Any]) -> None:
             f"{f('p50_ttft_s'):>7} {f('p99_ttft_s'):>7} {f('prefix_hit_rate'):>10} "
             f"{f('store_hit_rate'):>9}  {sorted(r.routed.values())}"
         )
+    for pol, r in results.items():
+        n = r.notes
+        if n.get("later_turns_mean_ttft_s") is not None:
+            print(
+                f"{pol:<13} TTFT mean of first turns {n['first_turns_mean_ttft_s']} s, "
+                f"of later turns {n['later_turns_mean_ttft_s']} s"
+            )
+        if "prefix_available" in n:
+            print(
+                f"{pol:<13} routing: {n['prefix_followed']}/{n['prefix_available']} requests "
+                "with a held prefix went to its longest holder; prefill leg mean "
+                f"{n['prefill_leg_mean_s']} s"
+                + (f"; events confirm {n['events_confirmed']}" if "events_confirmed" in n else "")
+            )
     print(
         f"\nlive_mean_ttft_ratio_global_vs_least = {fig['live_mean_ttft_ratio_global_vs_least']}"
         " (target <= 0.8)"
@@ -347,6 +500,10 @@ def run_live(args: argparse.Namespace, trace_path: Path) -> int:
     duration = args.duration or (30.0 if args.quick else 90.0)
     max_blocks = args.max_blocks or (16 if args.quick else 32)
     policies = tuple(p.strip() for p in args.order.split(",") if p.strip())
+    rounds = int(getattr(args, "rounds", 1) or 1)
+    if rounds < 1:
+        print(f"mooncake-core: error: --rounds must be >= 1, got {rounds}")
+        return 2
     if sorted(policies) != sorted(POLICIES):
         print(
             f"mooncake-core: error: --order must name {' and '.join(POLICIES)}, got {args.order!r}"
@@ -377,7 +534,7 @@ def run_live(args: argparse.Namespace, trace_path: Path) -> int:
         max_prompt_tokens=max(len(r.prompt) for r in reqs),
         workdir=work,
         quick=args.quick,
-        policies=policies,
+        policies=phase_order(policies, rounds),
         cores=cores,
         log=lambda m: print(f"[bench conductor --live] {m}", flush=True),
     )
@@ -392,6 +549,12 @@ def run_live(args: argparse.Namespace, trace_path: Path) -> int:
     )
     load0 = os.getloadavg()[0]
     results = runner(reqs, settings)
+    for pol, res in results.items():
+        if res.decisions:
+            (work / f"decisions-{pol}.json").write_text(json.dumps(res.decisions, indent=0))
+            res.notes.update(routing_summary(reqs, res.decisions))
+        if res.tagged_ttft:
+            res.notes.update(turn_split(reqs, res.tagged_ttft))
     fig: dict[str, Any] = {
         "live_engine": engine,
         "live_requests": len(reqs),
@@ -400,7 +563,7 @@ def run_live(args: argparse.Namespace, trace_path: Path) -> int:
         "live_max_prompt_tokens": settings.max_prompt_tokens,
         "live_slice_ideal_hit_rate": round(slice_hit, 4),
         "live_window_ideal_hit_rate": round(trace_hit, 4),
-        "live_order": list(policies),
+        "live_order": list(phase_order(policies, rounds)),
         "live_load_avg_start": round(load0, 2),
         "live_load_avg_end": round(os.getloadavg()[0], 2),
         **summarize(results),

@@ -197,3 +197,48 @@ def test_request_type_is_what_the_slice_reads() -> None:
     trace = [Request(i, float(i), 10, 1, (0,)) for i in range(5)]
     with pytest.raises(ValueError, match="has only 0 requests"):
         live_slice(trace, requests=2, block_tokens=4, max_blocks=4, duration_s=1)
+
+
+def _req(rid: int, conv: int, blocks: tuple[int, ...]) -> LiveRequest:
+    return LiveRequest(rid, float(rid), (), 2, blocks, conv)
+
+
+def test_routing_summary_turns_and_phases_from_decision_records() -> None:
+    # conversation 7: turns 1 and 3 share 3 blocks; conversation 8 shares only block 0
+    reqs = [_req(1, 7, (0, 1, 2)), _req(2, 8, (0, 5)), _req(3, 7, (0, 1, 2, 3))]
+    tag = conductor_live.request_tag
+
+    def rec(phase: int, rid: int, r: LiveRequest, inst: int, **kw: Any) -> dict[str, Any]:
+        return {"phase": phase, "rid": rid, "tag": tag(r), "prefill": inst, "prefill_s": 1.0, **kw}
+
+    decisions = [
+        # phase 0: turn 3 follows its prefix to instance 0; the index and the events agree
+        rec(0, 1, reqs[0], 0),
+        rec(0, 2, reqs[1], 1),
+        rec(0, 3, reqs[2], 0, local=[3, 1], events=[3, 0]),
+        # phase 1 (its own caches): turn 3 goes elsewhere; the events never matched
+        rec(1, 2, reqs[1], 1),
+        rec(1, 1, reqs[0], 0),
+        rec(1, 3, reqs[2], 1, local=[0, 3], events=[0, 0]),
+        {"rid": 9, "tag": "someone-else", "prefill": 0},  # not the bench's: ignored
+    ]
+    s = conductor_live.routing_summary(reqs, decisions)
+    assert s["routing_records"] == 6
+    assert s["prefix_available"] == 2 and s["prefix_followed"] == 1
+    assert s["events_confirmed"] == 0.5  # the decision log catches events that never match
+    assert s["prefill_leg_mean_s"] == 1.0
+    t = conductor_live.turn_split(
+        reqs, [(tag(reqs[0]), 2.0), (tag(reqs[1]), 4.0), (tag(reqs[2]), 0.5)]
+    )
+    assert t == {"first_turns_mean_ttft_s": 3.0, "later_turns_mean_ttft_s": 0.5}
+    assert conductor_live.phase_order(["a", "b"], 3) == ("a", "b", "b", "a", "a", "b")
+    m = conductor_live.merge_phases(
+        [
+            PhaseResult(
+                ttft_s=[1.0], routed={"u": 1}, notes={"kv_events": 2}, tagged_ttft=[("x", 1.0)]
+            ),
+            PhaseResult(ttft_s=[3.0], routed={"u": 2, "v": 1}, notes={"kv_events": 3}),
+        ]
+    )
+    assert m.ttft_s == [1.0, 3.0] and m.routed == {"u": 3, "v": 1} and m.notes["kv_events"] == 5
+    assert m.tagged_ttft == [("x", 1.0)]

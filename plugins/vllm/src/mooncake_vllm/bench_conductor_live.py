@@ -45,7 +45,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mooncake_core.bench.conductor_live import LiveRequest, LiveSettings, PhaseResult
+from mooncake_core.bench.conductor_live import (
+    LiveRequest,
+    LiveSettings,
+    PhaseResult,
+    merge_phases,
+    request_tag,
+)
 
 __all__ = ["main", "run_conductor_live", "shift_tokens", "parse_counters", "MODEL", "QUICK_MODEL"]
 
@@ -106,6 +112,10 @@ class _Proxy:
 
     def stats(self) -> dict[str, Any]:
         data: dict[str, Any] = json.loads(_get(self.url + "/proxy/stats"))
+        return data
+
+    def decisions(self) -> list[dict[str, Any]]:
+        data: list[dict[str, Any]] = json.loads(_get(self.url + "/proxy/decisions"))
         return data
 
     def stop(self) -> None:
@@ -319,14 +329,17 @@ class _Cluster:
         self.s.log(f"reset: store emptied ({removed} objects), prefix caches of 3 instances")
 
 
-def _body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    return {
+def _body(prompt: list[int], max_tokens: int, tag: str | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {
         "model": "tiny",
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
     }
+    if tag:
+        body["user"] = tag  # names the request in the proxy's decision log
+    return body
 
 
 def _warm_up(c: _Cluster) -> None:
@@ -347,6 +360,14 @@ def _warm_up(c: _Cluster) -> None:
                 )
     finally:
         proxy.stop()
+    # each prefill instance asks (directly) for both prompts of the first round: one the other
+    # instance computed (a store hit; the first one maps the peer's segment), one its own (a
+    # prefix-cache hit), so neither first-use cost falls into the phase that runs first
+    c.saves_settled()
+    for srv in c.prefill:
+        for i in range(2):
+            p = shift_tokens(tuple(range(3 + i, 300 + i)), 99)
+            stream_ttft(srv.url + "/v1/completions", _body([*p, 5, 6, 7], 2))
 
 
 def _phase(c: _Cluster, policy: str, index: int, reqs: list[LiveRequest]) -> PhaseResult:
@@ -360,16 +381,19 @@ def _phase(c: _Cluster, policy: str, index: int, reqs: list[LiveRequest]) -> Pha
     lock = threading.Lock()
     before = [_counters(p.url) for p in c.prefill]
     done = [0]
+    client: dict[str, float] = {}
 
     def one(r: LiveRequest) -> None:
         try:
             ttft, _ = stream_ttft(
                 proxy.url + "/v1/completions",
-                _body(shift_tokens(r.prompt, index), r.max_tokens),
+                _body(shift_tokens(r.prompt, index), r.max_tokens, request_tag(r)),
                 timeout=600,
             )
             with lock:
                 res.ttft_s.append(ttft)
+                res.tagged_ttft.append((request_tag(r), ttft))
+                client[request_tag(r)] = round(ttft, 4)
         except (OSError, RuntimeError, ValueError) as exc:
             with lock:
                 res.errors += 1
@@ -393,6 +417,11 @@ def _phase(c: _Cluster, policy: str, index: int, reqs: list[LiveRequest]) -> Pha
         stats = proxy.stats()
         res.routed = {i["url"]: int(i["served"]) for i in stats["prefill"]}
         ps = stats.get("policy_stats") or {}
+        res.decisions = proxy.decisions()
+        for d in res.decisions:  # which phase, and the TTFT its client saw
+            d["phase"] = index
+            if d.get("tag") in client:
+                d["client_ttft_s"] = client[d["tag"]]
         if policy == "global-cache":
             res.notes["kv_events"] = int(ps.get("kv_events", 0))
             res.notes["fetch_from_store"] = int(ps.get("fetch_from_store", 0))
@@ -420,7 +449,10 @@ def run_conductor_live(
     try:
         c.start()
         _warm_up(c)
-        return {pol: _phase(c, pol, i, requests) for i, pol in enumerate(settings.policies)}
+        phases: dict[str, list[PhaseResult]] = {}
+        for i, pol in enumerate(settings.policies):
+            phases.setdefault(pol, []).append(_phase(c, pol, i, requests))
+        return {pol: merge_phases(rs) for pol, rs in phases.items()}
     except (urllib.error.URLError, OSError, RuntimeError, TimeoutError) as exc:
         settings.log(f"failed: {exc}; logs in {settings.workdir}")
         raise
