@@ -16,17 +16,20 @@ conductor-live-vllm [options]`` is the same as ``mooncake-core bench conductor -
 - a random-weight Llama built locally (8 layers x 512 hidden, fp32; no hub), run eager
   (``--enforce-eager``: no compilation at start, which took minutes on the loaded cores).
 
-Per policy (phase): the instances keep running; their prefix caches are reset
+Per phase (one per entry of ``settings.policies``; a policy's phases are merged): the
+instances keep running; their prefix caches are reset
 (``POST /reset_prefix_cache``, vLLM's dev endpoint, hence ``VLLM_SERVER_DEV_MODE=1``), the
 store is emptied (``remove_all``) and every token id of the slice is shifted by a
 per-phase bijection (3 + (t - 3 + 37 * phase) mod 400), so prompts keep exactly their
 sharing but nothing an earlier phase computed can match. A fresh ``mooncake-core proxy
 --policy P`` is started (``global-cache`` with ``--kv-events`` and ``--store-master``),
-the requests are sent at their (compressed) arrival times as streaming completions, and
-the TTFT each client sees is recorded. Hit rates come from the prefill instances'
-Prometheus counters (``vllm:prefix_cache_queries`` / ``_hits`` and
-``vllm:external_prefix_cache_hits``, differences over the phase). Before the first
-phase, every instance serves a few unrelated prompts (first-request costs).
+the requests are sent at their (compressed) arrival times as streaming completions (each
+with ``user`` = its :func:`~mooncake_core.bench.conductor_live.request_tag`), the TTFT each
+client sees is recorded, and the proxy's decision log (``GET /proxy/decisions``) is kept.
+Hit rates come from the prefill instances' Prometheus counters
+(``vllm:prefix_cache_queries`` / ``_hits`` and ``vllm:external_prefix_cache_hits``,
+differences over the phase). Before the first phase, every instance serves a few unrelated
+prompts, and each prefill instance a store hit and a prefix-cache hit (first-use costs).
 """
 
 from __future__ import annotations
