@@ -140,6 +140,8 @@ PARKED_ON_KEYS = frozenset(
         "batch_remove",
         "batch_put_start",
         "batch_put_commit",
+        "create_replica_task",
+        "drop_replicas",
     }
 )
 CONFIRMS = frozenset({"put_confirm", "batch_put_confirm"})
