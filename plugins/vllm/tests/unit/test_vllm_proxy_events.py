@@ -98,7 +98,7 @@ def test_proxy_routes_by_vllm_events_and_logs_why(live: bool) -> None:
     zmq = pytest.importorskip("zmq")
     prefix = [3 + (i * 7) % 400 for i in range(16 * BT)]  # 16 blocks
     eps = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
-    delays = {"first": 0.5, "held": 1.5}  # CPU-slow instances: seconds per prefill
+    delays = {"first": 0.5, "held": 0.9}  # CPU-slow instances: seconds per prefill
     seen: list[list[str]] = [[], []]
 
     async def main() -> None:
