@@ -36,6 +36,7 @@ from types import ModuleType
 from typing import Any
 
 from mooncake_core.compat import engine
+from mooncake_core.compat.buffer_pool import BufferPool, RegisteredBufferPool
 from mooncake_core.compat.engine import TransferEngine, TransferNotify, TransferOpcode
 
 __all__ = [
@@ -46,6 +47,8 @@ __all__ = [
     "TransferEngine",
     "TransferOpcode",
     "TransferNotify",
+    "BufferPool",
+    "RegisteredBufferPool",
 ]
 
 logger = logging.getLogger(__name__)
@@ -62,6 +65,7 @@ LAZY_MODULES: dict[str, str] = {
     "mooncake.mooncake_config": "mooncake_core.compat.mooncake_config",
     "mooncake.http_metadata_server": "mooncake_core.compat.http_metadata_server",
     "mooncake.async_store": "mooncake_core.compat.async_store",
+    "mooncake.buffer_pool": "mooncake_core.compat.buffer_pool",
 }
 
 

@@ -47,6 +47,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from mooncake_core.compat.rpc import *  # noqa: F403 - the published RPC channel names
 from mooncake_core.config import MooncakeConfig, env_str, environment, load_config
 from mooncake_core.errors import MooncakeError, PeerUnreachable, SegmentError, SegmentOverlap
 from mooncake_core.transfer import engine as _engine_mod

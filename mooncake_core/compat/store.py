@@ -31,6 +31,17 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from mooncake_core.compat import engine as _compat_engine
+from mooncake_core.compat.buffer_pool import (  # the published names, re-exported
+    BufferLease,
+    BufferLeaseView,
+    BufferPool,
+    MooncakeHostMemAllocator,
+    RegisteredBufferLease,
+    RegisteredBufferLeaseView,
+    RegisteredBufferPool,
+    get_alloc_func_addr,
+    get_free_func_addr,
+)
 from mooncake_core.compat.store_parallel import (  # the published names, re-exported
     ParallelAxis,
     ParallelMethods,
@@ -151,6 +162,15 @@ __all__ = [
     "ParallelAxis",
     "TensorParallelism",
     "ReadTarget",
+    "BufferPool",
+    "RegisteredBufferPool",
+    "BufferLease",
+    "BufferLeaseView",
+    "RegisteredBufferLease",
+    "RegisteredBufferLeaseView",
+    "MooncakeHostMemAllocator",
+    "get_alloc_func_addr",
+    "get_free_func_addr",
 ]
 
 logger = logging.getLogger(__name__)
