@@ -380,12 +380,16 @@ def _check(res: dict[str, Any], got: dict[str, Any], ours: bool) -> None:
         assert [p["data"] for p in got["typed"]] == ["0000010002000300"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_rpc_and_buffer_pool_on_ours() -> None:
     with harness.our_master() as (master, metadata):
         res, got = _run_side(sys.executable, master, metadata, ours=True)
     _check(res, got, ours=True)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_same_rpc_and_buffer_pool_script_against_published_wheel() -> None:
     real = os.environ.get("MOONCAKE_PEER_PYTHON") or peer().default_peer_python()
     if real is None:
