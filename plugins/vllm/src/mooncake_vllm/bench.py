@@ -8,17 +8,23 @@ the two cores:
    vLLM P (no connector) on B's core. Per repeat: A serves ``prefix + suffix1``; P serves
    the same (cold, plain) and then ``prefix + suffix2`` (vLLM's own prefix-cache hit: the
    physical limit); B serves ``prefix + suffix2`` (pool hit on the shared prefix, only the
-   suffix computed) and ``other_prefix + suffix`` (miss: recompute, with the connector
-   looking up and saving). B's hit in the first repeat is its first request with a long
-   prompt at all, reported apart as ``ttft_store_first_hit_ms``.
+   suffix computed), ``prefix + suffix3`` (its own prefix cache now) and
+   ``other_prefix + suffix`` (miss: recompute, with the connector looking up and saving).
+   B's hit in the first repeat is its first request with a long prompt at all, reported
+   apart as ``ttft_store_first_hit_ms``.
 2. PD: prefill and decode instances with ``MooncakeCoreConnector`` plus the proxy; TTFT
    through the proxy vs the decode instance computing alone (monolithic), and output
    throughput of concurrent requests both ways; KV bytes moved and GB/s.
 
 JSON keys: ``ttft_recompute_ms``, ``ttft_store_hit_ms`` (repeats after the first),
-``ttft_store_first_hit_ms``, ``ttft_local_prefix_hit_ms``, ``ttft_store_hit_vs_local_ratio``,
+``ttft_store_first_hit_ms``, ``ttft_local_prefix_hit_ms`` (the same repeats as
+``ttft_store_hit_ms``), ``ttft_store_hit_vs_local_ratio``,
 ``store_first_hit_connector_ms`` and ``store_hit_connector_ms`` (of a hit's TTFT, the time
 B's connector spent: the lookup plus the forward's waits for loads),
+``store_hit_load_thread_ms`` (the load threads' time per hit, summed over threads; it overlaps
+the forward), ``ttft_store_instance_local_hit_ms`` (B asked again with the same prefix: vLLM's
+own prefix cache with the connector present; against ``ttft_local_prefix_hit_ms`` it shows
+what the connector costs a step that loads nothing),
 ``ttft_plain_cold_ms``, ``ttft_cold_overhead_pct`` (B's recompute against P's cold prefill of
 a prompt of the same length, same core), ``ttft_speedup_store_hit``,
 ``pd_ttft_ms``, ``mono_ttft_ms``, ``pd_tok_s``, ``mono_tok_s``, ``kv_bytes``, ``kv_gbps``,
@@ -109,7 +115,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-_HIT_PARTS = ("lookup_seconds", "load_wait_seconds")  # B's counters read around each hit
+# B's counters read around each hit (load_seconds: the load threads' time, summed)
+_HIT_PARTS = ("lookup_seconds", "load_wait_seconds", "load_seconds")
 
 
 def _prompt(n: int, salt: int) -> list[int]:
@@ -299,6 +306,7 @@ def _store_phase(
         miss_t: list[float] = []
         cold_t: list[float] = []
         local_t: list[float] = []
+        own_t: list[float] = []  # B asked again: its own prefix cache, the connector present
         cached: dict[str, list[int]] = {"store": [], "local": [], "lmcache": []}
         lmc_t: list[float] = []
         for r in range(args.repeats):
@@ -329,6 +337,8 @@ def _store_phase(
                 **read_counters(bstats, "store-sched-"),
             }
             parts.append({k: (after.get(k, 0) - before.get(k, 0)) * 1e3 for k in _HIT_PARTS})
+            own = stream(b.url + url, {**body, "prompt": prefix + _prompt(args.suffix_tokens, 62)})
+            own_t.append(own.ttft)
             tc, _ = stream_ttft(
                 plain.url + url, {**body, "prompt": prefix + _prompt(args.suffix_tokens, 50)}
             )
@@ -365,6 +375,7 @@ def _store_phase(
                 f"(lookup {parts[-1]['lookup_seconds']:.0f} ms, forward waited for loads "
                 f"{parts[-1]['load_wait_seconds']:.0f} ms); "
                 f"P cold {tc * 1e3:.0f} ms, local hit {tl * 1e3:.0f} ms; "
+                f"B's own local hit {own.ttft * 1e3:.0f} ms; "
                 f"B recompute {tm * 1e3:.0f} ms; cached tokens: store hit {hit.cached_tokens}, "
                 f"local hit {local.cached_tokens}{lmc}"
             )
@@ -375,7 +386,9 @@ def _store_phase(
             ttft_plain_cold_ms=round(med(cold_t), 1),
             ttft_store_first_hit_ms=round(hit_t[0] * 1e3, 1),
             ttft_store_hit_ms=round(med(later), 1),
-            ttft_local_prefix_hit_ms=round(med(local_t), 1),
+            # the same repeats as ttft_store_hit_ms (the first is B's first hit, apart)
+            ttft_local_prefix_hit_ms=round(med(local_t[1:] or local_t), 1),
+            ttft_store_instance_local_hit_ms=round(med(own_t[1:] or own_t), 1),
             store_hit_pages=sched.get("hit_pages", 0),
         )
         out["ttft_cold_overhead_pct"] = round(
@@ -392,6 +405,9 @@ def _store_phase(
                 p["lookup_seconds"] + p["load_wait_seconds"] for p in parts[1:] or parts
             ),
             1,
+        )
+        out["store_hit_load_thread_ms"] = round(
+            statistics.median(p["load_seconds"] for p in parts[1:] or parts), 1
         )
         out["ttft_store_first_vs_later_ratio"] = round(
             out["ttft_store_first_hit_ms"] / max(out["ttft_store_hit_ms"], 1e-3), 2

@@ -72,6 +72,7 @@ logger = logging.getLogger(__name__)
 _WARM_PREFIX = "mcv-warm-up"  # keys of the start-up probe (never a KV page: no "mcv/")
 _LOAD_THREADS = 4  # batches read from the store at once
 _LOAD_BATCHES = 0  # default of the load_batches option (0: one batch per layer)
+_IO_CPUS = "engine"  # default of the io_cpus option
 _SAVE_NICE = 10  # niceness of the save thread
 
 
@@ -306,8 +307,32 @@ class _StoreScheduler:
             self.client = None
 
 
-def _lower_priority() -> None:
+def _io_cpus(extra: dict[str, Any]) -> set[int] | None:
+    """The CPUs the connector's I/O threads may run on: None keeps vLLM's binding
+    (``io_cpus: engine``); ``any`` (the default) lets them leave the cores vLLM binds its
+    compute threads to."""
+    how = str(option(extra, "io_cpus", _IO_CPUS))
+    if how not in ("any", "engine"):
+        raise ValueError(
+            f"kv_connector_extra_config.io_cpus must be 'any' or 'engine', got {how!r}"
+        )
+    if how == "engine" or not hasattr(os, "sched_setaffinity"):
+        return None
+    return set(range(os.cpu_count() or 1))  # the kernel keeps them inside the cgroup's cpuset
+
+
+def _set_cpus(tid: int, cpus: set[int] | None) -> None:
+    if cpus is None:
+        return
+    try:
+        os.sched_setaffinity(tid, cpus)
+    except OSError as exc:  # not allowed: the thread stays where it is
+        logger.debug("thread %d keeps its CPUs: %s", tid, exc)
+
+
+def _lower_priority(cpus: set[int] | None = None) -> None:
     """Run the calling thread at nice 10 or lower priority (Linux: per thread)."""
+    _set_cpus(0, cpus)
     try:
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, max(_SAVE_NICE, os.getpriority(os.PRIO_PROCESS, tid)))
@@ -339,12 +364,19 @@ class _StoreWorker:
         self._load_secs = 0.0  # this step's load-thread seconds (added to the counters once)
         self._load_meta: dict[str, float] = {}
         self._load_errors: set[int] = set()
+        self.io_cpus = _io_cpus(extra)
         # saves are off the critical path: the save thread yields the core to the forward
         self._save_pool = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="mc-vllm-save", initializer=_lower_priority
+            max_workers=1,
+            thread_name_prefix="mc-vllm-save",
+            initializer=_lower_priority,
+            initargs=(self.io_cpus,),
         )
         self._load_pool = ThreadPoolExecutor(
-            max_workers=_LOAD_THREADS, thread_name_prefix="mc-vllm-load"
+            max_workers=_LOAD_THREADS,
+            thread_name_prefix="mc-vllm-load",
+            initializer=_set_cpus,
+            initargs=(0, self.io_cpus),
         )
         self.warm = parse_bool(option(extra, "warm_up", True), "warm_up")
         self.warm_up_s: float | None = None  # how long the start-up probe took (None: not run)
@@ -393,8 +425,19 @@ class _StoreWorker:
             self.scheme.rank_prefix(self.tp_rank),
             self.scheme.seed,
         )
+        self._free_io_threads()
         if self.warm and self.layers:
             self.warm_up()
+            self._free_io_threads()  # threads the warm-up started
+
+    def _free_io_threads(self) -> None:
+        """Let the store client's threads (started by vLLM's bound main thread, so bound to
+        its compute cores) run on ``io_cpus``; threads they start inherit that."""
+        if self.io_cpus is None:
+            return
+        for t in threading.enumerate():
+            if t.name.startswith("mc-") and t.native_id is not None:
+                _set_cpus(t.native_id, self.io_cpus)
 
     def warm_up(self) -> None:
         """Do at start-up what the first hit would otherwise pay for.

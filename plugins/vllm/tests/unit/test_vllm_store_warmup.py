@@ -139,3 +139,82 @@ def test_first_read_from_a_peer_does_not_populate_its_whole_segment() -> None:
     finally:
         t.close()
         holder.close()
+
+
+@pytest.mark.parametrize("batches", [0, 1])
+def test_loads_in_groups_of_layers_land_in_the_right_blocks(master: Any, batches: int) -> None:
+    """``load_batches``: 0 reads each layer in its own batch, 1 all layers in one; either way
+    every layer's pages land in their blocks and the counters are written once per load."""
+    import torch
+    from mooncake_vllm.store_connector import PageJob, StoreMetadata, _StoreWorker
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+    kv = {n: torch.zeros(6, 2, 32, 16) for n in names}
+    worker = _StoreWorker(_vc(), _extra(master, segment_size="4MiB", load_batches=batches), "g", 0)
+    try:
+        worker.register_kv_caches(kv)
+        bb = worker.block_bytes
+        pages = [f"pg{batches}a", f"pg{batches}b"]
+        for li, n in enumerate(names):  # source: blocks 0 and 1 hold layer- and page-unique values
+            kv[n][0].fill_(li * 10 + 1)
+            kv[n][1].fill_(li * 10 + 2)
+            base = kv[n].data_ptr()
+            keys = worker._keys(pages, li)
+            assert worker.client.batch_put_from(keys, [base, base + bb], [bb, bb]) == [None] * 2
+        before = worker.counters.snapshot().get("load_pages", 0)
+        worker.start_load(StoreMetadata(loads=[PageJob("r", pages, [4, 3])]))
+        assert len({id(j[0]) for js in worker._loading.values() for j in js}) == (
+            1 if batches == 1 else len(names)
+        )
+        for n in names:
+            worker.wait_for_layer_load(n)
+        assert not worker._loading and not worker.load_errors()
+        for n in names:
+            assert torch.equal(kv[n][4], kv[n][0]) and torch.equal(kv[n][3], kv[n][1]), n
+        assert worker.counters.snapshot()["load_pages"] == before + 2
+    finally:
+        worker.close()
+
+
+def test_bad_load_options_are_one_clear_error() -> None:
+    from mooncake_vllm.store_connector import _StoreWorker
+
+    with pytest.raises(ValueError, match="load_batches must be >= 0"):
+        _StoreWorker(_vc(), {"load_batches": -1}, "bad", 0)
+    with pytest.raises(ValueError, match="io_cpus must be 'any' or 'engine'"):
+        _StoreWorker(_vc(), {"io_cpus": "sometimes"}, "bad", 0)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_io_threads_may_leave_the_engine_cores(master: Any) -> None:
+    """vLLM binds its main thread to its compute cores, and threads it starts inherit that.
+    ``io_cpus: any`` lets the connector's load threads and the store client's threads run
+    elsewhere; ``engine`` (the default) keeps them on the engine's cores."""
+    import torch
+    from mooncake_vllm.store_connector import _StoreWorker
+
+    cpus = os.sched_getaffinity(0)
+    engine_core = {min(cpus)}
+
+    def start(how: str, out: list[Any]) -> None:  # as vLLM's bound main thread would
+        os.sched_setaffinity(0, engine_core)
+        kv = {"model.layers.0.self_attn.attn": torch.zeros(4, 2, 32, 16)}
+        w = _StoreWorker(_vc(), _extra(master, segment_size="4MiB", io_cpus=how), how, 0)
+        out.append(w)
+        w.register_kv_caches(kv)
+
+    for how in ("engine", "any"):
+        made: list[Any] = []
+        t = threading.Thread(target=start, args=(how, made))
+        t.start()
+        t.join(60)
+        w = made[0]
+        try:
+            assert w.client is not None and w.warm_up_s is not None
+            threads = [*w._load_pool._threads, w.client._poller]
+            assert len(threads) > 1
+            for th in threads:
+                got = os.sched_getaffinity(th.native_id)
+                assert (got == engine_core) if how == "engine" else (got >= cpus), (how, th.name)
+        finally:
+            w.close()
