@@ -23,8 +23,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -34,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mooncake_vllm.testing import VLLMServer, engine_env, free_port, read_counters
+from mooncake_vllm.testing import StoreMaster, VLLMServer, free_port, read_counters
 from vllm_helpers import BLOCK, ProxyProcess, needs_vllm, token_prompt, wait_for
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, needs_vllm, pytest.mark.timeout(900)]
@@ -88,26 +86,8 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     base = tmp_path_factory.mktemp("conductor")
-    port = free_port()
-    master_addr = f"127.0.0.1:{port}"
-    log = open(base / "master.log", "wb")  # noqa: SIM115
-    master = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mooncake_core",
-            "master",
-            "--rpc-port",
-            str(port),
-            "--http-port",
-            str(free_port()),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        env=engine_env(),
-    )
-    log.close()
+    master = StoreMaster(base / "master.log").start()
+    master_addr = master.addr
     events = [
         f"tcp://127.0.0.1:{free_port()}" for _ in range(2)
     ]  # bound by the proxy, vLLM connects
@@ -119,6 +99,7 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             block_size=BLOCK,
             kv_transfer_config=_prefill_config(master_addr, base / "stats" / f"prefill{i}"),
             log_stats=True,
+            enforce_eager=True,
             args=[
                 "--kv-events-config",
                 json.dumps(
@@ -135,6 +116,7 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             log_path=base / "decode.log",
             block_size=BLOCK,
             kv_transfer_config=_pd("kv_consumer"),
+            enforce_eager=True,
         )
     )
     proxy: ProxyProcess | None = None
@@ -160,9 +142,7 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             proxy.stop()
         for s in servers:
             s.stop()
-        if master.poll() is None:
-            master.kill()
-        master.wait(10)
+        master.stop()
 
 
 def _served(proxy: ProxyProcess) -> list[int]:
@@ -308,6 +288,7 @@ def test_text_and_chat_prompts_follow_the_instance_that_holds_their_prefix(
     # (the second one then came from the proxy's tokenizer cache and the call count fell short)
     for idx, target in enumerate((servers[1], servers[0])):
         text = _text(300, salt=1 + idx)
+        before = _kv_events(proxy)
         _post(
             target.url + "/v1/completions", {"model": "tiny", "prompt": text, "max_tokens": 1}
         )  # bypasses the proxy
@@ -316,7 +297,7 @@ def test_text_and_chat_prompts_follow_the_instance_that_holds_their_prefix(
             target.url + "/v1/chat/completions",
             {"model": "tiny", "messages": msgs, "max_tokens": 1},
         )
-        time.sleep(1.0)  # events are published asynchronously
+        _wait_for_kv_events(proxy, before)  # events are published asynchronously
         hits = _prefix_hits(target)
         went = _complete(proxy, text + " and a few more words")
         assert went == target.url, (

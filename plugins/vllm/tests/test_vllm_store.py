@@ -7,15 +7,13 @@ before A did, so every hit on B comes from the pool, not from B's own prefix cac
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from mooncake_vllm.testing import VLLMServer, engine_env, free_port, read_counters
+from mooncake_vllm.testing import StoreMaster, VLLMServer, read_counters
 from vllm_faults import FLAG, corrupt_kv_env
 from vllm_helpers import BLOCK, needs_vllm, token_prompt, wait_for
 
@@ -26,7 +24,7 @@ MAX_TOKENS = 12
 
 @dataclass
 class Pool:
-    master: subprocess.Popen[bytes]
+    master: StoreMaster
     master_addr: str
     a: VLLMServer
     b: VLLMServer
@@ -58,26 +56,8 @@ def _store_config(addr: str, stats: Path, by_name: bool) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def pool(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
     base = tmp_path_factory.mktemp("store")
-    port = free_port()
-    addr = f"127.0.0.1:{port}"
-    log = open(base / "master.log", "wb")  # noqa: SIM115
-    master = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mooncake_core",
-            "master",
-            "--rpc-port",
-            str(port),
-            "--http-port",
-            str(free_port()),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        env=engine_env(),
-    )
-    log.close()
+    master = StoreMaster(base / "master.log").start()
+    addr = master.addr
     servers = [
         VLLMServer(
             tiny_model,
@@ -87,6 +67,7 @@ def pool(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             kv_transfer_config=_store_config(addr, base / "stats" / n, by_name=n == "B"),
             env=corrupt_kv_env(base / "faults"),
             log_stats=n == "B",  # B's connector stats feed its /metrics
+            enforce_eager=True,
         )
         for n in ("A", "B")
     ]
@@ -99,9 +80,7 @@ def pool(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     finally:
         for s in servers:
             s.stop()
-        if master.poll() is None:
-            master.kill()
-        master.wait(10)
+        master.stop()
 
 
 def _text(ans: dict[str, Any]) -> str:
@@ -187,7 +166,6 @@ def test_master_killed_instances_recompute(pool: Pool) -> None:
     prompt = token_prompt(7 * BLOCK + 3, salt=11)
     want = _text(pool.a.completion(prompt, MAX_TOKENS))
     pool.master.kill()
-    pool.master.wait(10)
     assert _text(pool.b.completion(prompt, MAX_TOKENS)) == want
     lines = [ln for ln in pool.b.log_text().splitlines() if "KV store lookup failed" in ln]
     assert len(lines) == 1, lines
