@@ -89,6 +89,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="store connectors set up on first use, not at start (the old behaviour)",
     )
+    p.add_argument(
+        "--store-option",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="an extra kv_connector_extra_config option for the store phase's A and B "
+        "(VALUE as JSON, else a string; e.g. load_batches=1, io_cpus=any); repeatable",
+    )
     p.add_argument("--skip-pd", action="store_true", help="leave out the PD phase")
     p.add_argument("--skip-store", action="store_true", help="leave out the store phase")
     p.add_argument(
@@ -117,6 +125,20 @@ def _parser() -> argparse.ArgumentParser:
 
 # B's counters read around each hit (load_seconds: the load threads' time, summed)
 _HIT_PARTS = ("lookup_seconds", "load_wait_seconds", "load_seconds")
+
+
+def _store_options(items: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs (VALUE as JSON, else a plain string) for the store connector."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"bench vllm: --store-option wants KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(raw)
+        except ValueError:
+            out[key] = raw
+    return out
 
 
 def _prompt(n: int, salt: int) -> list[int]:
@@ -260,6 +282,7 @@ def _store_phase(
                 segment_size=seg,
                 stats_dir=str(work / "stats" / n),
                 warm_up=not args.no_warm_up,
+                **_store_options(args.store_option),
             ),
             args=details,
             **common,
