@@ -8,8 +8,8 @@ What PD is for: long prefills stop disturbing decodes. Under a steady load:
   ``--mixed-interval`` seconds, whatever is in flight;
 
 served by PD (a prefill vLLM pinned to the first core and a decode vLLM pinned to the second,
-each with one OpenMP thread, every thread of its processes moved there with ``taskset``
-once it is ready, ``MooncakeCoreConnector`` between them, the
+each with one OpenMP thread (``OMP_NUM_THREADS``, see :func:`omp_env`), every thread of its
+processes moved there with ``taskset`` once it is ready, ``MooncakeCoreConnector`` between them, the
 proxy in the bench process) and by one monolithic vLLM with both cores (``taskset`` onto both,
 two OpenMP threads, vLLM's default scheduler: chunked prefill mixes a long prompt's chunk
 into the decodes' step). Both run the same load in alternating windows (PD, mono, PD, mono),
@@ -41,7 +41,7 @@ from typing import Any
 
 from mooncake_vllm.bench_http import Stream, percentile, stream
 
-__all__ = ["add_arguments", "mixed_phase", "summarize"]
+__all__ = ["add_arguments", "mixed_phase", "omp_env", "summarize"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,6 +55,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mixed-interval", type=float, default=8.0, help="seconds between long prompts")
     g.add_argument("--slo-ttft-ms", type=float, default=10000.0)
     g.add_argument("--slo-tbt-ms", type=float, default=500.0)
+
+
+def omp_env(cpus: str) -> dict[str, str]:
+    """Environment that gives a vLLM server one OpenMP thread per CPU of ``cpus``.
+
+    ``VLLM_CPU_OMP_THREADS_BIND`` alone does not: vLLM 0.32 reads it only in its
+    multi-process executor, and our servers run the engine in-process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where OpenMP starts one thread per CPU of the
+    machine. Squeezed onto one core by ``taskset -a``, two OpenMP threads wait for each
+    other at every parallel region: the PD decode instance made about one token a second
+    (2026-12-01) while its forward took milliseconds.
+    """
+    n = len([c for c in cpus.split(",") if c.strip()])
+    return {"VLLM_CPU_OMP_THREADS_BIND": cpus, "OMP_NUM_THREADS": str(max(1, n))}
 
 
 def _group_pids(pgid: int) -> list[int]:
@@ -189,7 +203,7 @@ def mixed_phase(
             model,
             name=name,
             log_path=work / f"{name}.log",
-            env={"VLLM_CPU_OMP_THREADS_BIND": cpus},
+            env=omp_env(cpus),
             kv_transfer_config=kv,
             **common,
         )

@@ -141,3 +141,11 @@ def test_store_keys_carry_tp_size_and_hits_need_every_rank() -> None:
     # page p0 has both ranks' shards, p1 only rank 0's: the hit stops at p1
     assert sched._lookup(["p0", "p1", "p2"]) == 1
     assert asked[0][:2] == ["mcv/tiny/tp0of2/p0/L0", "mcv/tiny/tp1of2/p0/L0"]
+
+
+def test_mixed_bench_gives_each_server_one_openmp_thread_per_core() -> None:
+    # vLLM ignores VLLM_CPU_OMP_THREADS_BIND in-process; OMP_NUM_THREADS must say it
+    from mooncake_vllm.bench_mixed import omp_env
+
+    assert omp_env("1") == {"VLLM_CPU_OMP_THREADS_BIND": "1", "OMP_NUM_THREADS": "1"}
+    assert omp_env("0,1")["OMP_NUM_THREADS"] == "2"
