@@ -168,8 +168,10 @@ def _per_rank(stats: Path, prefix: str, key: str) -> dict[int, float]:
     reason="known bug (2026-12-01, quiet machine too): at TP=2 each decode rank's KV fetch from "
     "its prefill rank fails with \"peer '127.0.0.1:P' ... did not answer the handshake within "
     '5.0s" (one distinct port per rank), so decode recomputes: answers equal, 0 blocks '
-    "received. Suspect the prefill workers' transfer-engine listener starved inside vLLM's "
-    "TP worker processes; TP=1 PD is unaffected (test_vllm_pd.py)",
+    "received. Not settled: on a quiet machine (21:25) both prefill workers' listeners "
+    "answered an outside engine's handshake and ping at once after a request, so the "
+    "listener in vLLM's TP worker processes works when idle; the full module was not rerun. "
+    "TP=1 PD is unaffected (test_vllm_pd.py)",
 )
 def test_pd_tp2_equals_tp2_monolithic(tp: TP) -> None:
     stats = tp.stats / "pd"
