@@ -158,16 +158,24 @@ class RememberedReads(ClientCore):
             row = res[
                 i
             ]  # (code, size, replicas, ttl, token): see MasterState.batch_get_replica_list
-            if (
-                same_masters
+            reps = (
+                [[SliceW._make(s) for s in r] for r in row[2]]
+                if same_masters
                 and j not in failed
                 and row[0] == 0
                 and len(row) > 4
                 and int(row[4]) == e.token
                 and int(row[1]) == e.size
-                and e.replica in [[SliceW._make(s) for s in r] for r in row[2]]
-            ):
+                else []
+            )
+            if e.replica in reps:
                 hit[i] = e.size
+                # several replicas (a hot key): the next read picks one again, as a single get does
+                nxt = self._repick(reps) if len(reps) > 1 else None
+                if nxt is not None:
+                    self._where.remember(keys[i], gen, e.token, e.size, nxt)
+                else:
+                    self._where.touch(keys[i])
             else:
                 self._where.forget([keys[i]])
         self.location_hits += len(hit)

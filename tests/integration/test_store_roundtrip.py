@@ -573,3 +573,21 @@ def test_a_client_that_was_not_started_starts_on_its_first_operation(
             assert b.call("get", key=f"lazy/r{i}") == {"size": 70_000, "match": True}
     finally:
         racy.close()
+
+
+def test_batch_gets_of_a_key_with_several_replicas_spread_over_them(
+    cluster: tuple[Master, Agent, Agent, Agent],
+) -> None:
+    """A batch get that read a key's remembered replica picks among the key's replicas again for
+    the next read, as a single get does (a hot key's reads spread over its copies)."""
+    m, a, _b, _c = cluster
+    data = payload("spread/0", 50_000)
+    a.call("put", key="spread/0", size=len(data), replica_num=3)
+    with StoreClient(master=m.address, segment_size=0) as reader:  # no segment: no own replica
+        buf = bytearray(len(data))
+        for _ in range(30):
+            assert reader.batch_get_into(["spread/0"], [buf]) == [len(data)]
+            assert buf == data
+        assert reader.location_hits >= 20  # most reads started at a remembered replica
+        used = [s for s, n in reader.reads_by_segment.items() if n]
+    assert len(used) >= 2, reader.reads_by_segment
