@@ -37,7 +37,7 @@ from typing import Any
 
 from mooncake_core import __version__
 from mooncake_core.cli import gflags
-from mooncake_core.config import load_config
+from mooncake_core.config import load_config, parse_size
 from mooncake_core.errors import ConfigError
 from mooncake_core.store.master import MasterServer, install_uvloop
 
@@ -144,6 +144,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--placement", choices=["random", "free-ratio-first", "local-first"], default=None
     )
+    hot = parser.add_argument_group(
+        "hot keys", "extra memory replicas of often-read keys (docs/store.md; store.hot_key_*)"
+    )
+    hot.add_argument(
+        "--hot-key-replicas",
+        type=_count_arg,
+        default=None,
+        metavar="N",
+        help="most memory replicas of a hot key, the first included (0 or 1: off; default 0)",
+    )
+    hot.add_argument(
+        "--hot-key-reads",
+        type=_positive(int),
+        default=None,
+        metavar="N",
+        help="reads within the window that make a key hot (64)",
+    )
+    hot.add_argument(
+        "--hot-key-window",
+        type=_positive(float),
+        default=None,
+        metavar="S",
+        help="the window of the read counts in seconds (2)",
+    )
+    hot.add_argument(
+        "--hot-key-max-bytes",
+        type=_size_arg,
+        default=None,
+        metavar="SIZE",
+        help="all extra hot-key replicas together (256MiB)",
+    )
     parser.add_argument(
         "--kv-events-endpoint",
         default=None,
@@ -197,6 +228,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=argparse.SUPPRESS,  # set by the mooncake_master console script
     )
     gflags.add_gflags(parser, gflags.MASTER_FLAGS, VERSION)
+
+
+def _count_arg(value: str) -> int:
+    """An argparse type: an integer >= 0."""
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return n
+
+
+def _positive(kind: type[int] | type[float]) -> Any:
+    """An argparse type: a number (``kind``) > 0."""
+
+    def parse(value: str) -> int | float:
+        x = kind(value)
+        if not x > 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+        return x
+
+    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value" errors
+    return parse
+
+
+def _size_arg(value: str) -> int:
+    """An argparse type: ``256MiB`` / ``1048576`` in bytes (a bad value: one line naming it)."""
+    try:
+        return parse_size(value, "size")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 @dataclass
@@ -396,6 +456,10 @@ def run(args: argparse.Namespace) -> int:
         ("put_timeout", "put_timeout_s"),
         ("placement", "placement"),
         ("max_objects", "max_objects"),
+        ("hot_key_replicas", "hot_key_replicas"),
+        ("hot_key_reads", "hot_key_reads"),
+        ("hot_key_window", "hot_key_window_s"),
+        ("hot_key_max_bytes", "hot_key_max_bytes"),
     ):
         v = getattr(args, flag)
         if v is not None:

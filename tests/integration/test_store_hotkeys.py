@@ -84,14 +84,19 @@ def _zipf_all(readers: list[Agent], keys: list[str], n: int, seed: int) -> list[
 @pytest.mark.timeout(90)
 def test_hot_keys_gain_replicas_spread_reads_and_cool(tmp_path: Path) -> None:
     size = 128 * KiB
-    cfg = _config(
+    m = Master(  # the settings as command-line flags (the same as store.hot_key_* keys)
         tmp_path,
-        hot_key_replicas=3,
-        hot_key_reads=10,
-        hot_key_window_s=1.0,
-        hot_key_max_bytes=4 * size,  # room for 4 extra replicas
+        "--hot-key-replicas",
+        "3",
+        "--hot-key-reads",
+        "10",
+        "--hot-key-window",
+        "1",
+        "--hot-key-max-bytes",
+        f"{4 * size // KiB}KiB",  # room for 4 extra replicas
+        "--default-kv-lease-ttl",
+        "0.5",
     )
-    m = Master(tmp_path, "--config", cfg, "--default-kv-lease-ttl", "0.5")
     agents: list[Agent] = []
     try:
         agents = _start(
