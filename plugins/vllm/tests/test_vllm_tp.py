@@ -170,8 +170,8 @@ def _per_rank(stats: Path, prefix: str, key: str) -> dict[int, float]:
     '5.0s" (one distinct port per rank), so decode recomputes: answers equal, 0 blocks '
     "received. Not settled: on a quiet machine (21:25) both prefill workers' listeners "
     "answered an outside engine's handshake and ping at once after a request, so the "
-    "listener in vLLM's TP worker processes works when idle; the full module was not rerun. "
-    "TP=1 PD is unaffected (test_vllm_pd.py)",
+    "listener in vLLM's TP worker processes works when idle; yet the whole module, rerun "
+    "quietly at 21:39 and 21:51, failed the same way. TP=1 PD is unaffected (test_vllm_pd.py)",
 )
 def test_pd_tp2_equals_tp2_monolithic(tp: TP) -> None:
     stats = tp.stats / "pd"
