@@ -476,6 +476,21 @@ def _published_python() -> str:
     return str(real)
 
 
+def published_python_with(*modules: str) -> str:
+    """The published wheel's python, if its scratch venv also imports ``modules`` (torch
+    and safetensors come with ``scripts/setup_mooncake_peer.sh --torch``); else skip."""
+    real = _published_python()
+    probe = subprocess.run(
+        [real, "-c", "import " + ", ".join(modules)], capture_output=True, timeout=120
+    )
+    if probe.returncode != 0:
+        pytest.skip(
+            f"the published wheel's scratch venv has no {'/'.join(modules)}; run "
+            "scripts/setup_mooncake_peer.sh --torch"
+        )
+    return real
+
+
 def _script(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "calls.py"
     path.write_text(text)

@@ -12,7 +12,6 @@ defect we do not copy (docs/compat.md), each side has its own expectation.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import test_compat_parity as parity
 import test_compat_store as harness
 
 from mooncake_core.bench.published import peer
@@ -391,16 +391,8 @@ def test_rpc_and_buffer_pool_on_ours() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_same_rpc_and_buffer_pool_script_against_published_wheel() -> None:
-    real = os.environ.get("MOONCAKE_PEER_PYTHON") or peer().default_peer_python()
-    if real is None:
-        pytest.skip("no scratch venv with the published wheel; run scripts/setup_mooncake_peer.sh")
     # the script sends torch tensors; the peer venv has torch only when set up with --torch
-    probe = subprocess.run([real, "-c", "import torch"], capture_output=True, timeout=120)
-    if probe.returncode != 0:
-        pytest.skip(
-            "the published wheel's scratch venv has no torch; run "
-            "scripts/setup_mooncake_peer.sh --torch"
-        )
+    real = parity.published_python_with("torch")
     with harness.their_master(real) as (master, metadata):
         res, got = _run_side(real, master, metadata, ours=False)
     _check(res, got, ours=False)

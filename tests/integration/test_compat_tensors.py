@@ -521,21 +521,6 @@ EXPECTED: dict[str, Any] = {'setup': 0,
 # fmt: on
 
 
-def _published_with_torch() -> str:
-    real = parity._published_python()
-    import subprocess
-
-    probe = subprocess.run(
-        [real, "-c", "import torch, safetensors"], capture_output=True, timeout=120
-    )
-    if probe.returncode != 0:
-        pytest.skip(
-            "the published wheel's scratch venv has no torch/safetensors; run "
-            "scripts/setup_mooncake_peer.sh --torch"
-        )
-    return real
-
-
 def _diff(got: dict[str, Any]) -> dict[str, Any]:
     return {k: (got.get(k), v) for k, v in EXPECTED.items() if got.get(k) != v}
 
@@ -552,7 +537,7 @@ def test_tensor_family_ours(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_tensor_family_published(tmp_path: Path) -> None:
-    real = _published_with_torch()
+    real = parity.published_python_with("torch", "safetensors")
     script = parity._script(tmp_path, TENSORS)
     with harness.their_master(real) as (master, metadata):
         got = parity._call(real, script, False, master, metadata)
