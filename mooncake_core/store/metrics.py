@@ -34,7 +34,7 @@ from prometheus_client.registry import Collector
 from mooncake_core.metrics import LATENCY_BUCKETS, new_registry
 from mooncake_core.metrics import render as render_registry
 
-__all__ = ["Metrics", "render", "PUBLISHED_METHODS", "ROLES"]
+__all__ = ["Metrics", "render", "PUBLISHED_ALSO", "PUBLISHED_METHODS", "ROLES"]
 
 #: our RPC method -> the published master's name for the same call (its counters are
 #: ``master_<name>_requests_total`` / ``master_<name>_failures_total``).
@@ -54,6 +54,28 @@ PUBLISHED_METHODS = {
     "mount": "mount_segment",
     "unmount": "unmount_segment",
     "ping": "ping",
+    "query_replica_task": "query_task",
+}
+#: our calls that do the work of more published calls: a put into a lent extent
+#: (``put_commit``) both starts and ends its key's put, so it counts as one of each.
+PUBLISHED_ALSO = {
+    "put_commit": ("put_start", "put_end"),
+    "batch_put_commit": ("batch_put_start", "batch_put_end"),
+}
+_PUB_SOURCES: dict[str, list[str]] = {}
+for _ours, _pub in PUBLISHED_METHODS.items():
+    _PUB_SOURCES.setdefault(_pub, []).append(_ours)
+for _ours, _pubs in PUBLISHED_ALSO.items():
+    for _pub in _pubs:
+        _PUB_SOURCES.setdefault(_pub, []).append(_ours)
+#: batch calls with per-item results -> the published batch name they count under
+#: (``master_<name>_items_total``, ``..._failed_items_total``, ``..._partial_successes_total``)
+_BATCHES = {
+    "batch_get_replica_list": ("batch_get_replica_list",),
+    "batch_exists": ("batch_exist_key",),
+    "batch_put_start": ("batch_put_start",),
+    "batch_put_end": ("batch_put_end",),
+    "batch_put_commit": ("batch_put_start", "batch_put_end"),
 }
 ROLES = ("leader", "standby", "starting", "deposed")
 _MAX_METHODS = 64  # unknown method names beyond this are lumped together as "other"
@@ -114,6 +136,10 @@ class Metrics:
         self.lease_grants = 0
         self.gets = _Get()
         self.leases: OrderedDict[str, float] = OrderedDict()  # key -> lease expiry (monotonic)
+        # published batch name -> [items, failed items, partially successful requests]
+        self.batch_items: dict[str, list[int]] = {}
+        # replica task kind (copy / move) -> [create requests, failed ones]
+        self.task_kinds: dict[str, list[int]] = {"copy": [0, 0], "move": [0, 0]}
         reg.register(_OpCollector(self))
         reg.register(_StateCollector(self))
 
@@ -141,6 +167,13 @@ class Metrics:
             op.errors += 1
         if args is None:
             return
+        if method in _BATCHES:
+            self._batch(method, ok, args, result)
+        elif method == "create_replica_task":
+            kind = self.task_kinds.get(getattr(args, "kind", ""))
+            if kind is not None:
+                kind[0] += 1
+                kind[1] += not ok
         if method == "get_replica_list":
             if ok:
                 size, reps, ttl, _tok = result
@@ -164,6 +197,23 @@ class Metrics:
             for key, found in zip(args.keys, result, strict=False):
                 if found:
                     self._leased(key, None)
+
+    def _batch(self, method: str, ok: bool, args: Any, result: Any) -> None:
+        """Items, failed items and partial successes of one batch call."""
+        n = len(getattr(args, "keys", ()) or ())
+        if not ok:
+            failed = n
+        elif method == "batch_exists":
+            failed = 0  # a key that is not there is an answer, not a failure
+        else:
+            failed = sum(1 for r in result if r[0] != 0)
+        for pub in _BATCHES[method]:
+            t = self.batch_items.get(pub)
+            if t is None:
+                t = self.batch_items[pub] = [0, 0, 0]
+            t[0] += n
+            t[1] += failed
+            t[2] += ok and 0 < failed < n
 
     def _leased(self, key: str, ttl: float | None) -> None:
         if ttl is None:
@@ -234,11 +284,27 @@ class _OpCollector(Collector):
         yield req
         yield err
         yield sec
-        for ours, pub in PUBLISHED_METHODS.items():
-            seen = m.ops.get(ours)
-            yield _counter(f"master_{pub}_requests", f"{pub} requests", seen.n if seen else 0)
+        for pub, sources in _PUB_SOURCES.items():
+            seen = [op for op in map(m.ops.get, sources) if op is not None]
+            n, errors = sum(op.n for op in seen), sum(op.errors for op in seen)
+            yield _counter(f"master_{pub}_requests", f"{pub} requests", n)
+            yield _counter(f"master_{pub}_failures", f"failed {pub} requests", errors)
+        for kind, (n, errors) in m.task_kinds.items():
+            yield _counter(f"master_create_{kind}_task_requests", f"{kind} tasks requested", n)
+            yield _counter(f"master_create_{kind}_task_failures", f"{kind} tasks refused", errors)
+        for pub in (
+            "batch_get_replica_list",
+            "batch_exist_key",
+            "batch_put_start",
+            "batch_put_end",
+        ):
+            items, failed, partial = m.batch_items.get(pub, (0, 0, 0))
+            yield _counter(f"master_{pub}_items", f"keys in {pub} requests", items)
+            yield _counter(f"master_{pub}_failed_items", f"failed keys in {pub} requests", failed)
             yield _counter(
-                f"master_{pub}_failures", f"failed {pub} requests", seen.errors if seen else 0
+                f"master_{pub}_partial_successes",
+                f"{pub} requests with some keys failed, not all",
+                partial,
             )
         yield _counter(
             "mooncake_master_bad_frames", "malformed RPC frames (connection closed)", m.bad_frames

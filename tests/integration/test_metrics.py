@@ -5,6 +5,7 @@ the scrapes must show exactly that traffic, and ``mooncake-core top --once`` mus
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -12,11 +13,15 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 from store_support import Agent, AgentError, Master, free_port
 
+from mooncake_core.errors import TransportError
 from mooncake_core.metrics import Sample, parse
+from mooncake_core.transfer import TransferEngine
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -147,3 +152,70 @@ def test_top_once_reads_master_and_nodes(cluster: Cluster, tmp_path: Path) -> No
         [*cmd, "--proxy", f"127.0.0.1:{down}", "--once"], capture_output=True, text=True, timeout=60
     )
     assert bad.returncode == 1 and f"127.0.0.1:{down}: DOWN" in bad.stdout
+
+
+def test_engine_counts_failovers_retries_and_slice_errors_per_path(
+    spawn_peer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's own fault paths move the per-(peer, transport) counters, on the endpoint
+    ``transfer.metrics_port`` turns on: shared memory failing fails over to TCP (its slices
+    counted as errors on shm, the failover on tcp), a TCP connection broken mid-batch is
+    retried, and the bytes land exactly once on the path that moved them."""
+    eng = TransferEngine(
+        transfer={
+            "slice_size": 64 << 10,
+            "connections_per_peer": 2,
+            "timeout_s": 10,
+            "metrics_port": 0,
+        }
+    ).start()
+    try:
+        assert eng.metrics_url.startswith("http://127.0.0.1:")
+        port = int(eng.metrics_url.rsplit(":", 1)[1].split("/")[0])
+        peer = spawn_peer()
+        size = 1 << 20  # 16 slices
+        raddr = peer.call("alloc", size=size)["addr"]
+        data = np.random.default_rng(9).integers(0, 256, size, dtype=np.uint8)
+        want = hashlib.sha256(data.tobytes()).hexdigest()
+        before = scrape(port)
+
+        def shm_fails(*_a: Any, **_k: Any) -> None:
+            raise TransportError("injected: shared memory unavailable")
+
+        monkeypatch.setattr(eng.transports["shm"], "execute", shm_fails)
+        eng.write(peer.name, data, raddr, transport="shm")  # fails over to TCP
+        monkeypatch.undo()
+        assert peer.call("digest", addr=raddr, length=size)["sha"] == want
+        tcp: Any = eng.transports["tcp"]
+        sends = {"n": 0}
+
+        def break_third(_conn: Any) -> bool:
+            sends["n"] += 1
+            return sends["n"] == 3  # one connection breaks once, mid-batch
+
+        tcp.fault_hook = break_third
+        try:
+            eng.write(peer.name, data, raddr, transport="tcp")
+        finally:
+            tcp.fault_hook = None
+        assert peer.call("digest", addr=raddr, length=size)["sha"] == want
+        after = scrape(port)
+    finally:
+        eng.close()
+
+    def d(sample: str, **labels: str) -> float:
+        return total(after, sample, peer=peer.name, **labels) - total(
+            before, sample, peer=peer.name, **labels
+        )
+
+    assert d("mooncake_transfer_slices_total", transport="shm") == 16
+    assert d("mooncake_transfer_slice_errors_total", transport="shm") == 16
+    assert d("mooncake_transfer_bytes_total", transport="shm", op="write") == 0
+    assert d("mooncake_transfer_failovers_total", transport="tcp") == 1
+    assert d("mooncake_transfer_failovers_total", transport="shm") == 0
+    assert d("mooncake_transfer_retries_total", transport="tcp") >= 1
+    assert d("mooncake_transfer_slice_errors_total", transport="tcp") == 0
+    assert d("mooncake_transfer_bytes_total", transport="tcp", op="write") == 2 * size
+    assert d("mooncake_transfer_requests_total", transport="tcp") == 2
+    assert d("mooncake_transfer_seconds_count", transport="shm") == 1
+    assert d("mooncake_transfer_seconds_count", transport="tcp") == 2

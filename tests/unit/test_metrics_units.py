@@ -239,6 +239,23 @@ def test_master_exports_the_published_names_dashboards_query() -> None:
         "master_remove_requests_total",
         "master_mount_segment_requests_total",
         "master_ping_requests_total",
+        "master_put_end_requests_total",
+        "master_put_revoke_requests_total",
+        "master_batch_put_start_requests_total",
+        "master_batch_put_end_requests_total",
+        "master_batch_exist_key_requests_total",
+        "master_remove_by_regex_requests_total",
+        "master_remove_all_requests_total",
+        "master_unmount_segment_requests_total",
+        "master_create_copy_task_requests_total",
+        "master_create_move_task_requests_total",
+        "master_query_task_requests_total",
+        "master_batch_get_replica_list_items_total",
+        "master_batch_get_replica_list_failed_items_total",
+        "master_batch_get_replica_list_partial_successes_total",
+        "master_batch_exist_key_items_total",
+        "master_batch_put_start_items_total",
+        "master_batch_put_end_failed_items_total",
         "mem_cache_hit_nums_",
         "file_cache_hit_nums_",
         "mem_cache_hit_bytes_total",
@@ -249,8 +266,53 @@ def test_master_exports_the_published_names_dashboards_query() -> None:
         "master_evicted_key_count",
         "master_evicted_size_bytes",
         "ha_oplog_last_sequence_id",
+        "ha_oplog_applied_sequence_id",
     }
     assert published <= names, sorted(published - names)
+
+
+def test_published_put_batch_and_task_counters_follow_our_calls() -> None:
+    """A put into a lent extent (put_commit) is one published put_start and put_end; batch
+    calls count their keys, failed keys and partial successes; replica tasks by kind."""
+    m = _master()
+    met = m.metrics
+    met.observe("put_start", 1e-4, True, SimpleNamespace(key="a"), (1, []))
+    met.observe("put_commit", 1e-4, True, SimpleNamespace(key="b"), (5.0, 2))
+    met.observe("put_commit", 1e-4, False, SimpleNamespace(key="c"), None)
+    keys = SimpleNamespace(keys=["x", "y", "z"])
+    met.observe(
+        "batch_put_commit", 1e-4, True, keys, [(0, 5.0, 1), (7, "no space", 0), (0, 5.0, 2)]
+    )
+    met.observe("batch_put_end", 1e-4, True, keys, [(0, ""), (0, ""), (0, "")])
+    met.observe("batch_exists", 1e-4, True, keys, [True, False, True])
+    met.observe("batch_get_replica_list", 1e-4, False, keys, None)
+    met.observe("create_replica_task", 1e-4, True, SimpleNamespace(kind="copy"), "t1")
+    met.observe("create_replica_task", 1e-4, False, SimpleNamespace(kind="move"), None)
+    met.observe("query_replica_task", 1e-4, True, SimpleNamespace(task_id="t1"), None)
+    v = _values(m)
+    assert v["master_put_start_requests_total"] == 3  # put_start + two put_commits
+    assert v["master_put_start_failures_total"] == 1
+    assert v["master_put_end_requests_total"] == 2 and v["master_put_end_failures_total"] == 1
+    assert v["master_batch_put_start_requests_total"] == 1
+    assert v["master_batch_put_end_requests_total"] == 2
+    assert v["master_batch_put_start_items_total"] == 3
+    assert v["master_batch_put_start_failed_items_total"] == 1
+    assert v["master_batch_put_start_partial_successes_total"] == 1
+    assert v["master_batch_put_end_items_total"] == 6
+    assert v["master_batch_put_end_failed_items_total"] == 1
+    assert v["master_batch_put_end_partial_successes_total"] == 1
+    assert v["master_batch_exist_key_items_total"] == 3
+    assert v["master_batch_exist_key_failed_items_total"] == 0
+    assert v["master_batch_get_replica_list_items_total"] == 3
+    assert v["master_batch_get_replica_list_failed_items_total"] == 3
+    assert v["master_batch_get_replica_list_partial_successes_total"] == 0
+    assert v["master_create_copy_task_requests_total"] == 1
+    assert v["master_create_copy_task_failures_total"] == 0
+    assert v["master_create_move_task_requests_total"] == 1
+    assert v["master_create_move_task_failures_total"] == 1
+    assert v["master_query_task_requests_total"] == 1
+    # our own per-method counters stay per method
+    assert v['mooncake_master_requests_total{"method": "put_commit"}'] == 2
 
 
 def test_leases_expire_from_the_gauge() -> None:
