@@ -172,17 +172,52 @@ class LocalCachePolicy(Policy):
 
 
 class GlobalCachePolicy(Policy):
-    """Minimum TTFT over instances x {recompute, fetch the best remote prefix}."""
+    """Minimum TTFT over instances x {recompute, fetch the best remote prefix}.
+
+    Args:
+        holder_margin: The instance holding the longest local prefix (strictly longer than
+            any other's) keeps the request unless another option is predicted faster by more
+            than this share of the best prediction: it runs there when its TTFT is at most
+            ``(1 + holder_margin)`` times the minimum. 0 (default) is the plain minimum, right
+            when the predictions are exact (the simulator). A live proxy predicts with each
+            instance's *measured* speed, an estimate whose error between like instances
+            easily exceeds the few percent a short prefix saves; without a margin that error
+            alone sends a request away from an idle holder of its prefix.
+    """
 
     name = "global-cache"
     uses_remote = True
+
+    def __init__(self, holder_margin: float = 0.0) -> None:
+        if not (holder_margin >= 0 and np.isfinite(holder_margin)):
+            raise ConfigError(f"holder_margin must be a finite number >= 0, got {holder_margin!r}")
+        self.holder_margin = float(holder_margin)
+        #: decisions where the margin kept the request on its holder (the minimum was elsewhere)
+        self.kept_by_margin = 0
 
     def choose(self, view: PrefillView) -> PrefillChoice:
         i = int(np.argmin(view.ttft_local_s))
         j = int(np.argmin(view.ttft_fetch_s))
         if view.ttft_fetch_s[j] < view.ttft_local_s[i]:
-            return PrefillChoice(j, True)
-        return PrefillChoice(i, False)
+            best, t_best = PrefillChoice(j, True), float(view.ttft_fetch_s[j])
+        else:
+            best, t_best = PrefillChoice(i, False), float(view.ttft_local_s[i])
+        if self.holder_margin > 0 and best.instance != (h := self.holder(view.local_blocks)):
+            if h >= 0 and view.ttft_local_s[h] <= (1.0 + self.holder_margin) * t_best:
+                self.kept_by_margin += 1
+                return PrefillChoice(h, False)
+        return best
+
+    @staticmethod
+    def holder(local_blocks: np.ndarray) -> int:
+        """The instance with the strictly longest local prefix, -1 if none (ties or none)."""
+        if len(local_blocks) == 0:
+            return -1
+        h = int(np.argmax(local_blocks))
+        top = int(local_blocks[h])
+        if top <= 0 or int(np.count_nonzero(local_blocks == top)) > 1:
+            return -1
+        return h
 
 
 POLICIES: dict[str, type[Policy]] = {
@@ -190,8 +225,9 @@ POLICIES: dict[str, type[Policy]] = {
 }
 
 
-def make_policy(name: str, seed: int = 0) -> Policy:
-    """Build the policy named ``name`` (see :data:`POLICIES`).
+def make_policy(name: str, seed: int = 0, holder_margin: float = 0.0) -> Policy:
+    """Build the policy named ``name`` (see :data:`POLICIES`); ``holder_margin`` is
+    :class:`GlobalCachePolicy`'s (ignored by the others).
 
     Raises:
         ConfigError: unknown name (the message lists the valid ones).
@@ -201,4 +237,6 @@ def make_policy(name: str, seed: int = 0) -> Policy:
         raise ConfigError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
     if cls is RandomPolicy:
         return RandomPolicy(seed)
+    if cls is GlobalCachePolicy:
+        return GlobalCachePolicy(holder_margin)
     return cls()

@@ -66,6 +66,9 @@ class ConductorConfig:
             holder: other prefill instances and the store, the paper's pooled DRAM) or
             ``"store"`` (the store pool only, e.g. vLLM instances that can read each
             other's KV only through the store).
+        holder_margin: ``global-cache`` only: the instance holding the longest local prefix
+            keeps a request unless another option is predicted faster by more than this share
+            (see :class:`~mooncake_core.conductor.policy.GlobalCachePolicy`); 0: plain minimum.
     """
 
     n_prefill: int
@@ -79,6 +82,7 @@ class ConductorConfig:
     store_blocks: int | None = 0
     seed: int = 0
     fetch_sources: str = "any"
+    holder_margin: float = 0.0
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid field."""
@@ -104,6 +108,9 @@ class ConductorConfig:
             raise ConfigError(f"store_blocks must be >= 0, got {self.store_blocks}")
         if self.fetch_sources not in ("any", "store"):
             raise ConfigError(f"fetch_sources must be 'any' or 'store', got {self.fetch_sources!r}")
+        m = self.holder_margin
+        if not (isinstance(m, (int, float)) and m >= 0 and math.isfinite(m)):
+            raise ConfigError(f"holder_margin must be a finite number >= 0, got {m!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +166,7 @@ class Conductor:
         config.validate()
         self.config = config
         self.cost = CostModel(profile)
-        self.policy = make_policy(config.policy, config.seed)
+        self.policy = make_policy(config.policy, config.seed, config.holder_margin)
         n, m = config.n_prefill, config.n_decode
         self.index = BlockIndex(n, config.cache_blocks, config.store_blocks)
         self._free_at = np.zeros(n)

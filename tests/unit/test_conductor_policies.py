@@ -203,3 +203,25 @@ def test_tbt_prediction_looks_at_decode_load_when_the_request_arrives_there() ->
     late = c.decide(req(1, [2], out=10, tokens=512), now=1000.0, commit=False)
     a, b, cc = cost.decode_coeffs()
     assert late.tbt_s == pytest.approx(a + b + cc * (512 + 5))
+
+
+def test_global_cache_holder_margin_keeps_the_longest_prefix_within_the_margin() -> None:
+    """Instance 0 holds 12 of 13 blocks, instance 1 10 of them; speeds as a live proxy measures
+    them. Within the margin the holder keeps the request; beyond it the minimum wins."""
+
+    def pick(margin: float, speed: list[float], hold1: int = 10) -> int:
+        c = conductor("global-cache", n=2, holder_margin=margin)
+        c.kv_stored(0, list(range(1, 13)))
+        c.kv_stored(1, list(range(1, 1 + hold1)))
+        d = c.decide(req(0, list(range(1, 14))), speed=speed, wait_s=[0.0, 0.0], commit=False)
+        assert d.fetch_blocks == 0
+        return d.prefill
+
+    # holder 3x slower: 1.3x the other's predicted TTFT
+    assert pick(0.0, [3.0, 1.0]) == 1  # plain minimum
+    assert pick(0.5, [3.0, 1.0]) == 0  # within the margin: the holder keeps it
+    assert pick(0.5, [4.0, 1.0]) == 1  # 1.73x: beyond the margin
+    assert pick(0.5, [1.0, 1.0]) == 0  # the minimum is the holder anyway
+    assert pick(0.5, [3.0, 1.0], hold1=12) == 1  # equal prefixes: no holder, plain minimum
+    with pytest.raises(ConfigError, match="holder_margin"):
+        conductor("global-cache", holder_margin=-0.1)

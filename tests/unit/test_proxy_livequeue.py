@@ -7,7 +7,7 @@ import pytest
 
 from mooncake_core.proxy import Instance, Job, make_policy
 from mooncake_core.proxy.livequeue import OVERDUE_SHARE, LiveQueues
-from mooncake_core.proxy.policy import GlobalCachePolicy
+from mooncake_core.proxy.policy import GlobalCachePolicy, prefix_blocks
 
 
 def test_speed_is_measured_from_answers_and_waits_drain() -> None:
@@ -99,3 +99,53 @@ def test_profile_queues_ignore_the_real_wait() -> None:
     job = Job(6, len(conv) + 10, conv + [9] * 10, 2)
     assert pol.choose(job).prefill.index == holder
     assert job.log["wait_s"] == [0.0, 0.0]
+
+
+def _measure(pol: GlobalCachePolicy, slow: float, answers: int = 8) -> None:
+    """Both instances answer ``answers`` prefills of 0.1 profile seconds: instance 1 in 2 real
+    seconds each, instance 0 in ``2 * slow``."""
+    t = 0.0
+    for k in range(answers):
+        for i, s in ((0, 2.0 * slow), (1, 2.0)):
+            pol.live.started(i, 1000 * i + k, 0.1, t)
+            pol.live.answered(i, 1000 * i + k, t + s)
+        t += 10.0
+
+
+def _holder_case(slow: float, margin: float | None = None) -> tuple[GlobalCachePolicy, int]:
+    """The CI failure of test_kv_events_reveal_prefixes_the_proxy_did_not_route: KV events say
+    instance 0 holds 12 leading blocks of a 13-block prompt and instance 1 holds 10 of them
+    (a shared prefix); both idle; instance 0 measured ``slow`` times slower. Returns the
+    policy and the instance chosen."""
+    p = [Instance(f"http://p{i}", "prefill", i) for i in range(2)]
+    d = [Instance("http://d0", "decode", 0)]
+    opts = {} if margin is None else {"holder_margin": margin}
+    pol = make_policy("global-cache", p, d, **opts)
+    assert isinstance(pol, GlobalCachePolicy)
+    pol._now = lambda: 100.0  # type: ignore[method-assign]
+    _measure(pol, slow)
+    prompt = list(range(5, 5 + 13 * 32))
+    blocks = list(prefix_blocks(prompt, 32))
+    pol._kv_stored(0, blocks[:12])
+    pol._kv_stored(1, blocks[:10])
+    job = Job(1, len(prompt), prompt, 2)
+    place = pol.choose(job)
+    assert job.log["local"] == [12, 10] and job.log["wait_s"] == [0.0, 0.0]
+    return pol, place.prefill.index
+
+
+def test_an_idle_holder_keeps_its_prefix_against_speed_noise() -> None:
+    """A holder measured a little slower (noise between like instances) keeps the request;
+    the plain minimum (margin 0, the rule before) sent it to the other instance."""
+    pol, chosen = _holder_case(slow=1.4)
+    k = pol.live.speed()
+    assert 1.15 < k[0] / k[1] < 1.5  # measured slower by more than 2 blocks of 13 save
+    assert chosen == 0 and pol.stats()["kept_by_margin"] == 1
+    assert _holder_case(slow=1.4, margin=0.0)[1] == 1  # the old rule: away from the holder
+
+
+def test_a_holder_clearly_slower_than_the_margin_still_loses() -> None:
+    pol, chosen = _holder_case(slow=5.0)
+    k = pol.live.speed()
+    assert k[0] / k[1] > 2.0
+    assert chosen == 1 and pol.stats()["kept_by_margin"] == 0
