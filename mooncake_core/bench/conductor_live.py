@@ -101,6 +101,9 @@ class LiveSettings:
             may come more than once: :func:`phase_order`; the runner merges its phases with
             :func:`merge_phases`).
         cores: CPU ids for the instances (one per prefill instance).
+        store_holdings: how ``global-cache`` learns what the store holds: ``"events"`` (the
+            master's KV events, ``--store-events``: nothing asked per request) or ``"lookup"``
+            (one ``batch_exists`` per request, ``--store-master``).
         log: progress lines.
     """
 
@@ -110,6 +113,7 @@ class LiveSettings:
     quick: bool = False
     policies: tuple[str, ...] = POLICIES
     cores: tuple[int, ...] = (0, 1)
+    store_holdings: str = "events"
     log: Callable[[str], None] = print
 
 
@@ -412,6 +416,13 @@ def add_live_arguments(ap: argparse.ArgumentParser) -> None:
         "policies alike (default 1)",
     )
     g.add_argument("--cores", default="0,1", help="CPU ids of the prefill instances (default 0,1)")
+    g.add_argument(
+        "--store-holdings",
+        choices=("events", "lookup"),
+        default="events",
+        help="global-cache learns the store's holdings from the master's KV events (default) "
+        "or by one lookup RPC per request",
+    )
     g.add_argument("--workdir", default=None, help="model, logs, counters (default: a temp dir)")
 
 
@@ -536,6 +547,7 @@ def run_live(args: argparse.Namespace, trace_path: Path) -> int:
         quick=args.quick,
         policies=phase_order(policies, rounds),
         cores=cores,
+        store_holdings=str(getattr(args, "store_holdings", "events")),
         log=lambda m: print(f"[bench conductor --live] {m}", flush=True),
     )
     slice_hit = ideal_hit_rate([r.blocks for r in reqs])
@@ -564,6 +576,7 @@ def run_live(args: argparse.Namespace, trace_path: Path) -> int:
         "live_slice_ideal_hit_rate": round(slice_hit, 4),
         "live_window_ideal_hit_rate": round(trace_hit, 4),
         "live_order": list(phase_order(policies, rounds)),
+        "live_store_holdings": settings.store_holdings,
         "live_load_avg_start": round(load0, 2),
         "live_load_avg_end": round(os.getloadavg()[0], 2),
         **summarize(results),

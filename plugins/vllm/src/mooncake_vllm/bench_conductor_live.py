@@ -22,7 +22,8 @@ instances keep running; their prefix caches are reset
 store is emptied (``remove_all``) and every token id of the slice is shifted by a
 per-phase bijection (3 + (t - 3 + 37 * phase) mod 400), so prompts keep exactly their
 sharing but nothing an earlier phase computed can match. A fresh ``mooncake-core proxy
---policy P`` is started (``global-cache`` with ``--kv-events`` and ``--store-master``),
+--policy P`` is started (``global-cache`` with ``--kv-events`` and ``--store-events``, the
+master's KV events; ``--store-master``, a lookup per request, with ``--store-holdings lookup``),
 the requests are sent at their (compressed) arrival times as streaming completions (each
 with ``user`` = its :func:`~mooncake_core.bench.conductor_live.request_tag`), the TTFT each
 client sees is recorded, and the proxy's decision log (``GET /proxy/decisions``) is kept.
@@ -149,10 +150,13 @@ class _Cluster:
         )
         port = _free_port()
         self.master = f"127.0.0.1:{port}"
+        # the master's KV events: global-cache learns the pool's holdings from them
+        self.store_events = f"tcp://127.0.0.1:{_free_port()}"
+        extra = ["--kv-events-endpoint", self.store_events] if s.store_holdings == "events" else []
         log = open(work / "master.log", "wb")  # noqa: SIM115 - owned by the child
         self.master_proc = subprocess.Popen(
             [sys.executable, "-m", "mooncake_core", "master", "--rpc-port", str(port)]
-            + ["--http-port", str(_free_port())],
+            + ["--http-port", str(_free_port()), *extra],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -271,7 +275,10 @@ class _Cluster:
         cmd += ["--port", str(port), "--policy", policy]
         if policy == "global-cache":
             cmd += ["--block-tokens", str(self.s.block_tokens), "--kv-events", *self.events]
-            cmd += ["--store-master", self.master, "--store-dtype", "float32"]
+            if self.s.store_holdings == "events":
+                cmd += ["--store-events", self.store_events, "--store-dtype", "float32"]
+            else:
+                cmd += ["--store-master", self.master, "--store-dtype", "float32"]
         from mooncake_vllm.testing import engine_env
 
         fh = open(log, "wb")  # noqa: SIM115 - owned by the child
