@@ -435,6 +435,8 @@ def _phase(c: _Cluster, policy: str, index: int, reqs: list[LiveRequest]) -> Pha
         if policy == "global-cache":
             res.notes["kv_events"] = int(ps.get("kv_events", 0))
             res.notes["fetch_from_store"] = int(ps.get("fetch_from_store", 0))
+            res.notes["kept_by_margin"] = int(ps.get("kept_by_margin", 0))
+            res.notes["store_blocks_seen"] = int(ps.get("store_blocks_seen", 0))
     finally:
         proxy.stop()
     after = [_counters(p.url) for p in c.prefill]
