@@ -88,6 +88,7 @@ class DownloadStats:
     failed: int = 0
     refreshes: int = 0
     seconds: float = 0.0
+    peak_parallel: int = 0  # most shard fetches running at once
     sources: set[str] = field(default_factory=set)
 
     def as_dict(self) -> dict[str, float | int]:
@@ -98,6 +99,7 @@ class DownloadStats:
             "failed": self.failed,
             "refreshes": self.refreshes,
             "seconds": round(self.seconds, 4),
+            "peak_parallel": self.peak_parallel,
             "sources": len(self.sources),
         }
 
@@ -380,6 +382,7 @@ class Download:
                     self._inflight[shard.index] = h.segment
                     self._load[h.segment] = self._load.get(h.segment, 0) + 1
                     self._origin_busy += h.origin
+                    self.stats.peak_parallel = max(self.stats.peak_parallel, len(self._inflight))
                     return job
                 if not self._inflight and now - self._stall_since > self.stall_timeout_s:
                     self._error = ShardUnavailable(self._stalled_message())

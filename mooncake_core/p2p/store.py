@@ -101,6 +101,24 @@ class _Held:
     unwatch: Callable[[], None] | None = None  # stops following reports about this copy
 
 
+def _place(m: Manifest, into: Any) -> tuple[list[Source], list[int], list[memoryview]]:
+    """The caller's ``into`` as ``(sources, address of each buffer of m, view of each)``."""
+    srcs = collect(into)
+    if len(srcs) == 1 and srcs[0].size >= m.size:
+        addrs = [srcs[0].addr + sum(m.sizes[:i]) for i in range(len(m.sizes))]
+        views, off = [], 0
+        for n in m.sizes:
+            views.append(srcs[0].view[off : off + n])
+            off += n
+        return srcs, addrs, views
+    if [s.size for s in srcs] == m.sizes:
+        return srcs, [s.addr for s in srcs], [s.view for s in srcs]
+    raise BadName(
+        f"into: {sum(s.size for s in srcs)} bytes in {len(srcs)} buffer(s), but "
+        f"{m.name!r} needs {m.size} bytes in one buffer or buffers of sizes {m.sizes}"
+    )
+
+
 def _shards(sizes: list[int], shard_size: int) -> list[tuple[int, int, int]]:
     out = []
     for b, size in enumerate(sizes):
@@ -424,9 +442,10 @@ class P2PStore:
         """Fetch every shard of ``name`` (verified) and serve them from here afterwards.
 
         Args:
-            into: memory to fetch into: one buffer of at least the total size, or one buffer
-                per buffer of the name with the same sizes; by default shared memory the
-                engine allocates.
+            into: memory to fetch into (bytearray, numpy array, CPU torch tensor, mmap...):
+                one buffer of at least the total size, or one buffer per buffer of the name
+                with the same sizes; by default shared memory the engine allocates. When this
+                process holds that version already, its bytes are copied into ``into``.
             swarm: False fetches from the original copy only (the seeder-only baseline).
             concurrency: shards fetched at once; ``origin_streams`` of them at most from
                 the original copy (readers' replicas are preferred).
@@ -446,7 +465,9 @@ class P2PStore:
             cur = self._held.get(name)
             if cur is not None:
                 if cur.manifest.version == m.version:
-                    return cur.replica
+                    if into is None:
+                        return cur.replica
+                    return self._copy_held(cur, into)
                 self._drop(self._held.pop(name))
         managed: ManagedBuffer | None = None
         regions: list[Region] = []
@@ -463,21 +484,7 @@ class P2PStore:
                 views.append(mv[off : off + s])
                 off += s
         else:
-            srcs = collect(into)
-            if len(srcs) == 1 and srcs[0].size >= m.size:
-                addrs = list(srcs[0].addr + sum(m.sizes[:i]) for i in range(len(m.sizes)))
-                views, off = [], 0
-                for s in m.sizes:
-                    views.append(srcs[0].view[off : off + s])
-                    off += s
-            elif [s.size for s in srcs] == m.sizes:
-                addrs = [s.addr for s in srcs]
-                views = [s.view for s in srcs]
-            else:
-                raise BadName(
-                    f"into: {sum(s.size for s in srcs)} bytes in {len(srcs)} buffer(s), but "
-                    f"{name!r} needs {m.size} bytes in one buffer or buffers of sizes {m.sizes}"
-                )
+            srcs, addrs, views = _place(m, into)
             regions = self._register_memory(srcs, name)
         holder = self._holder_record(addrs, False)
         replica = Replica(
@@ -521,6 +528,18 @@ class P2PStore:
             stats.failed,
         )
         return replica
+
+    def _copy_held(self, held: _Held, into: Any) -> Replica:
+        """``get_replica(into=...)`` of a version this process holds already: a local copy
+        into the caller's memory (nothing fetched; the held replica stays the one served)."""
+        m = held.manifest
+        _, _, views = _place(m, into)
+        for dst, src in zip(views, held.replica.buffers, strict=True):
+            dst[:] = src
+        stats: dict[str, float | int] = {"from_origin": 0, "from_peers": 0, "local_copy": 1}
+        return Replica(
+            m.name, m.version, m.size, m.shard_size, m.labels, views, False, stats, m.meta
+        )
 
     def delete_replica(self, name: str) -> None:
         """Stop serving this process's replica of ``name`` and free its memory.

@@ -213,6 +213,7 @@ def test_six_readers_at_once_get_the_exact_bytes_and_a_later_one_spares_the_seed
     results = [r.call("result") for r in readers]
     want = sha(size, 1)
     assert [x.get("sha") for x in results] == [want] * 6, results
+    assert max(x["stats"]["peak_parallel"] for x in results) >= 2  # shards fetched in parallel
     (info,) = [o for o in store.list("test/") if o.name == name]
     assert info.complete == 7 and info.size == size and info.shards == 12
     assert set(info.holders) == {seeder.segment} | {r.segment for r in readers}
@@ -320,6 +321,62 @@ def test_a_wrong_corruption_report_is_cleared_by_the_holder(store: Any) -> None:
     assert store.etcd.get(key) is None
     rec = holder_record(store, name, store.segment)
     assert rec.count() == 4 and rec.has(2)
+    store.unregister(name)
+
+
+def test_numpy_torch_mmap_and_file_buffers_round_trip_into_the_callers_memory(
+    store: Any, etcd_url: str, tmp_path: Path
+) -> None:
+    """Every kind of memory ``register`` and ``get_replica(into=...)`` take: numpy, torch,
+    an mmap, a file mapped from a path, bytes; ``list`` shows sizes, shard size, holders;
+    ``delete_replica`` withdraws the holder record."""
+    import mmap
+
+    import numpy as np
+    import torch
+
+    from mooncake_core.cli.p2p import _write_out
+    from mooncake_core.p2p import P2PStore
+
+    arr = np.frombuffer(blob(100_000, 21), dtype=np.uint8).copy()
+    ten = torch.frombuffer(blob(80_000, 22), dtype=torch.float32).clone()  # 20,000 floats
+    anon = mmap.mmap(-1, 50_000)
+    anon[:] = bytes(blob(50_000, 23))
+    (tmp_path / "w.safetensors").write_bytes(bytes(blob(70_000, 24)))
+    raw = bytes(blob(30_000, 25))
+    parts = {"np": arr, "torch": ten, "mmap": anon, "file": tmp_path / "w.safetensors", "b": raw}
+    want = [arr.tobytes(), ten.numpy().tobytes(), bytes(anon), bytes(blob(70_000, 24)), raw]
+    sizes = [len(w) for w in want]
+    name = unique("kinds")
+    store.register(name, parts, max_shard_size="16KB")
+    (info,) = store.list(name.rsplit("-", 1)[0])  # a prefix of the name
+    assert (info.name, info.sizes, info.shard_size, info.labels) == (
+        name,
+        sizes,
+        16 << 10,
+        [*parts],
+    )
+    assert info.shards == sum(-(-n // (16 << 10)) for n in sizes) and info.size == sum(sizes)
+    assert info.holders == [store.segment] and info.complete == 1
+    with P2PStore(etcd_url) as other:
+        flat = torch.zeros(sum(sizes) + 7, dtype=torch.uint8)  # one buffer, large enough
+        rep = other.get_replica(name, into=flat)
+        assert bytes(flat.numpy()[: sum(sizes)]) == b"".join(want)
+        assert rep.stats["from_origin"] == info.shards and rep.stats["peak_parallel"] >= 1
+        (info,) = store.list(name)
+        assert info.holders == sorted([store.segment, other.segment]) and info.complete == 2
+        # held already: into= still receives the bytes (a local copy, nothing fetched)
+        per = [np.zeros(n, dtype=np.uint8) for n in sizes]
+        rep = other.get_replica(name, into=per)
+        assert [p.tobytes() for p in per] == want and rep.stats["local_copy"] == 1
+        other.delete_replica(name)
+        assert store.list(name)[0].holders == [store.segment]
+        dest = mmap.mmap(-1, sum(sizes))  # fetched again, into an mmap
+        rep = other.get_replica(name, into=dest)
+        assert bytes(dest) == b"".join(want) and rep.labels == [*parts]
+    # the CLI writes a single-file replica through a .part name
+    (path,) = _write_out(tmp_path / "out.safetensors", ["file"], [rep.buffers[3]], "file")
+    assert path.read_bytes() == want[3] and not list(tmp_path.glob("*.part"))
     store.unregister(name)
 
 
