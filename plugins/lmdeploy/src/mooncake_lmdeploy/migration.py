@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mooncake_core.config import MooncakeConfig, env_str, load_config
-from mooncake_core.errors import ConfigError, MooncakeError
+from mooncake_core.errors import ConfigError, MooncakeError, TransferTimeout
 from mooncake_core.transfer import TransferEngine, TransferRequest
 
 __all__ = [
@@ -354,26 +354,32 @@ class MooncakeCoreMigrationBackend:
                 f"migration from {link.remote_engine_id!r} ({total} bytes) refused: {exc}"
             ) from exc
         fut = asyncio.wrap_future(batch.future)
-        try:
-            await asyncio.wait_for(asyncio.shield(fut), timeout + _GRACE_S)
-        except asyncio.TimeoutError:
+        # asyncio.wait, not wait_for: the engine's own TransferTimeout is a TimeoutError
+        # too (as asyncio.TimeoutError is on 3.11), and catching it as ours reported an
+        # ordinary timed-out batch (blocks safe) as an overrun (blocks unsafe), which stops
+        # LMDeploy's decode loop instead of failing the one request
+        done, _ = await asyncio.wait({fut}, timeout=timeout + _GRACE_S)
+        if not done:
             self.stats["failed"] += 1
             logger.error(
                 "mooncake-lmdeploy: the transfer engine overran a migration's deadline by "
-                "%.0f s; its blocks may still be written",
+                "%.1f s; its blocks may still be written",
                 _GRACE_S,
             )
             raise MigrationError(
                 f"migration from {link.remote_engine_id!r} ({total} bytes in {len(reqs)} "
                 f"segments) did not finish within {timeout + _GRACE_S:.1f} s",
                 blocks_safe=False,
-            ) from None
+            )
+        try:
+            fut.result()
         except MooncakeError as exc:
             self.stats["failed"] += 1
+            what = "timed out" if isinstance(exc, TransferTimeout) else "failed"
             raise MigrationError(
                 f"migration from {link.remote_engine_id!r} at {link.remote_session} "
-                f"({total} bytes in {len(reqs)} segments) failed after "
-                f"{time.monotonic() - t0:.2f} s: {exc}"
+                f"({total} bytes in {len(reqs)} segments) {what} after "
+                f"{time.monotonic() - t0:.2f} s (deadline {timeout:g} s): {exc}"
             ) from exc
         self.stats["migrations"] += 1
         self.stats["requests"] += len(reqs)

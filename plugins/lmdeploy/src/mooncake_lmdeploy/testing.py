@@ -38,6 +38,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -259,6 +260,20 @@ class RankError(RuntimeError):
     """A rank process answered ``ERR``."""
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    """True when every thread of ``pid`` is in state T (stopped) per ``/proc``."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+        for tid in tids:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                # "tid (comm) S ...": comm may hold spaces and parentheses
+                if f.read().rpartition(")")[2].split()[0] not in ("T", "t"):
+                    return False
+    except (FileNotFoundError, ProcessLookupError):
+        return False  # exited, or a thread ended while we looked: look again
+    return bool(tids)
+
+
 class RankProcess:
     """``python -m mooncake_lmdeploy.testing`` in a process of its own (one engine rank)."""
 
@@ -293,6 +308,27 @@ class RankProcess:
             out: dict[str, Any] = json.loads(line[3:])
             return out
         raise RankError(f"rank {self.name}: {cmd}: {line[4:] if line.startswith('ERR ') else line}")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGSTOP the rank and return once *every* thread of it is stopped.
+
+        ``kill`` returns before the stop has happened: the kernel wakes one thread, and
+        only when that thread runs does it stop the others. Until then the rest (the
+        transfer engine's listener among them) keep serving, for tens of milliseconds on
+        a loaded machine; a "stalled" peer would then still answer."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + timeout
+        while not _all_threads_stopped(self.proc.pid):
+            if self.proc.poll() is not None:
+                raise RankError(f"rank {self.name} exited (code {self.proc.poll()}) while stopping")
+            if time.monotonic() > deadline:
+                raise RankError(f"rank {self.name}: not every thread stopped within {timeout} s")
+            time.sleep(0.002)
+
+    def resume(self) -> None:
+        """SIGCONT the rank (after :meth:`stop`); harmless when it runs or has exited."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -166,6 +166,50 @@ def test_backend_refuses_what_it_cannot_serve(lmdeploy_msgs: ModuleType) -> None
         b.close()
 
 
+def test_engine_timeout_is_a_safe_failure_only_an_overrun_is_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The transfer engine's own TransferTimeout (a TimeoutError, as asyncio's is) is a
+    timed-out migration whose blocks are free again (blocks_safe): it was once caught as an
+    overrun of our outer deadline, which stops LMDeploy's decode loop. Only a batch still
+    running after the grace is unsafe. The engine is a FAKE (a future we complete)."""
+    import asyncio
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    import mooncake_lmdeploy.migration as mig
+
+    from mooncake_core.errors import PeerUnreachable, TransferTimeout
+
+    monkeypatch.setattr(mig, "_GRACE_S", 0.05)
+    outcomes: list[BaseException | None] = [
+        TransferTimeout("transfer to peer 'p' timed out with 2 slice(s) outstanding"),
+        PeerUnreachable("peer 'p' refused"),
+        None,  # never finishes
+    ]
+
+    def submit(reqs: list[Any], timeout: float) -> Any:
+        fut: Future[None] = Future()
+        err = outcomes.pop(0)
+        if err is not None:
+            fut.set_exception(err)
+        return SimpleNamespace(future=fut)
+
+    b = MooncakeCoreMigrationBackend(load_config(), timeout_s=0.1)
+    b._engine = SimpleNamespace(submit=submit)  # type: ignore[assignment]
+    link = SimpleNamespace(remote_engine_id="p", remote_session="127.0.0.1:1")
+    monkeypatch.setattr(b, "plan", lambda a: (link, [(0, 0, 64)]))
+    errors = []
+    for _ in range(3):
+        with pytest.raises(MigrationError) as info:
+            asyncio.run(b.p2p_migrate(object()))
+        errors.append(info.value)
+    assert errors[0].blocks_safe and "timed out after" in str(errors[0])
+    assert errors[1].blocks_safe and "failed after" in str(errors[1])
+    assert not errors[2].blocks_safe and "did not finish within" in str(errors[2])
+    assert b.stats["failed"] == 3
+
+
 def _executor(errors: list[BaseException | None]) -> Any:
     """LMDeploy's UniExecutor (its ``migrate``) over a FAKE cache engine (the real one needs
     a GPU here; the PD test runs the real one) whose ``migrate`` raises the next error."""
