@@ -141,6 +141,7 @@ def test_proxy_metrics_count_routing_latency_rejections_and_errors(
         outcomes = [_post(url, {"prompt": [1, 2, 3], "max_tokens": 2}) for _ in range(4)]
         streamed = _post(url, {"prompt": [1, 2, 3], "max_tokens": 2, "stream": True})
         m = _scrape(url)
+        top_once, top_live = _top(url)
     finally:
         proc.terminate()
         proc.wait(10)
@@ -157,6 +158,35 @@ def test_proxy_metrics_count_routing_latency_rejections_and_errors(
     assert _v(m, "mooncake_proxy_prefill_seconds_count", instance=pre) >= 5
     assert _v(m, "mooncake_proxy_in_flight") == 0
     assert _v(m, "process_resident_memory_bytes") > 0
+    # mooncake-core top reads the same figures, once as JSON and live (frames every interval)
+    assert top_once["ok"] == ok and top_once["upstream_errors"] == failed
+    assert top_once["p50_ttft_s"] > 0 and top_once["in_flight"] == 0
+    target = url.removeprefix("http://")
+    frames = [ln for ln in top_live.splitlines() if ln.startswith(f"PROXY  {target} ok {ok} (")]
+    assert len(frames) >= 2, top_live  # the second and later frames show the rate: "(0.0/s)"
+    assert f"upstream errors {failed}" in frames[-1] and "TTFT p50" in top_live
+
+
+def _top(url: str) -> tuple[dict[str, Any], str]:
+    """``mooncake-core top --proxy``: one JSON snapshot, and the live view's first frames."""
+    target = url.removeprefix("http://")
+    cmd = [sys.executable, "-m", "mooncake_core", "top", "--proxy", target]
+    once = subprocess.run([*cmd, "--once", "--json"], capture_output=True, text=True, timeout=60)
+    assert once.returncode == 0, once.stderr
+    snap = json.loads(once.stdout.strip().splitlines()[-1])[f"proxy:{target}"]
+    live = subprocess.Popen([*cmd, "--interval", "0.2"], stdout=subprocess.PIPE, text=True)
+    assert live.stdout is not None
+    lines: list[str] = []
+    try:  # read until the fourth frame has begun (or the view exits)
+        while sum(ln.startswith("mooncake-core top") for ln in lines) < 4:
+            line = live.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+    finally:
+        live.terminate()
+        live.communicate(timeout=10)
+    return snap, "".join(lines)
 
 
 def test_proxy_counts_early_rejections(upstreams: dict[str, str]) -> None:
