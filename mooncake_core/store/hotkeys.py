@@ -21,15 +21,22 @@ Contract (master side, :class:`HotKeys`, a part of ``MasterState``; on when
   replica gone) is discarded; one not reported within ``put_timeout_s`` is freed.
 - A key whose count falls below half the threshold has cooled: once no read lease is left on
   it, its extra replicas are freed (never its last replica).
-- Extra replicas are replicated to standbys as ordinary replicas; a new leader does not know
-  they were extra and keeps them until they are evicted.
+- HA: which replicas are extra is replicated too. Each change of a key's replicas made here
+  is logged as its ``obj`` entry followed by a ``hot`` entry (:data:`HotEntry`: the key and
+  its extra replicas now listed, none when they were dropped); snapshots carry one ``hot``
+  entry per key that has extras. A new leader therefore cools a key's extras as the old one
+  would have: its read counts start at zero, so once the takeover lease and the replicated
+  read leases end, a key no longer read loses its extras; one still read stays hot. The
+  lease a copy sets on its source is marked for replication like a read lease. Copies in
+  flight are not replicated: a new leader gives a key that is still hot a new copy (a copy
+  takes milliseconds; a takeover waits out the old leader's etcd lease, seconds).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from mooncake_core.errors import StoreError, TransportError
 from mooncake_core.store.buffers import LocalBuffer
@@ -39,7 +46,7 @@ from mooncake_core.store.state_core import Obj, Segment, SliceT, StateCore
 if TYPE_CHECKING:
     from mooncake_core.store.client_core import ClientCore
 
-__all__ = ["HotKeys", "WindowCounter", "run_copy_task"]
+__all__ = ["HotEntry", "HotKeys", "WindowCounter", "run_copy_task"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +92,14 @@ class WindowCounter:
     def forget(self, key: str) -> None:
         self.cur.pop(key, None)
         self.prev.pop(key, None)
+
+
+class HotEntry(NamedTuple):
+    """(HA) the extra replicas a hot key has now (logged after its ``obj`` entry)."""
+
+    kind: str  # "hot"
+    key: str
+    extra: list[list[SliceT]]
 
 
 @dataclass(slots=True)
@@ -181,7 +196,7 @@ class HotKeys(StateCore):
             tok = self._next_token()
             src, dst = o.replicas[0], [(s.name, off, o.size)]
             self.hot_copies[tok] = _Copy(o, o.token, src, dst, s, now + self.cfg.put_timeout_s)
-            o.lease_until = max(o.lease_until, now + self.cfg.lease_ttl_s)
+            self._hold(o, now + self.cfg.lease_ttl_s)  # the source must stay while it is read
             self._push(
                 self.clients[s.client_id],
                 {
@@ -221,6 +236,7 @@ class HotKeys(StateCore):
         ent[1].append(cp.dst)
         self.counters["hot_replicas_added"] += 1
         self._emit(*self._obj_entry(o))
+        self._emit(*self._hot_entry(o.key, ent))
 
     def _hot_cool(self, key: str, o: Obj, now: float) -> bool:
         """Free the extra replicas of a cooled key; True when none is left."""
@@ -238,8 +254,33 @@ class HotKeys(StateCore):
         self.counters["hot_replicas_dropped"] += dropped
         if dropped:
             self._emit(*self._obj_entry(o))
+            self._emit("hot", key, [])
             logger.debug("hot key %r cooled: dropped %d extra replica(s)", key, dropped)
         return True
+
+    @staticmethod
+    def _hot_entry(key: str, ent: tuple[Obj, list[list[SliceT]]]) -> HotEntry:
+        return HotEntry("hot", key, [r for r in ent[1] if r in ent[0].replicas])
+
+    def hot_apply(self, entry: tuple[Any, ...] | list[Any]) -> None:
+        """(Standby) replay a ``hot`` entry: mark the key's extra replicas, or unmark it."""
+        he = HotEntry._make(entry)
+        o = self.objects.get(he.key)
+        extra = [[(str(n), int(off), int(ln)) for n, off, ln in rep] for rep in he.extra]
+        keep = [r for r in extra if o is not None and r in o.replicas]
+        if o is None or not keep:
+            self._hot_forget(he.key)
+            return
+        self.hot_extra[he.key] = (o, keep)
+        self.hot_candidates.add(he.key)  # a new leader's tick cools it unless it is read
+
+    def hot_export(self) -> list[HotEntry]:
+        """``hot`` entries for a snapshot (after the ``obj`` entries)."""
+        return [
+            self._hot_entry(k, ent)
+            for k, ent in self.hot_extra.items()
+            if self.objects.get(k) is ent[0]
+        ]
 
     def hot_stats(self) -> dict[str, Any]:
         return {

@@ -26,8 +26,17 @@ store's ``create_copy_task`` / ``create_move_task`` / ``query_task``):
   most :data:`MAX_TASKS` tasks in all).
 - ``drop_replicas(client_id, key, segment)`` drops the replicas on one client's segments
   while another replica is left (refused while read-leased or pinned).
-- Tasks live on the master that created them: they are not replicated to HA standbys (the
-  replicas they add or drop are, as ordinary object changes).
+- HA: tasks are replicated. Every change of a task (created, a copy reported, a status
+  change) is logged as an ``rtask`` entry (:class:`RTaskEntry`: the task and its copies in
+  flight, with their destination ranges; a copy's entry comes before the ``obj`` entry that
+  lists its replica) and snapshots carry one per task kept. A standby keeps each copy's
+  destination range reserved; a new leader (:meth:`ReplicaTasks.rtask_takeover`) gives
+  every copy still in flight a fresh ``put_timeout_s`` and queues it again for the
+  destination's client, which may still report the one the old leader gave it: the first
+  report lists the replica and takes the queued duplicate back. A task queued or running
+  at a takeover thus finishes on the new leader (or fails with its reason), and
+  ``query_task`` answers there with the same id. The read lease a task sets on its object
+  is replicated like a read lease.
 """
 
 from __future__ import annotations
@@ -35,14 +44,16 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from mooncake_core.errors import NoSpace, ObjectNotFound
 from mooncake_core.store.protocol import InvalidArgument, ObjectBusy
+from mooncake_core.store.replication import wall_to_mono
 from mooncake_core.store.state_core import Obj, Segment, SliceT, StateCore
 
-__all__ = ["MAX_TASKS", "ReplicaTasks", "TASK_STATUS", "TASK_TYPES"]
+__all__ = ["MAX_TASKS", "RTaskEntry", "ReplicaTasks", "TASK_STATUS", "TASK_TYPES"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +90,24 @@ class _TaskCopy:
     dst: list[SliceT]
     seg: Segment
     deadline: float
+
+
+class RTaskEntry(NamedTuple):
+    """(HA) a replica task as it is now; ``copies``: ``[token, src, dst]`` still in flight."""
+
+    kind: str  # "rtask"
+    id: str
+    type: str  # "copy" or "move"
+    key: str
+    source: str
+    assigned: str
+    created_ms: int
+    updated_ms: int
+    status: str
+    message: str
+    copies: list[list[Any]]
+    lease_before: float  # wall clock; 0: none
+    lease_mine: float
 
 
 def _now_ms() -> int:
@@ -147,7 +176,8 @@ class ReplicaTasks(StateCore):
         task.updated_ms = task.created_ms
         task.lease_before = o.lease_until
         if allocs:  # the source must not be evicted under the copy
-            o.lease_until = task.lease_mine = max(o.lease_until, now + self.cfg.lease_ttl_s)
+            self._hold(o, now + self.cfg.lease_ttl_s)
+            task.lease_mine = o.lease_until
         self.rtasks[task.id] = task
         src = src_rep if src_rep is not None else o.replicas[0]
         for seg, off in allocs:
@@ -156,19 +186,26 @@ class ReplicaTasks(StateCore):
             cp = _TaskCopy(task, src, dst, seg, now + self.cfg.put_timeout_s)
             self.rtask_copies[tok] = cp
             task.copies.add(tok)
-            self._push(
-                self.clients[seg.client_id],
-                {
-                    "kind": "copy",
-                    "key": key,
-                    "token": tok,
-                    "src": self._slices_out(src),
-                    "dst": self._slices_out(dst),
-                },
-            )
+            self._rtask_push(tok, cp)
+        self._rtask_emit(task)
         if not task.copies:
             self._rtask_advance(task, now)
         return task.id
+
+    def _rtask_push(self, tok: int, cp: _TaskCopy) -> None:
+        c = self.clients.get(cp.seg.client_id)
+        if c is None:
+            return  # not reported in time: the tick fails the task
+        self._push(
+            c,
+            {
+                "kind": "copy",
+                "key": cp.task.key,
+                "token": tok,
+                "src": self._slices_out(cp.src),
+                "dst": self._slices_out(cp.dst),
+            },
+        )
 
     def drop_replicas(self, client_id: str, key: str, segment: str, now: float) -> int:
         """Drop ``key``'s replicas that lie on ``segment`` (or the segments ``segment#N`` its
@@ -216,6 +253,9 @@ class ReplicaTasks(StateCore):
             return False
         t = cp.task
         t.copies.discard(token)
+        c = self.clients.get(cp.seg.client_id)
+        if c is not None and c.tasks:  # a copy queued again by a new leader: not needed now
+            c.tasks = deque(x for x in c.tasks if x["kind"] != "copy" or x["token"] != token)
         o = t.obj
         alive = self.objects.get(o.key) is o and cp.src in o.replicas
         if not ok or not alive or self.segments.get(cp.seg.name) is not cp.seg:
@@ -223,6 +263,7 @@ class ReplicaTasks(StateCore):
             why = f"copy to {cp.seg.name} failed: {detail}" if not ok else "the object changed"
             self._rtask_fail(t, why)
             return True
+        self._rtask_emit(t)  # before the obj entry: a standby frees the range, then lists it
         if t.status == "PENDING":
             o.replicas.append(cp.dst)
             self._index_replica(o.key, cp.dst)
@@ -272,17 +313,97 @@ class ReplicaTasks(StateCore):
         self._rtask_set(t, "SUCCESS", _DONE, now)
 
     def _rtask_fail(self, t: _Task, why: str) -> None:
+        """Fail ``t`` (its copies changed: logged even when it had failed already)."""
         if t.status in ("SUCCESS", "FAILED"):
+            self._rtask_emit(t)
             return
         logger.warning("replica %s of %r failed: %s", t.kind, t.key, why)
         self.counters["replica_tasks_failed"] += 1
         self._rtask_set(t, "FAILED", why, time.monotonic())
 
-    @staticmethod
-    def _rtask_set(t: _Task, status: str, message: str, now: float = 0.0) -> None:
+    def _rtask_set(self, t: _Task, status: str, message: str, now: float = 0.0) -> None:
+        changed = (t.status, t.message) != (status, message)
         t.status, t.message, t.updated_ms = status, message, _now_ms()
         if now:
             t.finished_at = now
+        if changed:
+            self._rtask_emit(t)
+
+    # ------------------------------------------------------------------ HA
+    def _rtask_entry(self, t: _Task, now: float, wall_now: float) -> RTaskEntry:
+        copies = [
+            [tok, cp.src, cp.dst] for tok in sorted(t.copies) if (cp := self.rtask_copies.get(tok))
+        ]
+
+        def wall(d: float) -> float:
+            return wall_now + (d - now) if d else 0.0
+
+        return RTaskEntry(
+            "rtask", t.id, t.kind, t.key, t.source, t.assigned, t.created_ms, t.updated_ms,
+            t.status, t.message, copies, wall(t.lease_before), wall(t.lease_mine),
+        )  # fmt: skip
+
+    def _rtask_emit(self, t: _Task) -> None:
+        if self.on_change is not None:
+            self._emit(*self._rtask_entry(t, time.monotonic(), time.time()))
+
+    def rtask_export(self) -> list[RTaskEntry]:
+        """``rtask`` entries for a snapshot (after the ``obj`` entries)."""
+        now, wall_now = time.monotonic(), time.time()
+        return [self._rtask_entry(t, now, wall_now) for t in self.rtasks.values()]
+
+    def rtask_apply(self, entry: tuple[Any, ...] | list[Any], now: float) -> None:
+        """(Standby) replay an ``rtask`` entry: the task as it is now, its copies' ranges
+        reserved (those no longer in flight are freed: a listed one comes back with the
+        ``obj`` entry that follows)."""
+        e = RTaskEntry._make(entry)
+        t = self.rtasks.get(e.id)
+        held: dict[int, _TaskCopy] = {}
+        if t is not None:
+            for tok in t.copies:
+                cp = self.rtask_copies.pop(tok, None)
+                if cp is not None:
+                    held[tok] = cp
+        else:
+            o = self.objects.get(e.key) or Obj(e.key, 0, [])  # gone: the task fails on takeover
+            t = self.rtasks[e.id] = _Task(
+                str(e.id), str(e.type), str(e.key), o, str(e.source), "", int(e.created_ms)
+            )
+        wall_now = time.time()
+        t.assigned, t.updated_ms = str(e.assigned), int(e.updated_ms)
+        t.status, t.message = str(e.status), str(e.message)
+        t.lease_before = wall_to_mono(float(e.lease_before), now, wall_now)
+        t.lease_mine = wall_to_mono(float(e.lease_mine), now, wall_now)
+        t.finished_at = now if t.status in ("SUCCESS", "FAILED") else 0.0
+        t.copies = set()
+        for tok, src, dst in e.copies:
+            tok = int(tok)
+            cp = held.pop(tok, None)
+            if cp is None:
+                d = [(str(n), int(off), int(ln)) for n, off, ln in dst]
+                seg = self.segments.get(d[0][0]) if len(d) == 1 else None
+                if seg is None or not seg.allocator.reserve(d[0][1], d[0][2]):
+                    t.status, t.message = "FAILED", f"copy to {d[0][0]} lost in replication"
+                    continue
+                s = [(str(n), int(off), int(ln)) for n, off, ln in src]
+                cp = _TaskCopy(t, s, d, seg, now + self.cfg.put_timeout_s)
+            self.rtask_copies[tok] = cp
+            t.copies.add(tok)
+        for cp in held.values():
+            self._rtask_free(cp)
+        if len(self.rtasks) > MAX_TASKS:
+            done = [k for k, x in self.rtasks.items() if x.finished_at]
+            for k in done[: len(self.rtasks) - MAX_TASKS]:
+                del self.rtasks[k]
+
+    def rtask_takeover(self, now: float) -> None:
+        """(A new leader) queue every copy in flight again, with a fresh deadline."""
+        for tok, cp in self.rtask_copies.items():
+            cp.deadline = now + self.cfg.put_timeout_s
+            self._rtask_push(tok, cp)
+        for t in list(self.rtasks.values()):
+            if t.status == "PENDING" and not t.copies:
+                self._rtask_advance(t, now)
 
     def _rtask_free(self, cp: _TaskCopy) -> None:
         if self.segments.get(cp.seg.name) is cp.seg:

@@ -8,7 +8,10 @@ treats unfinished puts as revoked (:meth:`Replication.on_takeover`).
 
 Entries (the named tuples below name their fields; the log holds them as plain lists):
 ``client``, ``unclient``, ``seg``, ``unseg``, ``obj``, ``del``, ``res``, ``carve``, ``unres``,
-``lease``.
+``lease``, ``hot`` (a hot key's extra replicas, :mod:`~mooncake_core.store.hotkeys`) and
+``rtask`` (a replica copy/move task, :mod:`~mooncake_core.store.replica_tasks`). An ``obj``
+entry for a key a standby holds updates its object in place (hot-key marks and tasks refer
+to it); a removed key's next ``obj`` entry is a new object.
 
 Pins and leases: hard pins and soft-pin deadlines travel in ``obj`` entries, leases in
 ``lease`` entries; both as wall-clock (``time.time()``) deadlines, since each master's
@@ -25,7 +28,7 @@ every object.
 from __future__ import annotations
 
 import time
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from mooncake_core.store.allocator import OffsetAllocator
 from mooncake_core.store.protocol import InvalidArgument
@@ -128,6 +131,15 @@ class Replication(StateCore):
 
     lease_dirty: dict[str, None] | None = None  # keys whose lease standbys must learn (HA)
 
+    if TYPE_CHECKING:  # provided by HotKeys and ReplicaTasks
+
+        def hot_apply(self, entry: tuple[Any, ...] | list[Any]) -> None: ...
+        def hot_export(self) -> list[Any]: ...
+        def _hot_forget(self, key: str) -> None: ...
+        def rtask_apply(self, entry: tuple[Any, ...] | list[Any], now: float) -> None: ...
+        def rtask_export(self) -> list[Any]: ...
+        def rtask_takeover(self, now: float) -> None: ...
+
     def take_leases(self, now: float, wall_now: float) -> None:
         """Emit ``lease`` entries for the marked keys (the leader's tick; see module doc)."""
         dirty, self.lease_dirty = self.lease_dirty, {}
@@ -204,18 +216,24 @@ class Replication(StateCore):
                 ):
                     reps.append(rr)
                     self._index_replica(key, rr)
-            o = Obj(
-                key,
-                oe.size,
-                reps,
-                complete=True,
-                token=self._next_token(),
-                hard_pin=bool(oe.hard_pin),
-                soft_pin_until=wall_to_mono(float(oe.soft_pin_until), now, time.time()),
-                disk=str(disk),
-                lease_until=lease[0],
-                lease_rep=lease[1],
-            )
+            pin = wall_to_mono(float(oe.soft_pin_until), now, time.time())
+            if old is not None and old.complete and old.size == oe.size:
+                o = old  # in place: hot-key marks and replica tasks refer to it
+                o.replicas, o.token, o.hard_pin = reps, self._next_token(), bool(oe.hard_pin)
+                o.soft_pin_until, o.disk = pin, str(disk)
+            else:
+                o = Obj(
+                    key,
+                    oe.size,
+                    reps,
+                    complete=True,
+                    token=self._next_token(),
+                    hard_pin=bool(oe.hard_pin),
+                    soft_pin_until=pin,
+                    disk=str(disk),
+                    lease_until=lease[0],
+                    lease_rep=lease[1],
+                )
             if disk and disk in self.clients:
                 self.clients[disk].disk_keys.add(key)
             if reps or o.disk:
@@ -258,6 +276,10 @@ class Replication(StateCore):
                     d = wall_to_mono(float(deadline), now, wall_now)
                     leased.lease_until = max(leased.lease_until, d)
                     leased.lease_rep = max(leased.lease_rep, d)
+        elif kind == "hot":
+            self.hot_apply(entry)
+        elif kind == "rtask":
+            self.rtask_apply(entry, now)
         elif kind == "del":
             gone = self.objects.get(entry[1])
             if gone is not None:
@@ -265,6 +287,7 @@ class Replication(StateCore):
                     self._free_replica(gone.key, rep)
                 self.objects.pop(gone.key, None)
                 self.lru.pop(gone.key, None)
+            self._hot_forget(entry[1])
         else:
             raise InvalidArgument(f"unknown oplog entry kind {kind!r}")
 
@@ -296,7 +319,7 @@ class Replication(StateCore):
             )
             for r in self.reservations.values()
         ]
-        return out
+        return out + self.hot_export() + self.rtask_export()
 
     def on_takeover(self, now: float, lease_s: float | None = None) -> None:
         """A new leader: every client gets a fresh liveness period, every object a lease of
@@ -308,3 +331,4 @@ class Replication(StateCore):
             o.lease_until = max(o.lease_until, grace)
         for r in self.reservations.values():  # a client may still be writing into them
             r.deadline = max(r.deadline, now + self.cfg.put_timeout_s)
+        self.rtask_takeover(now)  # replica copies in flight are queued again

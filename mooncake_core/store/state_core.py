@@ -161,6 +161,7 @@ class StateCore:
     on_change: Callable[[tuple[Any, ...]], None] | None
     on_task: Callable[[str], None] | None
     counters: dict[str, int]
+    lease_dirty: dict[str, None] | None  # (HA) keys whose lease standbys must learn
 
     if TYPE_CHECKING:  # provided by the other parts (MasterState and its mixins)
 
@@ -174,10 +175,19 @@ class StateCore:
         def evict_for(self, nbytes: int, now: float) -> int: ...
         def _offload(self, o: Obj, rep: list[SliceT]) -> bool: ...
         def _admit(self, key: str, size: int, now: float) -> None: ...
+        def _lease_mark(self, o: Obj) -> None: ...
 
     def _emit(self, *entry: Any) -> None:
         if self.on_change is not None:
             self.on_change(entry)
+
+    def _hold(self, o: Obj, until: float) -> None:
+        """Lease ``o`` until ``until`` at least (a copy reads it); with HA, standbys learn the
+        lease on the next tick, as they learn read leases."""
+        if until > o.lease_until:
+            o.lease_until = until
+            if until > o.lease_rep and self.lease_dirty is not None:
+                self._lease_mark(o)
 
     def _get_obj(self, key: str) -> Obj | None:
         return self.objects.get(key)

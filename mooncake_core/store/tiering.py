@@ -42,6 +42,7 @@ class SsdTiering(StateCore):
     promo_transient: dict[str, list[Any]]  # key -> [object, skip the next read]
     hot_on: bool
     hot_copies: dict[int, Any]
+    hot_extra: dict[str, Any]
 
     if TYPE_CHECKING:  # provided by HotKeys and ReplicaTasks
 
@@ -79,7 +80,8 @@ class SsdTiering(StateCore):
                     o.replicas = []
                     self.counters["promotions_transient"] += 1
                     self._emit(*self._obj_entry(o))
-        if self.hot_on or self.hot_copies:
+        # extras marked by a replicated log cool even on a leader with hot keys off
+        if self.hot_on or self.hot_copies or self.hot_extra:
             self.hot_tick(now)
 
     def _offload(self, o: Obj, rep: list[SliceT]) -> bool:
