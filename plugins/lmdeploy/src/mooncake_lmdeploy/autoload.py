@@ -19,6 +19,10 @@ When (and only when) a process imports LMDeploy's modules, the finder runs after
 - after ``lmdeploy.pytorch.kv_connector``: ``mooncake_core.compat.install()`` makes
   ``mooncake.store`` our compat store, so LMDeploy's ``MooncakeStoreConnector`` (which
   imports ``mooncake.store.MooncakeDistributedStore`` when it starts) runs on our store.
+- after LMDeploy's store-connector modules (``...kv_connector.mooncake.store.data``,
+  ``.worker``, ``.worker_threads``): :func:`mooncake_lmdeploy.store_keys.patch` makes
+  their ``build_store_key`` put the TP size into keys (LMDeploy's keys lack it, so a TP-1
+  and a TP-2 engine of one model would share keys for different bytes).
 
 With the published ``mooncake`` package also installed: the migration backend is still
 ours (LMDeploy's ``Mooncake`` backend imports ``mooncake.engine`` only when a link is
@@ -72,11 +76,21 @@ def _install_compat(module: ModuleType) -> None:
     compat.install(force=_flag(FORCE_COMPAT_ENV))
 
 
+def _tp_size_keys(module: ModuleType) -> None:
+    from mooncake_lmdeploy.store_keys import patch
+
+    patch(module)
+
+
 #: LMDeploy module -> what runs right after it has executed
 HOOKS: dict[str, Callable[[ModuleType], None]] = {
     "lmdeploy.pytorch.disagg.backend": _register_backend,
     "lmdeploy.pytorch.kv_connector": _install_compat,
     "lmdeploy.pytorch.engine.engine_loop": _patch_engine_loop,
+    # store keys with the TP size (mooncake_lmdeploy.store_keys.MODULES; data first)
+    "lmdeploy.pytorch.kv_connector.mooncake.store.data": _tp_size_keys,
+    "lmdeploy.pytorch.kv_connector.mooncake.store.worker": _tp_size_keys,
+    "lmdeploy.pytorch.kv_connector.mooncake.store.worker_threads": _tp_size_keys,
 }
 
 
