@@ -66,6 +66,7 @@ LAZY_MODULES: dict[str, str] = {
     "mooncake.http_metadata_server": "mooncake_core.compat.http_metadata_server",
     "mooncake.async_store": "mooncake_core.compat.async_store",
     "mooncake.buffer_pool": "mooncake_core.compat.buffer_pool",
+    "mooncake.structured_object_store": "mooncake_core.compat.structured_object_store",
 }
 
 
