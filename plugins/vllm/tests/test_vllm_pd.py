@@ -1,9 +1,10 @@
 """Prefill/decode disaggregation on a real vLLM (CPU, tiny random Llama, subprocesses).
 
-One module-scoped cluster: a monolithic server (the reference), a prefill server
-(``kv_producer``), a decode server (``kv_consumer``, ``kv_load_failure_policy=recompute``,
-with the test-only plugin ``vllm_faults`` that zeroes fetched KV for flagged requests) and
-``mooncake-core proxy``.
+One module-scoped cluster: a monolithic server (the reference, ``vllm_reference`` shared
+with ``test_vllm_builtin_compat``), a prefill server (``kv_producer``), a decode server
+(``kv_consumer``, ``kv_load_failure_policy=recompute``, with the test-only plugin
+``vllm_faults`` that zeroes fetched KV for flagged requests) and ``mooncake-core proxy``.
+All servers are eager (conftest) and started together.
 The prefill server is killed by the last test.
 """
 
@@ -62,17 +63,20 @@ def _pd_config(role: str, stats: Path, **extra: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(
+    tiny_model: Path, vllm_reference: VLLMServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
     base = tmp_path_factory.mktemp("pd")
     stats = base / "stats"
-    servers = [
-        VLLMServer(tiny_model, name="mono", log_path=base / "mono.log", block_size=BLOCK),
+    own = [
         VLLMServer(
             tiny_model,
             name="prefill",
             log_path=base / "prefill.log",
             block_size=BLOCK,
             kv_transfer_config=_pd_config("kv_producer", stats, send_timeout_s=SEND_TIMEOUT_S),
+            enforce_eager=True,
+            fork_engine=True,
         ),
         VLLMServer(
             tiny_model,
@@ -81,21 +85,23 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             block_size=BLOCK,
             kv_transfer_config=_pd_config("kv_consumer", stats),
             env=corrupt_kv_env(base / "faults"),
+            enforce_eager=True,
+            fork_engine=True,
         ),
     ]
     proxy: ProxyProcess | None = None
     try:
-        for s in servers:
+        for s in own:
             s.start()
-        for s in servers:
+        for s in [vllm_reference, *own]:
             s.wait_ready(600)
-        mono, prefill, decode = servers
+        mono, (prefill, decode) = vllm_reference, own
         proxy = ProxyProcess([prefill.url], [decode.url], base / "proxy.log")
         yield Cluster(mono, prefill, decode, proxy, stats, base)
     finally:
         if proxy is not None:
             proxy.stop()
-        for s in servers:
+        for s in own:
             s.stop()
 
 
