@@ -2,21 +2,27 @@
 
 - snapshots in etcd: the leader writes them periodically (retention kept), the whole master
   group is SIGKILLed, a fresh master restores the newest snapshot plus the oplog after it,
-  clients re-attach, and every object reads back byte-exact;
+  clients re-attach, and every object reads back byte-exact (and a replica task finished
+  before the snapshots is known there by its id);
 - leases and pins survive a takeover: the new leader refuses to remove a leased or
   hard-pinned object (code -706 in the published API), eviction skips pinned objects, and
-  the remove works once the lease ends.
+  the remove works once the lease ends. In the same takeover: a hot key's extra replica is
+  known as extra by the new leader, which drops it once the key cools; a replica copy task
+  queued for a (SIGSTOPped) client before the takeover is known to the new leader (same id,
+  its lease honoured) and completes there once the client runs again.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 import uuid
 from pathlib import Path
 
 import pytest
-from store_support import Master, payload
+from store_support import Agent, Master, payload
 
 from mooncake_core.compat.store_types import OBJECT_HAS_LEASE, _code
 from mooncake_core.errors import ObjectNotFound
@@ -61,6 +67,18 @@ def test_whole_group_killed_a_new_master_restores_from_etcd(etcd_url: str, tmp_p
             sizes["pinned"] = 1000
             for k, n in sizes.items():
                 holder.put(k, payload(k, n), hard_pin=k == "pinned")
+            with StoreClient(  # a finished copy task: the snapshots below carry it
+                master=url, cluster_id=cluster, segment_size=1 << 20, failover_timeout_s=30
+            ) as other:
+                tid = holder._call(
+                    "create_replica_task",
+                    (holder.client_id, "copy", "obj/1", [other.segment_names[0]], ""),
+                )
+                _wait(
+                    lambda: holder._call("query_replica_task", (tid,))["status"] == 3,
+                    10,
+                    "the copy task",
+                )
             # periodic snapshots by time: three rounds of growth, at most 2 kept
             for r in range(3):
                 before = Snapshots(etcd).seqs()
@@ -97,6 +115,8 @@ def test_whole_group_killed_a_new_master_restores_from_etcd(etcd_url: str, tmp_p
                 with pytest.raises(ObjectNotFound):
                     reader.get("obj/0")
                 assert reader.query("pinned")["hard_pin"] is True
+                task = reader._call("query_replica_task", (tid,))
+                assert task is not None and task["status"] == 3, task  # from the snapshot
                 # the holder re-attached (its registration came back with the snapshot)
                 holder.put("after", b"new bytes")
                 assert reader.get("after") == b"new bytes"
@@ -106,22 +126,32 @@ def test_whole_group_killed_a_new_master_restores_from_etcd(etcd_url: str, tmp_p
             m.stop()
 
 
-def test_leases_and_pins_survive_a_takeover(etcd_url: str, tmp_path: Path) -> None:
+def _segs(c: StoreClient, key: str) -> list[str]:
+    return sorted(rep[0]["segment"] for rep in c.query(key)["replicas"])
+
+
+def test_leases_pins_hot_replicas_and_tasks_survive_a_takeover(
+    etcd_url: str, tmp_path: Path
+) -> None:
     cluster = f"lease-{uuid.uuid4().hex[:8]}"
     lease_s = 5.0
     args = (
         *("--ha", etcd_url, "--cluster-id", cluster, "--ha-lease-ttl", "2"),
         *("--default-kv-lease-ttl", str(lease_s), "--ha-takeover-lease", "0"),
+        *("--hot-key-replicas", "2", "--hot-key-reads", "8", "--hot-key-window", "2"),
     )
     m1 = Master(tmp_path, *args, name="m1")
     masters = [m1]
     etcd = StoreEtcd(etcd_url, cluster)
     mib = 1 << 20
+    agent: Agent | None = None
     try:
         _wait(lambda: _role(m1) == "leader", 15, "m1 leads")
         m2 = Master(tmp_path, *args, name="m2")
         masters.append(m2)
         _wait(lambda: _role(m2) == "standby", 15, "m2 follows")
+        # a client process with a small segment (no 1 MiB object fits): it runs the copies
+        agent = Agent(etcd_url, segment_size=512 << 10, cluster_id=cluster, log=tmp_path / "a.log")
         with (
             StoreClient(
                 master=etcd_url, cluster_id=cluster, segment_size=8 * mib, failover_timeout_s=30
@@ -135,18 +165,29 @@ def test_leases_and_pins_survive_a_takeover(etcd_url: str, tmp_path: Path) -> No
             for i in range(3):
                 holder.put(f"plain/{i}", payload(f"plain/{i}", mib))
             holder.put("free", payload("free", 1000))
+            home = holder.segment_names[0]
+            for k in ("hot", "task"):  # soft-pinned: the fill below evicts others first
+                holder.put(k, payload(k, 64 << 10), preferred_segment=home, soft_pin_ttl_s=120)
+            for _ in range(12):  # a hot key: the agent's segment gets an extra replica
+                assert reader.get("hot") == payload("hot", 64 << 10)
+            _wait(lambda: _segs(reader, "hot") == sorted([home, agent.segment]), 10, "hot copy")
+            os.kill(agent.pid, signal.SIGSTOP)  # the copy task below waits for the agent
+            tid = holder._call(
+                "create_replica_task", (holder.client_id, "copy", "task", [agent.segment], "")
+            )
             holder.put("leased", payload("leased", mib))
             assert reader.get("leased") == payload("leased", mib)  # grants the lease
             t0 = time.monotonic()
 
             def logged() -> bool:
+                leased: set[str] = set()
                 for _seq, entries in etcd.read_log(0, limit=100_000):
                     for e in entries:
-                        if e[0] == "lease" and any(k == "leased" for k, _ in e[1]):
-                            return True
-                return False
+                        if e[0] == "lease":
+                            leased.update(k for k, _ in e[1])
+                return {"leased", "task"} <= leased  # a read's lease, and the copy task's
 
-            _wait(logged, 3, "the lease is logged")  # on the leader's next tick
+            _wait(logged, 3, "the leases are logged")  # on the leader's next tick
             m1.kill()
             _wait(lambda: _role(m2) == "leader", 10, "m2 takes over")
             # on the new leader the lease runs to t0 + 1.5 * lease_s (coarse replication)
@@ -154,6 +195,18 @@ def test_leases_and_pins_survive_a_takeover(etcd_url: str, tmp_path: Path) -> No
             with pytest.raises(ObjectBusy, match="leased") as busy:
                 reader.remove("leased")
             assert _code(busy.value) == OBJECT_HAS_LEASE  # what the published API returns
+            with pytest.raises(ObjectBusy, match="leased"):  # the copy task's lease
+                reader.remove("task")
+            q = reader._call("query_replica_task", (tid,))
+            assert q is not None and q["status"] == 0, q  # PENDING, known to the new leader
+            os.kill(agent.pid, signal.SIGCONT)  # its copy completes against the new leader
+
+            def task_done() -> bool:
+                return reader._call("query_replica_task", (tid,))["status"] == 3  # type: ignore[no-any-return]
+
+            _wait(task_done, 15, "the copy task finishes on the new leader")
+            assert _segs(reader, "task") == sorted([home, agent.segment])
+            assert agent.call("get", key="task") == {"size": 64 << 10, "match": True}
             with pytest.raises(ObjectBusy, match="hard-pinned"):
                 reader.remove("hard")
             reader.remove("free")  # no lease on it: the takeover lease is 0 here
@@ -179,7 +232,16 @@ def test_leases_and_pins_survive_a_takeover(etcd_url: str, tmp_path: Path) -> No
                     time.sleep(0.2)
             assert time.monotonic() - t0 >= lease_s - 0.5
             assert not reader.exists("leased")
+            # the hot key's extra replica, unread since before the takeover, is dropped once
+            # its replicated lease ends (a new leader that took it as ordinary kept it)
+            _wait(lambda: _segs(reader, "hot") == [home], 5, "the hot key cools")
+            assert _segs(reader, "task") == sorted([home, agent.segment])  # not a hot extra
+            assert reader.get("hot") == payload("hot", 64 << 10)
     finally:
+        if agent is not None:
+            if agent.proc.poll() is None:
+                os.kill(agent.pid, signal.SIGCONT)
+            agent.stop()
         etcd.close()
         for m in masters:
             m.stop()
