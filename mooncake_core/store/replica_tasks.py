@@ -398,7 +398,12 @@ class ReplicaTasks(StateCore):
 
     def rtask_takeover(self, now: float) -> None:
         """(A new leader) queue every copy in flight again, with a fresh deadline."""
-        for tok, cp in self.rtask_copies.items():
+        for tok, cp in list(self.rtask_copies.items()):
+            if self.segments.get(cp.seg.name) is not cp.seg or cp.seg.client_id not in self.clients:
+                del self.rtask_copies[tok]
+                cp.task.copies.discard(tok)
+                self._rtask_fail(cp.task, f"copy to {cp.seg.name}: the segment went away")
+                continue
             cp.deadline = now + self.cfg.put_timeout_s
             self._rtask_push(tok, cp)
         for t in list(self.rtasks.values()):

@@ -132,6 +132,12 @@ def test_a_copy_task_in_flight_at_a_takeover_finishes_on_the_new_leader() -> Non
     q = new.query_replica_task(tid)
     assert q is not None and q["status"] == 2 and "disk on fire" in q["message"]
     assert new.segments["seg2"].allocator.used == 0
+    # the destination's client went away before the takeover: failed at once, with the reason
+    st.drop_client("c2")
+    new = _standby(log, 0.2)
+    new.on_takeover(0.2)
+    q = new.query_replica_task(tid)
+    assert q is not None and q["status"] == 2 and "went away" in q["message"]
 
 
 def test_a_move_replays_and_its_source_is_dropped_by_the_new_leader() -> None:
