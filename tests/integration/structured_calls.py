@@ -1,0 +1,357 @@
+"""One script for both ``mooncake.structured_object_store`` implementations (parity test).
+
+``python structured_calls.py ours|theirs dict|compat``: ``theirs`` imports the published
+module (run by the wheel's python), ``ours`` installs our compat layer first. ``dict`` is a
+dict-backed BundleStore; ``compat`` (ours only) the same four calls on our
+``MooncakeDistributedStore`` connected to an in-process master of ours, plus a round trip
+through that whole store (its ``put_tensor`` path). UUIDs are made deterministic so that
+both sides write the same keys. Prints one JSON line: per call its result (or error type
+and message), and every stored key with its bytes' sha256 (manifest and meta in full).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import sys
+import uuid
+from typing import Any
+
+import numpy as np
+import torch
+
+SIDE, STORE = sys.argv[1], sys.argv[2]
+
+
+class DictStore:
+    """The smallest BundleStore: put / get / remove / is_exist over a dict."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.groups: dict[str, Any] = {}
+
+    def put(self, key: str, value: Any, config: Any = None) -> int:
+        self.data[key] = bytes(value)
+        self.groups[key] = getattr(config, "group_ids", None)
+        return 0
+
+    def get(self, key: str) -> bytes:
+        return self.data.get(key, b"")
+
+    def remove(self, key: str, force: bool = False) -> int:
+        return 0 if self.data.pop(key, None) is not None else -704
+
+    def is_exist(self, key: str) -> int:
+        return 1 if key in self.data else 0
+
+
+class PlainView(DictStore):
+    """The same four calls on a real store (ours, on our master): nothing else of the
+    store is visible, so both modules take the plain put/get paths they take on a dict."""
+
+    def __init__(self, real: Any) -> None:
+        super().__init__()
+        self.real = real
+
+    def put(self, key: str, value: Any, config: Any = None) -> int:
+        self.groups[key] = getattr(config, "group_ids", None)
+        return int(self.real.put(key, bytes(value)))
+
+    def get(self, key: str) -> bytes:
+        return bytes(self.real.get(key))
+
+    def remove(self, key: str, force: bool = False) -> int:
+        return int(self.real.remove(key, force))
+
+    def is_exist(self, key: str) -> int:
+        return int(self.real.is_exist(key))
+
+
+def load_module() -> Any:
+    if SIDE == "ours":
+        import mooncake_core.compat
+
+        assert mooncake_core.compat.install(force=True)
+    import mooncake.structured_object_store as mod
+
+    return mod
+
+
+sos = load_module()
+master = None
+if STORE == "dict":
+    store: Any = DictStore()
+else:
+    from mooncake_core.compat.store import MooncakeDistributedStore
+    from mooncake_core.store.master import MasterServer
+
+    master = MasterServer(rpc_port=0, http_port=-1).start_in_thread()
+    full = MooncakeDistributedStore()
+    rc = full.setup("127.0.0.1", "P2PHANDSHAKE", 64 << 20, 8 << 20, "tcp", "", master.address)
+    assert rc == 0, rc
+    store = PlainView(full)
+_counter = iter(range(1, 1 << 30))
+uuid.uuid4 = lambda: uuid.UUID(int=next(_counter))
+written: set[str] = set()
+_put = store.put
+
+
+def _tracking_put(key: str, value: Any, config: Any = None) -> int:
+    written.add(key)
+    return int(_put(key, value) if config is None else _put(key, value, config=config))
+
+
+store.put = _tracking_put
+for name in ("put_tensor", "pub_tensor"):
+    fn = getattr(store, name, None)
+    if fn is not None:
+
+        def tracked(key: str, *a: Any, _fn: Any = fn, **kw: Any) -> int:
+            written.add(key)
+            return int(_fn(key, *a, **kw))
+
+        setattr(store, name, tracked)
+out: dict[str, Any] = {}
+
+
+def sha(data: Any) -> str:
+    return hashlib.sha256(bytes(data)).hexdigest()[:16]
+
+
+def describe(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.is_nested:
+            return ["nested", str(value.dtype), describe(value.values()), describe(value.offsets())]
+        flat = value.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        return ["tensor", str(value.dtype), list(value.shape), sha(flat.tobytes())]
+    if isinstance(value, np.ndarray):
+        return ["ndarray", value.dtype.str, list(value.shape), sha(value.tobytes())]
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return ["bytes", sha(value)]
+    if isinstance(value, dict):
+        return {k: describe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [describe(v) for v in value]
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    name = type(value).__name__
+    return "tensor_object_buffer" if "TensorObjectBuffer" in name else name
+
+
+def call(label: str, fn: Any, *args: Any, **kw: Any) -> Any:
+    try:
+        value = fn(*args, **kw)
+    except Exception as exc:  # noqa: BLE001 - the error itself is the result
+        out[label] = ["error", type(exc).__name__, str(exc)]
+        return None
+    out[label] = describe(value)
+    return value
+
+
+def ref_of(ref: Any) -> Any:
+    return None if ref is None else {"key": ref.manifest_key, "manifest": ref.manifest}
+
+
+t = sos.MooncakeBundleTransfer(store, key_prefix="/pfx/")
+out["prefix"] = t.key_prefix
+gen = torch.Generator().manual_seed(7)
+tensor = torch.randn(6, 3, generator=gen)
+half = torch.randn(4, 5, generator=gen).to(torch.bfloat16)
+arr = np.arange(24, dtype=np.float32).reshape(6, 4)
+ints = np.arange(10, dtype=np.int64)
+
+# bundles
+r = call(
+    "put_bundle",
+    t.put_bundle,
+    b"meta-bytes",
+    {"a": b"x" * 10, "e": b"", "c": bytearray(3)},
+    chunk_bytes=4,
+)
+out["put_bundle_ref"] = ref_of(r)
+# structured objects
+members: dict[str, Any] = {"arr": arr, "ints": ints, "raw": b"raw-bytes", "t": tensor, "h": half}
+members["scalar"] = torch.tensor(3.5)
+members["nested"] = torch.nested.nested_tensor(
+    [torch.arange(3.0), torch.arange(5.0)], layout=torch.jagged
+)
+r2 = call("put_object", t.put_object, members, chunk_bytes=40, partition="p1")
+out["put_object_ref"] = ref_of(r2)
+call("get_object", t.get_object, r2)
+call("get_object_by_key", t.get_object, {"manifest_key": r2.manifest_key})
+r3 = call("put_object_value", t.put_object, arr)
+call("get_object_value", t.get_object, r3)
+spec = t.read_spec(r2).select_members(["arr", "t", "ints"])
+spec = (
+    spec.slice_member("arr", 0, 1, 6, 2).slice_member("t", 0, 2, 5).slice_member("ints", 0, -3, 100)
+)
+call("materialize_sliced", lambda: t.materialize(spec).objects)
+dest = np.zeros((6, 4), dtype=np.float32)
+call(
+    "materialize_into",
+    lambda: t.materialize_into(t.read_spec(r2).select_members(["arr"]), {"arr": dest}).objects,
+)
+out["dest_after"] = describe(dest)
+call("metadata", lambda: t.materialize(t.read_spec(r2).select_members(["raw"])).metadata)
+buf = (ctypes.c_uint8 * 4096)()
+dst = sos.tensor_object_buffer(ctypes.addressof(buf), 4096, owner=buf)
+call(
+    "into_tensor_buffer",
+    lambda: t.materialize_into(t.read_spec(r2).select_members(["t"]), {"t": dst}).objects,
+)
+out["tensor_buffer_head"] = sha(bytes(buf)[: 304 + tensor.nbytes])
+call(
+    "nested_sliced",
+    lambda: (
+        t.materialize(
+            t.read_spec(r2).select_members(["nested"]).slice_member("nested", 0, 1, 2)
+        ).objects
+    ),
+)
+# errors
+for label, fn, args, kw in [
+    ("err_partition", t.put_bundle, (b"m", {}), {"partition": "a/b"}),
+    ("err_name", t.put_bundle, (b"m", {"": b"x"}), {}),
+    ("err_meta", t.put_bundle, (123, {}), {}),
+    ("err_buffer", t.put_bundle, (b"m", {"x": 5}), {}),
+    ("err_chunk", t.put_bundle, (b"m", {}), {"chunk_bytes": 0}),
+    ("err_inflight", t.put_bundle, (b"m", {}), {"max_inflight_put": 0}),
+    ("err_mode", t.put_bundle, (b"m", {}), {"policy": sos.BundleTransferPolicy(put_mode="x")}),
+    ("err_payload", sos.StructuredObjectPayload, ({},), {}),
+    (
+        "err_reserved",
+        t.put_structured_object,
+        (sos.StructuredObjectPayload({sos.STRUCTURED_FIELD_SPECS_KEY: 1}, {}),),
+        {},
+    ),
+    ("err_layout", t.put_structured_object, (sos.StructuredObjectPayload({"layout": 3}, {}),), {}),
+    ("err_json", t.put_structured_object, (sos.StructuredObjectPayload({"x": object()}, {}),), {}),
+    ("err_none_selected", t.materialize, (t.read_spec(r2).select_members([]),), {}),
+    ("err_unknown", t.materialize, (t.read_spec(r2).select_members(["nope"]),), {}),
+    (
+        "err_slice_bytes",
+        t.materialize,
+        (t.read_spec(r2).select_members(["raw"]).slice_member("raw", 0, 0, 1),),
+        {},
+    ),
+    (
+        "err_slice_axis",
+        t.materialize,
+        (t.read_spec(r2).select_members(["arr"]).slice_member("arr", 1, 0, 1),),
+        {},
+    ),
+    (
+        "err_step",
+        t.materialize,
+        (t.read_spec(r2).select_members(["t"]).slice_member("t", 0, 0, 4, 2),),
+        {},
+    ),
+    (
+        "err_dest_shape",
+        t.materialize_into,
+        (t.read_spec(r2).select_members(["arr"]), {"arr": np.zeros(3)}),
+        {},
+    ),
+    (
+        "err_dest_type",
+        t.materialize_into,
+        (t.read_spec(r2).select_members(["arr"]), {"arr": b"x"}),
+        {},
+    ),
+    (
+        "err_dest_tensor",
+        t.materialize_into,
+        (t.read_spec(r2).select_members(["t"]), {"t": dest}),
+        {},
+    ),
+    ("err_missing_manifest", t.get_object, ({"manifest_key": "pfx/default/none/manifest"},), {}),
+    ("err_no_key", t.get_object, ({},), {}),
+    ("err_bad_manifest", t.get_object, ({"manifest": {"version": 2}},), {}),
+    ("err_key_prefix", sos.MooncakeBundleTransfer, (store,), {"key_prefix": "//"}),
+    ("err_export", sos.export_dataproto_ref, (1,), {}),
+    (
+        "err_import",
+        sos.import_dataproto_ref,
+        ({"type": "mooncake_dataproto_ref", "version": 9},),
+        {},
+    ),
+    (
+        "err_import_kind",
+        sos.import_dataproto_ref,
+        ({"type": "mooncake_dataproto_ref", "version": 1},),
+        {},
+    ),
+    (
+        "err_import_stage",
+        sos.import_dataproto_ref,
+        (
+            {
+                "type": "mooncake_dataproto_ref",
+                "version": 1,
+                "kind": "bundle_stages",
+                "stage_refs": {"s": {}},
+                "field_index": {},
+            },
+        ),
+        {},
+    ),
+    ("remove_missing", t.remove_bundle, ({"manifest_key": "pfx/default/gone/manifest"},), {}),
+    ("is_handle", sos.is_dataproto_ref_handle, ({"type": "mooncake_dataproto_ref"},), {}),
+]:
+    call(label, fn, *args, **kw)
+call("remove_bundle", t.remove_bundle, r)
+out["after_remove"] = sorted(k for k in written if store.is_exist(k) == 1)
+# DataProto paths (dense fields)
+batch = {"x": torch.arange(8.0).reshape(4, 2), "y": np.arange(4, dtype=np.int32), "lr": 0.5}
+d = call("put_dict", t.put, batch, type="dict", namespace="ns", stage="s1")
+if d is not None:
+    out["handle"] = sos.export_dataproto_ref(d)
+    call("get_dict", t.get, d, type="dict")
+    call("get_rows", t.get, out["handle"], type="dict", rows=slice(1, 4, 2))
+    call("get_indices", t.get, d, type="dict", rows=[3, 0])
+    call("get_fields", t.get_dataproto, d, fields=["y"], meta_info_keys=[])
+    call("view", t.dataproto_manifest_view, d)
+    d2 = call(
+        "append_same", t.append_dataproto_fields, d, {"batch": {"z": torch.ones(4, 3)}}, stage="s1"
+    )
+    d3 = call(
+        "append_new", t.append_dataproto_fields, d2, {"batch": {"w": torch.zeros(4)}}, stage="s2"
+    )
+    if d3 is not None:
+        out["handle3"] = sos.export_dataproto_ref(d3)
+        call("get_after_append", t.get_dataproto, d3)
+        call("err_dup", t.append_dataproto_fields, d3, {"batch": {"w": torch.zeros(4)}}, stage="s2")
+        call(
+            "err_size", t.append_dataproto_fields, d3, {"batch": {"v": torch.zeros(5)}}, stage="s2"
+        )
+        call("cleanup_append", t.cleanup_dataproto_append, d2, d3)
+        call("get_previous", t.get_dataproto, d2)
+        call("cleanup", t.cleanup_dataproto, d2)
+    call("err_type", t.put, batch, type="list")
+    call("err_rows", t.get, d, rows=[9])
+    call("err_fields", t.get, d, fields=["nope"])
+out["left"] = sorted(k for k in written if store.is_exist(k) == 1)
+keys = sorted(written)
+objects = {}
+for key in keys:
+    data = store.get(key)
+    if key.endswith("/manifest") or key.endswith("/meta"):
+        objects[key] = bytes(data).decode()
+    elif data:
+        objects[key] = sha(data)
+out["objects"] = objects
+out["groups"] = {k: v for k, v in sorted(store.groups.items()) if v}
+call("object_column", t.put, {"x": ints[:4], "names": ["a", "b", "c", "d"]}, type="dict")
+if master is not None:
+    # the whole store: tensor members go through its put_tensor / get_tensor, as the
+    # published module does on a store that has them
+    whole = sos.MooncakeBundleTransfer(full, key_prefix="whole")
+    r4 = call("whole_put", whole.put_object, {"t": tensor, "h": half, "arr": arr})
+    if r4 is not None:
+        out["whole_specs"] = {n: sorted(p) for n, p in r4.manifest["buffers"].items()}
+        out["whole_t"] = sha(full.get(r4.manifest["buffers"]["t"]["key"]))
+    call("whole_get", whole.get_object, r4)
+    full.close()
+    master.shutdown()
+sys.stdout.write(json.dumps(out, sort_keys=True, default=str) + "\n")
