@@ -12,10 +12,11 @@ our transfer engine and store.
 test proves that on a real server; the PD servers run with ``MOONCAKE_CORE_CPU_SHIM=1``
 (our plugin patches exactly that call; see docs/vllm.md).
 
-One module-scoped set of servers (all started at once): a monolithic reference, a
-prefill (``kv_producer``) and decode (``kv_consumer``) pair with the built-in
-``MooncakeConnector``, a decode without the shim (expected to die at start-up), a store
-master (``mooncake-core master``) and two ``MooncakeStoreConnector`` instances A and B.
+One module-scoped set of servers (all started at once): a monolithic reference (the
+conftest's ``vllm_reference``, shared with ``test_vllm_pd``), a prefill (``kv_producer``)
+and decode (``kv_consumer``) pair with the built-in ``MooncakeConnector``, a decode without
+the shim (expected to die at start-up), a store master (``mooncake-core master``) and two
+``MooncakeStoreConnector`` instances A and B.
 PD requests follow the flow of vLLM's Mooncake proxy example: a shared ``transfer_id``,
 the prefill engine id read from its bootstrap server (``GET /query``), prefill
 (``max_tokens=1``) and decode sent concurrently.
@@ -68,7 +69,9 @@ def _pd(role: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+def servers(
+    tiny_model: Path, vllm_reference: VLLMServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Servers]:
     base = tmp_path_factory.mktemp("builtin")
     boot_port, boot2 = free_port(), free_port()
     master = StoreMaster(base / "master.log").start()
@@ -90,10 +93,10 @@ def servers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     store_env = {"MOONCAKE_CONFIG_PATH": str(cfg)}  # no shim: the store connector runs unmodified
 
     def mk(model: Path, **kw: Any) -> VLLMServer:
-        return VLLMServer(model, enforce_eager=True, **kw)  # no compile warm-up (conftest)
+        # no compile warm-up, one vLLM import per server (conftest)
+        return VLLMServer(model, enforce_eager=True, fork_engine=True, **kw)
 
-    all_servers = [
-        mk(tiny_model, name="mono", log_path=base / "mono.log", block_size=BLOCK),
+    own = [
         mk(
             tiny_model,
             name="prefill",
@@ -149,9 +152,10 @@ def servers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             },
         ),
     ]
-    mono, prefill, decode, noshim, a, b, corrupt = all_servers
+    prefill, decode, noshim, a, b, corrupt = own
+    mono = vllm_reference
     try:
-        for s in all_servers:
+        for s in own:
             s.start()
         for s in (mono, prefill, decode, a, b, corrupt):
             s.wait_ready(600)
@@ -170,7 +174,7 @@ def servers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             f"http://127.0.0.1:{boot2}",
         )
     finally:
-        for s in all_servers:
+        for s in own:
             s.stop()
         master.stop()
 

@@ -68,6 +68,7 @@ def pool(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             env=corrupt_kv_env(base / "faults"),
             log_stats=n == "B",  # B's connector stats feed its /metrics
             enforce_eager=True,
+            fork_engine=True,
         )
         for n in ("A", "B")
     ]
@@ -149,6 +150,15 @@ def test_connector_stats_reach_vllm_metrics(pool: Pool) -> None:
     )
     assert _vllm_metric(pool.b, "vllm:mooncake_load_bytes_total") > loaded
     assert _vllm_metric(pool.b, "vllm:mooncake_lookup_requests_total") >= 1
+    # and in vLLM's own periodic log line (its LoggingStatLogger, every 10 s by default)
+    wait_for(
+        lambda: any(
+            "KV Transfer metrics:" in ln and "lookup_full_hits=" in ln and "load_bytes=" in ln
+            for ln in pool.b.log_text().splitlines()
+        ),
+        30,
+        "vLLM's 'KV Transfer metrics' log line with a full hit on B",
+    )
 
 
 def test_loaded_pages_are_really_used(pool: Pool) -> None:
@@ -165,8 +175,14 @@ def test_loaded_pages_are_really_used(pool: Pool) -> None:
 def test_master_killed_instances_recompute(pool: Pool) -> None:
     prompt = token_prompt(7 * BLOCK + 3, salt=11)
     want = _text(pool.a.completion(prompt, MAX_TOKENS))
+    failed = _vllm_metric(pool.b, "vllm:mooncake_lookup_failures_total")
     pool.master.kill()
     assert _text(pool.b.completion(prompt, MAX_TOKENS)) == want
+    wait_for(  # the fallback to recompute shows on vLLM's /metrics
+        lambda: _vllm_metric(pool.b, "vllm:mooncake_lookup_failures_total") > failed,
+        30,
+        "a lookup failure (recomputed) on B's /metrics",
+    )
     lines = [ln for ln in pool.b.log_text().splitlines() if "KV store lookup failed" in ln]
     assert len(lines) == 1, lines
     assert pool.b.healthy() and pool.a.healthy()
