@@ -19,6 +19,7 @@ import pytest
 from store_support import Master
 
 from conftest import ROOT, EtcdServer
+from mooncake_core.metrics import parse
 
 pytestmark = [pytest.mark.slow, pytest.mark.etcd]
 
@@ -74,6 +75,15 @@ def _role(m: Master) -> str:
         return "down"
 
 
+def _roles(m: Master) -> tuple[str, float]:
+    """The role a master's /metrics shows (mooncake_master_role), and its is_leader gauge."""
+    samples = parse(m.http("/metrics")[1])
+    on = [s.labels["role"] for s in samples if s.sample == "mooncake_master_role" and s.value == 1]
+    leader = [s.value for s in samples if s.sample == "mooncake_master_is_leader"]
+    assert len(on) == 1 and len(leader) == 1, (on, leader)
+    return on[0], leader[0]
+
+
 def _wait_role(m: Master, role: str, timeout: float) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -101,6 +111,7 @@ def test_a_standby_whose_lease_expired_still_takes_over(tmp_path: Path) -> None:
         m2 = Master(tmp_path, *ha, name="m2")
         masters.append(m2)
         _wait_role(m2, "standby", 20)
+        assert _roles(m1) == ("leader", 1.0) and _roles(m2) == ("standby", 0.0)  # HA role metrics
         # revoke every lease but the one holding the leader key: the standby's, as if it expired
         se = StoreEtcd(etcd.url, cluster)
         try:
@@ -119,6 +130,7 @@ def test_a_standby_whose_lease_expired_still_takes_over(tmp_path: Path) -> None:
         m1.kill()
         _wait_role(m2, "leader", 20)
         assert "campaigning with a new one" in Path(m2.log.name).read_text()
+        assert _roles(m2) == ("leader", 1.0)
     finally:
         for m in masters:
             m.stop()

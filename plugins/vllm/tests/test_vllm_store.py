@@ -65,7 +65,8 @@ def pool(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             log_path=base / f"{n}.log",
             block_size=BLOCK,
             kv_transfer_config=_store_config(addr, base / "stats" / n, by_name=n == "B"),
-            env=corrupt_kv_env(base / "faults"),
+            # stats logged every second (not 10): the log-line check does not wait long
+            env={**corrupt_kv_env(base / "faults"), "VLLM_LOG_STATS_INTERVAL": "1"},
             log_stats=n == "B",  # B's connector stats feed its /metrics
             enforce_eager=True,
             fork_engine=True,
@@ -150,7 +151,7 @@ def test_connector_stats_reach_vllm_metrics(pool: Pool) -> None:
     )
     assert _vllm_metric(pool.b, "vllm:mooncake_load_bytes_total") > loaded
     assert _vllm_metric(pool.b, "vllm:mooncake_lookup_requests_total") >= 1
-    # and in vLLM's own periodic log line (its LoggingStatLogger, every 10 s by default)
+    # and in vLLM's own periodic log line (its LoggingStatLogger, every second here)
     wait_for(
         lambda: any(
             "KV Transfer metrics:" in ln and "lookup_full_hits=" in ln and "load_bytes=" in ln
