@@ -16,6 +16,7 @@ import hashlib
 import json
 import sys
 import uuid
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -331,6 +332,68 @@ if d is not None:
     call("err_type", t.put, batch, type="list")
     call("err_rows", t.get, d, rows=[9])
     call("err_fields", t.get, d, fields=["nope"])
+    call("err_both", t.get, d, fields=["x"], batch_fields=["x"])
+
+
+class Box:
+    """A ``data_cls`` with ``from_dict`` (as verl's DataProto has)."""
+
+    @staticmethod
+    def from_dict(batch: Any, non_tensor: Any, meta_info: Any) -> dict[str, Any]:
+        return {"b": batch, "n": non_tensor, "m": meta_info}
+
+
+holder = SimpleNamespace(
+    batch={"a": torch.arange(6).reshape(3, 2)},
+    non_tensor_batch={"b": np.arange(3.0)},
+    meta_info={"k": "v"},
+)
+d4 = call("put_attrs", t.put_dataproto, holder, stage="s", partition="q")
+if d4 is not None:
+    call("get_cls", t.get_dataproto, d4, data_cls=Box)
+    call("get_member_slice", t.get, d4, rows=sos.StructuredMemberSlice(0, 0, 3, 2))
+    new = {"batch": {"a": torch.ones(3, 2)}, "non_tensor_batch": {"b": np.zeros(3)}}
+    d5 = call("overwrite", t.append_dataproto_fields, d4, new, stage="s", overwrite=True)
+    call(
+        "err_dangling",
+        t.append_dataproto_fields,
+        d4,
+        {"batch": {"a": torch.ones(3, 2)}},
+        stage="s",
+        overwrite=True,
+    )
+    if d5 is not None:
+        call("get_overwritten", t.get, d5)
+        call("release", lambda: t.release_result(t.get(d5)))
+        call("cleanup5", t.cleanup_dataproto, d5)
+meta_schema = {"lst": sos.FieldSchema("auto", metadata={"section": "meta_info"})}
+d6 = call(
+    "schema_meta",
+    t.put,
+    {"a": torch.zeros(2), "lst": [1, 2]},
+    type="dict",
+    field_schemas=meta_schema,
+)
+if d6 is not None:
+    out["schema_meta_handle"] = sos.export_dataproto_ref(d6)
+    call("cleanup6", t.cleanup_dataproto, out["schema_meta_handle"])
+d7 = call("put_empty", t.put, {}, type="dict")
+if d7 is not None:
+    out["empty_handle"] = sos.export_dataproto_ref(d7)
+wrong_section = {"a": sos.FieldSchema("auto", metadata={"section": "meta_info"})}
+call("err_schema_section", t.put, {"batch": {"a": torch.zeros(2)}}, field_schemas=wrong_section)
+bad_section = {"a": sos.FieldSchema("auto", metadata={"section": "x"})}
+call("err_bad_section", t.put, {"a": torch.zeros(2)}, type="dict", field_schemas=bad_section)
+call("err_ambiguous", t.put, {"a": torch.zeros(2), "b": np.zeros(3)}, type="dict")
+call("err_not_mapping", t.put, [1, 2], type="dict")
+raw = (ctypes.c_uint8 * 96)()
+rd = call("raw_dest", sos.raw_destination, ctypes.addressof(raw), 96, owner=raw)
+if rd is not None:
+    call(
+        "raw_into",
+        lambda: t.materialize_into(t.read_spec(r2).select_members(["arr"]), {"arr": rd}).objects,
+    )
+    out["raw_after"] = sha(bytes(raw))
 out["left"] = sorted(k for k in written if store.is_exist(k) == 1)
 keys = sorted(written)
 objects = {}
