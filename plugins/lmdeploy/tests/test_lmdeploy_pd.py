@@ -122,7 +122,10 @@ def test_bad_block_ids_fail_clearly_and_the_link_keeps_working(pair: Any) -> Non
 
 def test_stalled_prefill_times_out_then_the_link_recovers(pair: Any) -> None:
     p, d, _, _ = pair
-    p.call("fill", blocks=list(range(P_BLOCKS)), seed=3)
+    # the link in use first (both connections of the batch open): a stall is then a
+    # transfer that times out, whatever ran before (a first contact would fail in the
+    # handshake instead)
+    _migrate_and_check(p, d, [(6, 6), (7, 9)], seed=3)
     # stop() returns only once every thread of the prefill rank is stopped: a bare SIGSTOP
     # left its transfer listener serving for a moment on a loaded machine, and the
     # "stalled" migration then succeeded (an intermittent DID NOT RAISE in CI)
@@ -136,6 +139,52 @@ def test_stalled_prefill_times_out_then_the_link_recovers(pair: Any) -> None:
         p.resume()
     assert TIMEOUT_S - 0.5 < took < TIMEOUT_S + 6, f"migration took {took:.1f} s to fail"
     _migrate_and_check(p, d, [(6, 6), (7, 9)], seed=4)
+
+
+def test_lmdeploys_decode_loop_fails_only_the_request_whose_migration_failed(pair: Any) -> None:
+    """LMDeploy's real decode EngineLoop.migration_loop and Scheduler in the decode rank
+    (mooncake_lmdeploy.loop_harness) over the linked cache engine: a migration refused by
+    the prefill (a corrupt descriptor of its pool) and one from a stalled prefill each fail
+    their own request (INTERNAL_ENGINE_ERROR, blocks back, the prefill told), the loop
+    keeps running, and the next request's blocks arrive byte for byte. (The stalled case
+    once stopped the loop: the engine's timeout was taken for an overrun.)"""
+    p, d, _, _ = pair
+    info = d.call("loop_start", blocks=D_BLOCKS)
+    assert info["loop_running"] and info["patched"], info
+    free = info["free_blocks"]
+    p.call("fill", blocks=list(range(P_BLOCKS)), seed=5)
+    d.call("zero")
+
+    def request(session: int, blocks: list[int]) -> dict[str, Any]:
+        out: dict[str, Any] = d.call(
+            "loop_request", session_id=session, remote_engine_id=P_ID, blocks=blocks, tokens=40
+        )
+        if out["response"] == "SUCCESS":
+            assert len(out["decode_blocks"]) == len(blocks) and out["free_after_end"] == free
+            want = p.call("digest", blocks=blocks)["sha"]
+            assert d.call("digest", blocks=out["decode_blocks"])["sha"] == want
+        return out
+
+    first = request(10, [13, 2, 20])  # the link in use before the stall (see above)
+    assert first["response"] == "SUCCESS", first
+    d.call("corrupt_link", remote_engine_id=P_ID, delta=1 << 40)
+    try:
+        refused = request(11, [3, 4, 5])
+    finally:
+        d.call("corrupt_link", remote_engine_id=P_ID, delta=0)
+    p.stop()
+    try:
+        stalled = request(12, [6, 7, 8])
+    finally:
+        p.resume()
+    for out, why in ((refused, "failed"), (stalled, "timed out")):
+        assert out["response"] == "INTERNAL_ENGINE_ERROR", out
+        assert why in out["error"], out
+        assert out["loop_running"] and out["loop_error"] is None, out
+        assert out["blocks_held"] == 0 and out["free_blocks"] == free, out
+    assert {11, 12} <= set(stalled["told_prefill"])
+    good = request(13, [9, 10, 11])
+    assert good["response"] == "SUCCESS" and good["loop_running"], good
 
 
 def test_dead_prefill_fails_fast(pair: Any) -> None:

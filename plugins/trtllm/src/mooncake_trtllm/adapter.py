@@ -34,6 +34,6 @@ def mooncake_adapter_info() -> AdapterInfo:
         engine_installed=importlib.util.find_spec(ENGINE_MODULE) is not None,
         conformance=conformance_status(),
         status=f"KV cache connector {CONNECTOR} (kv_connector_config, TensorRT-LLM 1.2 "
-        "interface); tested with stand-ins for TensorRT-LLM's request/config types "
-        "(TensorRT-LLM cannot run here)",
+        "interface); tested with FAKE stand-ins for TensorRT-LLM's request/config types "
+        "(TensorRT-LLM cannot be installed here: none of its code ran)",
     )
