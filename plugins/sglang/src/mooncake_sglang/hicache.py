@@ -119,6 +119,8 @@ class MooncakeCoreStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         _check_extra(extra)
         self.storage_config = storage_config
         self.is_writer = bool(storage_config.is_storage_writer)
+        # SGLang drains get_stats() only when its storage metrics are on; keep nothing otherwise
+        self._keep_stats = bool(getattr(storage_config, "enable_storage_metrics", False))
         self.namespace = str(extra.get("key_namespace", ""))
         self._lock = threading.Lock()
         self._healthy = True
@@ -258,8 +260,9 @@ class MooncakeCoreStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
 
     def _put(
         self, objkeys: list[str], bufs: list[Any], sizes: list[int] | None, what: str
-    ) -> list[bool]:
-        """Put objects not yet present; per-object success (already present counts).
+    ) -> tuple[list[bool], list[bool]]:
+        """Put objects not yet present; per-object success (already present counts) and
+        per-object "bytes were written".
 
         No existence query first: the master's ``batch_put_start`` answers ``ObjectExists``
         (or ``ObjectBusy``: another writer is storing it) per key without moving any bytes,
@@ -267,6 +270,7 @@ class MooncakeCoreStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         """
         res = self.client.batch_put_from(objkeys, bufs, sizes)
         ok = [True] * len(objkeys)
+        written = [r is None for r in res]
         skipped = 0
         for i, r in enumerate(res):
             if r is None:
@@ -277,13 +281,18 @@ class MooncakeCoreStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
             ok[i] = False
             logger.debug("%s: put %s failed: %s", what, objkeys[i], r)
         self.counters["set_skipped"] += skipped
-        return ok
+        return ok, written
 
     @staticmethod
     def _pages_ok(obj_ok: Sequence[bool], nparts: int) -> list[bool]:
         return [all(obj_ok[i * nparts : (i + 1) * nparts]) for i in range(len(obj_ok) // nparts)]
 
     def _record(self, kind: str, pages: int, seconds: float, nbytes: int) -> None:
+        """One batch for ``get_stats``: pages moved and their GB/s (as SGLang's own backends:
+        pages already stored are not backed up again and count for nothing; a batch that
+        moved no page is not recorded)."""
+        if not self._keep_stats or pages <= 0:
+            return
         with self._lock:
             self._metrics[f"{kind}_pgs"].append(pages)
             self._metrics[f"{kind}_bandwidth"].append(nbytes / max(seconds, 1e-9) / 1e9)
@@ -311,13 +320,18 @@ class MooncakeCoreStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
             bufs = [staged[j][i] for i in range(len(starts)) for j in range(nparts)]
         sizes = [view.object_nbytes] * len(objkeys)
         try:
-            ok = self._pages_ok(self._put(objkeys, bufs, sizes, "batch_set_v1"), nparts)
+            obj_ok, written = self._put(objkeys, bufs, sizes, "batch_set_v1")
         except _STORE_TROUBLE as exc:
             self._trouble("batch_set_v1", exc)
             return [False] * len(keys)
+        seconds = time.perf_counter() - t0
         self._ok()
+        ok = self._pages_ok(obj_ok, nparts)
         self.counters["set_pages"] += sum(ok)
-        self._record("backup", sum(ok), time.perf_counter() - t0, sum(ok) * view.page_nbytes)
+        new_pages = sum(
+            1 for i, good in enumerate(ok) if good and any(written[i * nparts : (i + 1) * nparts])
+        )
+        self._record("backup", new_pages, seconds, sum(written) * view.object_nbytes)
         return ok
 
     def batch_get_v1(
@@ -346,6 +360,7 @@ class MooncakeCoreStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         except _STORE_TROUBLE as exc:
             self._trouble("batch_get_v1", exc)
             return [False] * len(keys)
+        seconds = time.perf_counter() - t0
         self._ok()
         obj_ok = [
             isinstance(r, int) and not isinstance(r, bool) and r == view.object_nbytes for r in res
@@ -370,7 +385,7 @@ class MooncakeCoreStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
                     view.scatter(j, [starts[i] for i in good], staged[j].index_select(0, sel))
         self.counters["get_pages"] += sum(ok)
         self.counters["get_failed"] += len(ok) - sum(ok)
-        self._record("prefetch", sum(ok), time.perf_counter() - t0, sum(ok) * view.page_nbytes)
+        self._record("prefetch", sum(ok), seconds, sum(ok) * view.page_nbytes)
         return ok
 
     # ------------------------------------------------------------------ existence
@@ -447,7 +462,7 @@ class MooncakeCoreStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         if not keys or not self.is_writer:
             return True
         try:
-            ok = all(self._put(objkeys, bufs, None, "batch_set"))
+            ok = all(self._put(objkeys, bufs, None, "batch_set")[0])
         except _STORE_TROUBLE as exc:
             self._trouble("batch_set", exc)
             return False
