@@ -100,6 +100,7 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             kv_transfer_config=_prefill_config(master_addr, base / "stats" / f"prefill{i}"),
             log_stats=True,
             enforce_eager=True,
+            fork_engine=True,
             args=[
                 "--kv-events-config",
                 json.dumps(
@@ -117,6 +118,7 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             block_size=BLOCK,
             kv_transfer_config=_pd("kv_consumer"),
             enforce_eager=True,
+            fork_engine=True,
         )
     )
     proxy: ProxyProcess | None = None
