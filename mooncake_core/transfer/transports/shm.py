@@ -13,7 +13,6 @@ the kernel refuses, the engine fails over to TCP.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import logging
 import mmap
@@ -47,13 +46,32 @@ class _IOVec(ctypes.Structure):
 
 
 _libc: Any = None
+_libc_lock = threading.Lock()
+
+
+def _load_libc() -> Any:
+    """The C library, without ``ctypes.util.find_library``: that runs ``ldconfig -p`` (then
+    gcc, then ld) in subprocesses, and forking a large process (a vLLM TP worker) held its
+    memory-map lock for 30-90 s on a busy 2-core machine, stalling every thread of it."""
+    for name in ("libc.so.6", None):  # glibc's soname, else the symbols already loaded
+        try:
+            lib = ctypes.CDLL(name, use_errno=True)
+            lib.process_vm_readv  # noqa: B018 - the symbol must be there
+            return lib
+        except (OSError, AttributeError):
+            continue
+    raise OSError("the C library has no process_vm_readv (cross-memory attach)")
 
 
 def _cma() -> Any:
     global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        for fn in (_libc.process_vm_readv, _libc.process_vm_writev):
+    if _libc is not None:
+        return _libc
+    with _libc_lock:
+        if _libc is not None:
+            return _libc
+        lib = _load_libc()
+        for fn in (lib.process_vm_readv, lib.process_vm_writev):
             fn.restype = ctypes.c_ssize_t
             fn.argtypes = [
                 ctypes.c_int,
@@ -63,7 +81,8 @@ def _cma() -> Any:
                 ctypes.c_ulong,
                 ctypes.c_ulong,
             ]
-    return _libc
+        _libc = lib
+        return _libc
 
 
 def cma_copy(pid: int, op: int, local_addr: int, remote_addr: int, length: int) -> None:
@@ -99,6 +118,10 @@ class ShmTransport(Transport):
         self._retired: list[mmap.mmap] = []
         n = engine.config.transfer.shm_copy_threads
         self.copy_threads = n if n > 0 else max(1, min(4, os.cpu_count() or 1))
+        try:  # resolve libc's cross-memory-attach calls now, not in the first transfer
+            _cma()
+        except (OSError, AttributeError):
+            pass  # no CMA here: cma_copy raises, and the engine fails over to TCP
 
     def _copy(self, jobs: list[tuple[int, int, int]]) -> None:
         """``memmove`` each (dst, src, n); large totals are cut into equal shares run in
