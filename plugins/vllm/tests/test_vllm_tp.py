@@ -165,13 +165,17 @@ def _per_rank(stats: Path, prefix: str, key: str) -> dict[int, float]:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="known bug (2026-12-01, quiet machine too): at TP=2 each decode rank's KV fetch from "
-    "its prefill rank fails with \"peer '127.0.0.1:P' ... did not answer the handshake within "
-    '5.0s" (one distinct port per rank), so decode recomputes: answers equal, 0 blocks '
-    "received. Not settled: on a quiet machine (21:25) both prefill workers' listeners "
-    "answered an outside engine's handshake and ping at once after a request, so the "
-    "listener in vLLM's TP worker processes works when idle; yet the whole module, rerun "
-    "quietly at 21:39 and 21:51, failed the same way. TP=1 PD is unaffected (test_vllm_pd.py)",
+    reason="known bug (2026-12-02): each decode rank's KV fetch fails with \"peer '127.0.0.1:P' "
+    '... did not answer the handshake within 5.0s" and decode recomputes (answers equal, 0 '
+    "blocks received). Measured cause: right after its first request the whole prefill "
+    "server (API server, engine core, both TP workers: one session, likely one Linux "
+    "scheduler autogroup) is not scheduled for 5-10 s (a Python watchdog thread in every "
+    "process was late by 5-11 s in all of them at once; other servers' sessions saw 2-43 s "
+    "stalls); "
+    "connect succeeds (kernel backlog), accept runs only after the stall. With a 30 s "
+    "handshake timeout it passed once (fetch 6 s) and failed once (no greeting in 30 s). "
+    "Fixed meanwhile: the first CMA read forked ldconfig (ctypes find_library) from the "
+    "worker, 35-90 s per fetch. TP=1 PD is unaffected (test_vllm_pd.py)",
 )
 def test_pd_tp2_equals_tp2_monolithic(tp: TP) -> None:
     stats = tp.stats / "pd"
