@@ -94,6 +94,7 @@ def tp(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[T
             kv_transfer_config=kv,
             env=TP2_ENV if tp2 else None,
             args=(TP2_ARGS if tp2 else TP2_ARGS[2:]) + list(extra),
+            fork_engine=True,
         )
 
     def store(name: str) -> dict[str, Any]:
@@ -163,20 +164,6 @@ def _per_rank(stats: Path, prefix: str, key: str) -> dict[int, float]:
     return out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug (2026-12-02): each decode rank's KV fetch fails with \"peer '127.0.0.1:P' "
-    '... did not answer the handshake within 5.0s" and decode recomputes (answers equal, 0 '
-    "blocks received). Measured cause: right after its first request the whole prefill "
-    "server (API server, engine core, both TP workers: one session, likely one Linux "
-    "scheduler autogroup) is not scheduled for 5-10 s (a Python watchdog thread in every "
-    "process was late by 5-11 s in all of them at once; other servers' sessions saw 2-43 s "
-    "stalls); "
-    "connect succeeds (kernel backlog), accept runs only after the stall. With a 30 s "
-    "handshake timeout it passed once (fetch 6 s) and failed once (no greeting in 30 s). "
-    "Fixed meanwhile: the first CMA read forked ldconfig (ctypes find_library) from the "
-    "worker, 35-90 s per fetch. TP=1 PD is unaffected (test_vllm_pd.py)",
-)
 def test_pd_tp2_equals_tp2_monolithic(tp: TP) -> None:
     stats = tp.stats / "pd"
     for n, salt in ((5 * BLOCK + 1, 1), (300, 2)):
