@@ -494,7 +494,7 @@ def test_two_processes_without_etcd_seeder_serves_the_coordination_itself() -> N
 
 
 @pytest.mark.slow
-def test_cli_seeds_a_directory_and_get_writes_it_back_byte_for_byte(
+def test_cli_seeds_a_directory_and_a_file_and_get_writes_them_back_byte_for_byte(
     etcd_url: str, tmp_path: Path
 ) -> None:
     env = dict(os.environ)
@@ -549,6 +549,27 @@ def test_cli_seeds_a_directory_and_get_writes_it_back_byte_for_byte(
         assert r.returncode == 0, r.stderr
         assert seed.wait(15) == 0  # the seeder noticed and stopped serving
         assert "stopped serving" in (seed.stdout.read() if seed.stdout else "")
+        # a single file seeds too, and get writes it to the file path OUT
+        one, ready1 = src / "model-00001.safetensors", tmp_path / "ready1.json"
+        name1 = unique("cli1")
+        seed = subprocess.Popen(
+            [*cli, "seed", str(one), "--name", name1, "--ready-file", str(ready1)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        end = time.monotonic() + 30
+        while not ready1.exists() and time.monotonic() < end and seed.poll() is None:
+            time.sleep(0.1)
+        assert ready1.exists(), seed.stderr.read() if seed.stderr else ""
+        got = tmp_path / "one.safetensors"
+        r = subprocess.run([*cli, "get", name1, str(got)], env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert got.read_bytes() == one.read_bytes()
+        r = subprocess.run([*cli, "rm", name1], env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert seed.wait(15) == 0
     finally:
         if seed.poll() is None:
             seed.kill()
