@@ -10,10 +10,10 @@ instead of 43 s, with the same greedy output.
 
 The engine core then runs the same code (model runner, scheduler, KV connectors, general
 plugins) in a process that was forked, which is vLLM's default start method on other
-platforms. The engine tests use it at tensor-parallel size 1; at TP=2 the workers are forked
-from the engine core too (one probe server: healthy after 21 s instead of 49 s, the same
-greedy output; not yet used by a test). :class:`~mooncake_vllm.testing.server.VLLMServer`
-uses it with ``fork_engine=True``.
+platforms. The engine tests use it at tensor-parallel sizes 1 and 2; at TP=2 the workers are
+forked from the engine core too (test_vllm_tp: setup 56 s instead of 138 s, and the 5-11 s
+whole-server stalls after a first request that broke TP=2 PD handshakes with spawn are gone).
+:class:`~mooncake_vllm.testing.server.VLLMServer` uses it with ``fork_engine=True``.
 
 Usage: ``python -m mooncake_vllm.testing.forked_engine <api_server arguments>``.
 """

@@ -177,8 +177,8 @@ class VLLMServer:
             outputs only between servers that agree on it.
         fork_engine: start vLLM's engine core by fork, not spawn, through
             :mod:`mooncake_vllm.testing.forked_engine` (vLLM is imported once per server
-            instead of twice: about half the start-up CPU). Used by tests at TP=1; a TP=2 probe
-            worked too (TP workers forked from the engine core).
+            instead of twice: about half the start-up CPU). Used by the engine tests at TP=1
+            and TP=2 (TP workers forked from the engine core).
     """
 
     def __init__(
