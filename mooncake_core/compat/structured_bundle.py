@@ -420,16 +420,21 @@ class BundleManifests:
                 "meta": meta_spec,
                 "buffers": specs,
             }
-            key = f"{base}/manifest"
-            blob = encode_json(manifest, "bundle manifest")
-            check_status(
-                _call(self.store.put, key, blob, config=config_for_keys(config, 1)), "put", key
-            )
+            key = self._put_manifest(base, manifest, config)
             written.append(key)
         except Exception:
             cleanup_keys(self.store, written, strict=False)
             raise
         return RemoteBundleRef(manifest_key=key, manifest=manifest)
+
+    def _put_manifest(self, base: str, manifest: Mapping[str, Any], config: Any) -> str:
+        """Store a bundle's manifest JSON at ``{base}/manifest``; its key."""
+        key = f"{base}/manifest"
+        blob = encode_json(manifest, "bundle manifest")
+        check_status(
+            _call(self.store.put, key, blob, config=config_for_keys(config, 1)), "put", key
+        )
+        return key
 
     def put_merged_manifest(
         self,
@@ -467,11 +472,7 @@ class BundleManifests:
             if cleanup_list:
                 manifest["cleanup_keys"] = cleanup_list
             self.validate(manifest)
-            key = f"{base}/manifest"
-            blob = encode_json(manifest, "bundle manifest")
-            check_status(
-                _call(self.store.put, key, blob, config=config_for_keys(config, 1)), "put", key
-            )
+            key = self._put_manifest(base, manifest, config)
             written.append(key)
         except Exception:
             cleanup_keys(self.store, written, strict=False)
