@@ -199,20 +199,50 @@ def test_a_dead_peers_mapping_is_unmapped_only_when_no_copy_runs(
         t.join(20)
     assert not any(t.is_alive() for t in threads)
     assert all(victim.name in str(e) for e in errors), errors
-    assert not shm._maps and not shm._retired and shm._inflight == 0  # type: ignore[attr-defined]
-    # the rule itself: while a copy is in flight, a forgotten mapping is only retired
+    assert not shm._maps and not shm._retired and not shm._inflight  # type: ignore[attr-defined]
+    # the rule itself: while a copy with that peer is in flight, a forgotten mapping is only
+    # retired; copies with other peers do not hold it up
     other = spawn_peer()
     oaddr = other.call("alloc", size=1 << 20)["addr"]
     engine.read(other.name, bytearray(1000), oaddr, transport="shm")
     ((mm, _base),) = [v for k, v in shm._maps.items() if k[0] == other.pid]  # type: ignore[attr-defined]
     with shm._lock:  # type: ignore[attr-defined]
-        shm._inflight += 1  # type: ignore[attr-defined]
+        shm._inflight[other.pid] = 1  # type: ignore[attr-defined]
+        shm._inflight[-1] = 1  # type: ignore[attr-defined]  # another peer's copy
     shm.forget(other.pid)  # type: ignore[attr-defined]
-    assert not mm.closed and shm._retired == [mm]  # type: ignore[attr-defined]
+    assert not mm.closed and shm._retired == [(other.pid, mm)]  # type: ignore[attr-defined]
     with shm._lock:  # type: ignore[attr-defined]
-        shm._inflight -= 1  # type: ignore[attr-defined]
+        del shm._inflight[other.pid]  # type: ignore[attr-defined]
     shm._close_retired()  # type: ignore[attr-defined]
     assert mm.closed and not shm._retired  # type: ignore[attr-defined]
+    with shm._lock:  # type: ignore[attr-defined]
+        del shm._inflight[-1]  # type: ignore[attr-defined]
+
+
+def test_a_peer_that_exits_is_unmapped_though_nothing_is_sent_to_it_again(
+    engine: TransferEngine, spawn_peer: Any
+) -> None:
+    """A store client reads from a peer's segment, the peer dies, the master drops its
+    segment, and no transfer goes to it again: the mapping (the dead peer's whole segment,
+    kept alive by us) must still go, found by the sweep that transfers to other peers run."""
+    from mooncake_core.transfer.transports import shm as shm_mod
+
+    victim, other = spawn_peer(), spawn_peer()
+    vaddr = victim.call("alloc", size=8 << 20)["addr"]
+    oaddr = other.call("alloc", size=1 << 20)["addr"]
+    shm = engine.transports["shm"]
+    engine.read(victim.name, bytearray(1000), vaddr, transport="shm")
+    engine.read(other.name, bytearray(1000), oaddr, transport="shm")
+    assert shm.mapped_pids() >= {victim.pid, other.pid}  # type: ignore[attr-defined]
+    (mm,) = [mm for k, (mm, _b) in shm._maps.items() if k[0] == victim.pid]  # type: ignore[attr-defined]
+    victim.kill()
+    deadline = time.monotonic() + 10 + shm_mod.SWEEP_S
+    while victim.pid in shm.mapped_pids() and time.monotonic() < deadline:  # type: ignore[attr-defined]
+        engine.read(other.name, bytearray(1000), oaddr, transport="shm")  # only to the live one
+        time.sleep(0.05)
+    assert victim.pid not in shm.mapped_pids(), "the dead peer's segment is still mapped"  # type: ignore[attr-defined]
+    assert mm.closed
+    assert other.pid in shm.mapped_pids()  # type: ignore[attr-defined]  # the live one is kept
 
 
 def test_broken_connection_is_retried_and_completes(

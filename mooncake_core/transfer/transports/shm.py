@@ -18,6 +18,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from typing import Any
 
 from mooncake_core.errors import InvalidRequest, PeerUnreachable, TransportError
@@ -34,6 +35,21 @@ logger = logging.getLogger(__name__)
 POPULATE_LIMIT = 8 << 20  # peers' segments up to this size are mapped with MAP_POPULATE
 _PER_THREAD = 1 << 20  # a copy thread gets at least this many bytes
 _CUT = 64 << 10  # copies are split at multiples of this
+SWEEP_S = 1.0  # at most this often, mappings of peers that exited are dropped
+
+
+def _start_time(pid: int) -> int | None:
+    """``pid``'s start time (clock ticks since boot), or None when it is gone or a zombie (its
+    memory is freed, but our mapping of its memfd would keep those pages alive)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2 :].split()  # after "pid (comm) "
+    if not fields or fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])  # starttime: field 22 of proc(5)
 
 
 def _run_copies(jobs: list[tuple[int, int, int]]) -> None:
@@ -112,10 +128,15 @@ class ShmTransport(Transport):
         self._maps: dict[tuple[int, int, int], tuple[mmap.mmap, int]] = {}
         self._lock = threading.Lock()
         self._denied: set[int] = set()
-        # Mappings are unmapped only while no copy runs: a dead peer's mapping is retired
-        # first and closed when the last copy in flight (in any thread) is done.
-        self._inflight = 0
-        self._retired: list[mmap.mmap] = []
+        # A mapping is unmapped only while no copy with its peer runs: a dead peer's mappings
+        # are retired first and closed when the last copy with that peer (in any thread) is
+        # done. Copies with other peers do not hold them up (a busy store never has none).
+        self._inflight: dict[int, int] = {}  # pid -> copies in flight
+        self._retired: list[tuple[int, mmap.mmap]] = []
+        # mapped peers' start times: an exited peer (or a new process that reused its pid)
+        # is found by :meth:`_sweep` even when nothing is sent to it again
+        self._started: dict[int, int | None] = {}
+        self._next_sweep = 0.0
         n = engine.config.transfer.shm_copy_threads
         self.copy_threads = n if n > 0 else max(1, min(4, os.cpu_count() or 1))
         try:  # resolve libc's cross-memory-attach calls now, not in the first transfer
@@ -197,35 +218,64 @@ class ShmTransport(Transport):
                 os.close(fd)
             base = ctypes.addressof(ctypes.c_char.from_buffer(mm)) + int(region["memfd_offset"])
             self._maps[key] = (mm, base)
+            if peer.pid not in self._started:
+                self._started[peer.pid] = _start_time(peer.pid)
             return base
 
     def forget(self, pid: int) -> None:
-        """Drop our mappings of ``pid``'s memory (unmapped once no copy is in flight)."""
+        """Drop our mappings of ``pid``'s memory (unmapped once no copy with it is in flight)."""
         with self._lock:
             for key in [k for k in self._maps if k[0] == pid]:
-                self._retired.append(self._maps.pop(key)[0])
+                self._retired.append((pid, self._maps.pop(key)[0]))
+            self._started.pop(pid, None)
         self._close_retired()
+
+    def mapped_pids(self) -> set[int]:
+        """The peers whose memory we map now."""
+        with self._lock:
+            return {k[0] for k in self._maps}
+
+    def _sweep(self, force: bool = False) -> None:
+        """Drop the mappings of peers that exited (at most every :data:`SWEEP_S`)."""
+        now = time.monotonic()
+        with self._lock:
+            if not force and now < self._next_sweep:
+                return
+            self._next_sweep = now + SWEEP_S
+            started = dict(self._started)
+        for pid, t0 in started.items():
+            t = _start_time(pid)
+            if t is None or t != t0:
+                logger.debug("peer process %d exited: unmapping its shared memory", pid)
+                self.forget(pid)
 
     def _close_retired(self) -> None:
         with self._lock:
-            if self._inflight:
+            if not self._retired:
                 return
-            retired, self._retired = self._retired, []
-        for mm in retired:
+            closable = [mm for pid, mm in self._retired if not self._inflight.get(pid)]
+            self._retired = [(pid, mm) for pid, mm in self._retired if self._inflight.get(pid)]
+        for mm in closable:
             try:
                 mm.close()
-            except BufferError:
-                pass
+            except BufferError:  # still exported somewhere: freed with its last reference
+                logger.debug("a retired shared-memory mapping is still in use")
 
     def execute(self, peer: PeerInfo, items: list[WorkItem], deadline: float) -> None:
+        pid = peer.pid
         with self._lock:
-            self._inflight += 1
+            self._inflight[pid] = self._inflight.get(pid, 0) + 1
         try:
             self._execute(peer, items)
         finally:
             with self._lock:
-                self._inflight -= 1
+                left = self._inflight[pid] - 1
+                if left:
+                    self._inflight[pid] = left
+                else:
+                    del self._inflight[pid]
             self._close_retired()
+            self._sweep()
 
     def _execute(self, peer: PeerInfo, items: list[WorkItem]) -> None:
         jobs: list[
@@ -281,8 +331,9 @@ class ShmTransport(Transport):
 
     def close(self) -> None:
         with self._lock:
-            self._retired.extend(mm for mm, _ in self._maps.values())
+            self._retired.extend((k[0], mm) for k, (mm, _) in self._maps.items())
             self._maps.clear()
+            self._started.clear()
         self._close_retired()
 
 
