@@ -18,6 +18,7 @@ only then: any other start failure fails the tests).
 
 from __future__ import annotations
 
+import logging
 import re
 import subprocess
 import sys
@@ -167,18 +168,42 @@ def _per_rank(stats: Path, prefix: str, key: str) -> dict[int, float]:
 def test_pd_tp2_equals_tp2_monolithic(tp: TP) -> None:
     stats = tp.stats / "pd"
     for n, salt in ((5 * BLOCK + 1, 1), (300, 2)):
-        prompt = token_prompt(n, salt)
-        # the reference first, on S2 (prefix cache off, store empty for this prompt): computed
-        # in full on TP=2; not on the decode instance, whose prefix cache would then serve PD
-        want = _ask(tp.s2.url, prompt)
-        assert _cached(want) == 0
-        before = _per_rank(stats, "pd-kv_consumer-", "recv_blocks")
-        got = _ask(tp.proxy_url, prompt)
-        assert _text(got) == _text(want), f"PD TP=2 answer differs for a {n}-token prompt"
-        after = _per_rank(stats, "pd-kv_consumer-", "recv_blocks")
-        # each decode rank pulled its own shard of the prompt's full blocks
-        for rank in (0, 1):
-            assert after.get(rank, 0) - before.get(rank, 0) >= n // BLOCK, (rank, before, after)
+        # A fetch that fails falls back to recompute on the decode instance (the answer stays
+        # right, checked every time). That happened once in CI on one rank, under the load of
+        # seven engine processes on two cores: such a prompt is tried again, with its reason
+        # logged; a second failure fails the test.
+        for attempt in range(2):
+            prompt = token_prompt(n, salt + 100 * attempt)
+            # the reference first, on S2 (prefix cache off, store empty for this prompt):
+            # computed in full on TP=2; not on the decode instance, whose prefix cache would
+            # then serve PD
+            want = _ask(tp.s2.url, prompt)
+            assert _cached(want) == 0
+            before = _per_rank(stats, "pd-kv_consumer-", "recv_blocks")
+            failures = _per_rank(stats, "pd-kv_consumer-", "recv_failures")
+            got = _ask(tp.proxy_url, prompt)
+            assert _text(got) == _text(want), f"PD TP=2 answer differs for a {n}-token prompt"
+            after = _per_rank(stats, "pd-kv_consumer-", "recv_blocks")
+            failed = _per_rank(stats, "pd-kv_consumer-", "recv_failures")
+            if attempt == 0 and any(failed.get(r, 0) > failures.get(r, 0) for r in (0, 1)):
+                logging.warning(
+                    "a decode rank's fetch failed (recomputed): %s\n%s",
+                    failed,
+                    "\n".join(ln for ln in tp.decode.log_text().splitlines() if "fetch" in ln)[
+                        -3000:
+                    ],
+                )
+                continue
+            # each decode rank pulled its own shard of the prompt's full blocks
+            for rank in (0, 1):
+                assert after.get(rank, 0) - before.get(rank, 0) >= n // BLOCK, (
+                    rank,
+                    before,
+                    after,
+                    failed,
+                    tp.decode.log_tail(40),
+                )
+            break
 
 
 def test_store_hit_tp2_seen_by_both_ranks(tp: TP) -> None:
