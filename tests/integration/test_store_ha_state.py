@@ -29,6 +29,7 @@ from mooncake_core.errors import ObjectNotFound
 from mooncake_core.store.client import StoreClient
 from mooncake_core.store.ha import Snapshots, StoreEtcd
 from mooncake_core.store.protocol import ObjectBusy
+from mooncake_core.transfer.procfs import all_threads_stopped
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(90)]
 
@@ -126,21 +127,6 @@ def test_whole_group_killed_a_new_master_restores_from_etcd(etcd_url: str, tmp_p
             m.stop()
 
 
-def _stopped(pid: int) -> bool:
-    """Every thread of ``pid`` in state T: ``kill(SIGSTOP)`` returns before the group stop
-    is done, and a thread still running meanwhile could take a task (a CI run saw the copy
-    task below already SUCCESS on the new leader)."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-        for tid in tids:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:  # "tid (comm) S ..."
-                if f.read().rpartition(")")[2].split()[0] not in ("T", "t"):
-                    return False
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return bool(tids)
-
-
 def _segs(c: StoreClient, key: str) -> list[str]:
     return sorted(rep[0]["segment"] for rep in c.query(key)["replicas"])
 
@@ -187,7 +173,7 @@ def test_leases_pins_hot_replicas_and_tasks_survive_a_takeover(
                 assert reader.get("hot") == payload("hot", 64 << 10)
             _wait(lambda: _segs(reader, "hot") == sorted([home, agent.segment]), 10, "hot copy")
             os.kill(agent.pid, signal.SIGSTOP)  # the copy task below waits for the agent
-            _wait(lambda: _stopped(agent.pid), 10, "every thread of the agent stopped")
+            _wait(lambda: all_threads_stopped(agent.pid), 10, "every thread of the agent stopped")
             tid = holder._call(
                 "create_replica_task", (holder.client_id, "copy", "task", [agent.segment], "")
             )

@@ -24,6 +24,7 @@ from typing import Any
 from mooncake_core.errors import InvalidRequest, PeerUnreachable, TransportError
 from mooncake_core.plugins import TransportInfo, hookimpl
 from mooncake_core.transfer.memory import memmove
+from mooncake_core.transfer.procfs import start_time
 from mooncake_core.transfer.topology import host_identity
 from mooncake_core.transfer.transports.base import Transport
 from mooncake_core.transfer.types import READ, PeerInfo, TransportHost, WorkItem
@@ -36,20 +37,6 @@ POPULATE_LIMIT = 8 << 20  # peers' segments up to this size are mapped with MAP_
 _PER_THREAD = 1 << 20  # a copy thread gets at least this many bytes
 _CUT = 64 << 10  # copies are split at multiples of this
 SWEEP_S = 1.0  # at most this often, mappings of peers that exited are dropped
-
-
-def _start_time(pid: int) -> int | None:
-    """``pid``'s start time (clock ticks since boot), or None when it is gone or a zombie (its
-    memory is freed, but our mapping of its memfd would keep those pages alive)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(b")") + 2 :].split()  # after "pid (comm) "
-    if not fields or fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[19])  # starttime: field 22 of proc(5)
 
 
 def _run_copies(jobs: list[tuple[int, int, int]]) -> None:
@@ -219,7 +206,7 @@ class ShmTransport(Transport):
             base = ctypes.addressof(ctypes.c_char.from_buffer(mm)) + int(region["memfd_offset"])
             self._maps[key] = (mm, base)
             if peer.pid not in self._started:
-                self._started[peer.pid] = _start_time(peer.pid)
+                self._started[peer.pid] = start_time(peer.pid)
             return base
 
     def forget(self, pid: int) -> None:
@@ -244,7 +231,7 @@ class ShmTransport(Transport):
             self._next_sweep = now + SWEEP_S
             started = dict(self._started)
         for pid, t0 in started.items():
-            t = _start_time(pid)
+            t = start_time(pid)
             if t is None or t != t0:
                 logger.debug("peer process %d exited: unmapping its shared memory", pid)
                 self.forget(pid)
