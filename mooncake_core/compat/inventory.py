@@ -81,9 +81,6 @@ NOT_PROVIDED: dict[str, str] = {
     "mooncake.cli_client": _CLI,
     "mooncake.transfer_engine_topology_dump": _TOPO,
     "mooncake.dataproto_catalog": _DATAPROTO,
-    "mooncake.structured_object_store:infer_structure": "codec inference for object-dtype"
-    " DataProto columns (strings, lists, dicts packed with msgpack/JSON per leaf): not built;"
-    " such columns raise NotImplementedError naming the field",
     "mooncake.reshard": _RESHARD,
     "mooncake.mooncake_store_service": "the published store's HTTP service; ours: `mooncake-core`",
     "mooncake._fast_copy": "a private C helper of the wheel",

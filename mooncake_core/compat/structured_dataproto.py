@@ -8,11 +8,12 @@ DataProto shares a storage group id (``structured-<hex>``) in the write config. 
 :class:`MooncakeDataProtoRef` maps fields to stages; appending fields to a stage writes a
 merged manifest over the old and new members.
 
-Dense fields are supported: torch tensors and numeric numpy arrays in either section, and
-row selection by slice or index list. Object-dtype ``non_tensor_batch`` columns (strings,
-lists, dicts: the published module infers a codec per leaf and packs them with msgpack /
-JSON) and ``FieldSchema`` codecs other than ``"auto"`` raise :class:`NotImplementedError`
-naming the field.
+Dense fields (torch tensors, numeric numpy arrays) are members as they are. An
+object-dtype ``non_tensor_batch`` column (strings, bytes, lists, dicts, per-row arrays or
+tensors), or one whose ``FieldSchema`` names a codec, is encoded into typed payload members
+``non_tensor_batch.<field>.<payload>`` (:mod:`structured_recursive`,
+:mod:`structured_codecs`) and described in the ref's ``encoded_non_tensor``; reading it
+decodes whole columns, then selects rows.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from mooncake_core.compat.structured_bundle import (
     patched_header,
     select_nested_rows,
 )
+from mooncake_core.compat.structured_codecs import Encoded
 from mooncake_core.compat.structured_flat import (
     batch_size,
     check_schema_sections,
@@ -43,6 +45,11 @@ from mooncake_core.compat.structured_flat import (
     is_sequence,
     schema_section,
     split_sections,
+)
+from mooncake_core.compat.structured_recursive import (
+    decode_column,
+    encode_inferred,
+    encode_with_schema,
 )
 from mooncake_core.compat.structured_types import (
     STRUCTURED_FIELD_SPECS_KEY,
@@ -83,13 +90,6 @@ def _config_type() -> Any:
     except ImportError:
         return None
     return ReplicateConfig
-
-
-def _unsupported(name: str, why: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"non_tensor_batch field {name!r}: {why} is not supported by mooncake-core's"
-        " structured_object_store (dense tensors and numeric arrays are)"
-    )
 
 
 # ---------------------------------------------------------------- writing a stage
@@ -185,27 +185,38 @@ def _append_to_stage(
     return merged
 
 
-def _check_schema_value(name: str, value: Any, schema: FieldSchema) -> None:
-    try:
-        if isinstance(value, np.ndarray):
-            column = value
-        elif is_sequence(value):
-            column = np.empty(len(value), dtype=object)
-            column[:] = list(value)
-        else:
-            raise TypeError(
-                f"non_tensor_batch field {name!r} with FieldSchema must be an ndarray or"
-                " non-string sequence"
-            )
-        if schema.codec == "auto" and not schema.nullable and any(v is None for v in column):
-            raise ValueError(f"FieldSchema for 'non_tensor_batch.{name}' is not nullable")
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(
-            f"failed to encode non_tensor_batch field {name!r} with FieldSchema codec"
-            f" {schema.codec!r}: {exc}"
-        ) from exc
-    if schema.codec != "auto":
-        raise _unsupported(name, f"FieldSchema codec {schema.codec!r}")
+def _schema_column(name: str, value: Any) -> np.ndarray[Any, Any]:
+    if isinstance(value, np.ndarray):
+        return value
+    if is_sequence(value):
+        column = np.empty(len(value), dtype=object)
+        column[:] = list(value)
+        return column
+    raise TypeError(
+        f"non_tensor_batch field {name!r} with FieldSchema must be an ndarray or"
+        " non-string sequence"
+    )
+
+
+def _encode_column(name: str, value: Any, schema: FieldSchema | None) -> Encoded | None:
+    """The encoded column for ``value`` (None: stored as a plain member)."""
+    path = f"non_tensor_batch.{name}"
+    encoded = None
+    if schema is not None:
+        try:
+            column = _schema_column(name, value)
+            if schema.codec != "auto":
+                encoded = encode_with_schema(path, column, schema)
+            elif not schema.nullable and any(v is None for v in column):
+                raise ValueError(f"FieldSchema for {path!r} is not nullable")
+        except (TypeError, ValueError, RuntimeError, AttributeError) as exc:
+            raise type(exc)(
+                f"failed to encode non_tensor_batch field {name!r} with FieldSchema codec"
+                f" {schema.codec!r}: {exc}"
+            ) from exc
+    if encoded is None and isinstance(value, np.ndarray) and value.dtype == object:
+        encoded = encode_inferred(path, value)
+    return encoded
 
 
 def put_stage(
@@ -239,17 +250,27 @@ def put_stage(
     for name, value in batch.items():
         buffers[f"batch.{name}"] = value
         updates[name] = StructuredFieldLocation(stage, f"batch.{name}", "batch")
+    encoded_updates: dict[str, Any] = {}
     for name, value in non_tensor.items():
         schema = (schemas or {}).get(name)
         declared = None if schema is None else schema_section(name, schema)
-        if schema is not None and declared in (None, "non_tensor_batch"):
-            _check_schema_value(name, value, schema)
-        if isinstance(value, np.ndarray) and value.dtype == object:
-            raise _unsupported(name, "an object-dtype column (codec inference)")
-        buffers[f"non_tensor_batch.{name}"] = value
+        column = _encode_column(
+            name, value, schema if declared in (None, "non_tensor_batch") else None
+        )
         updates[name] = StructuredFieldLocation(
             stage, f"non_tensor_batch.{name}", "non_tensor_batch"
         )
+        if column is None:
+            buffers[f"non_tensor_batch.{name}"] = value
+            continue
+        members = {p: f"non_tensor_batch.{name}.{p}" for p in column.payload}
+        buffers.update({members[p]: v for p, v in column.payload.items()})
+        encoded_updates[name] = {
+            "codec": column.codec,
+            "rows": column.rows,
+            "metadata": column.metadata,
+            "payload_members": members,
+        }
     if not buffers:
         if ref is not None:
             merged = dict(ref.meta_info)
@@ -315,7 +336,7 @@ def put_stage(
             transfer.remove_bundle(existing)
     if ref is None:
         stage_refs, index, meta = {stage: stage_ref}, dict(updates), dict(meta_info)
-        encoded: dict[str, Any] = {}
+        encoded: dict[str, Any] = dict(encoded_updates)
     else:
         stage_refs = dict(ref.stage_refs)
         stage_refs[stage] = stage_ref
@@ -324,6 +345,7 @@ def put_stage(
         meta = dict(ref.meta_info)
         meta.update(meta_info)
         encoded = {k: v for k, v in ref.encoded_non_tensor.items() if k not in updates}
+        encoded.update(encoded_updates)
     return MooncakeDataProtoRef(
         size,
         stage_refs,
@@ -477,6 +499,33 @@ def _read_indices(
     return tensor_format.unpack(head + bytes(data))
 
 
+def _read_encoded(
+    transfer: Any, ref: MooncakeDataProtoRef, name: str, selection: _Rows | None
+) -> list[Any]:
+    """An encoded column: its payload members read whole, decoded, rows selected."""
+    rows: range | tuple[int, ...] | None = None
+    if selection is not None and selection.indices is not None:
+        rows = selection.indices
+    elif selection is not None and selection.member_slice is not None:
+        s = selection.member_slice
+        rows = range(*slice(s.start, s.end, s.step).indices(ref.batch_size))
+        if rows.step != 1:
+            raise ValueError("DataProto structured non-tensor slicing currently requires step=1")
+    enc = ref.encoded_non_tensor[name]
+    members = enc["payload_members"]
+    stage_ref = ref.stage_refs[ref.field_index[name].stage]
+    spec = transfer.read_spec(stage_ref).select_members(list(members.values()))
+    got = transfer.materialize(spec).objects
+    values = decode_column(enc, {p: got[m] for p, m in members.items()}, ref.batch_size)
+    return values if rows is None else [values[i] for i in rows]
+
+
+def _object_column(values: list[Any]) -> np.ndarray[Any, Any]:
+    column = np.empty(len(values), dtype=object)
+    column[:] = values
+    return column
+
+
 def _build(
     batch: dict[str, Any], non_tensor: dict[str, Any], meta: dict[str, Any], cls: Any
 ) -> Any:
@@ -515,11 +564,12 @@ def get_stage_fields(
     out: dict[str, dict[str, Any]] = {"batch": {}, "non_tensor_batch": {}}
     dests = destinations or {}
     by_stage: dict[str, list[tuple[str, StructuredFieldLocation]]] = {}
+    encoded: list[str] = []
     for name in [*b_names, *nt_names]:
         loc = ref.field_index[name]
         if loc.section == "non_tensor_batch" and name in ref.encoded_non_tensor:
-            codec = ref.encoded_non_tensor[name].get("codec")
-            raise _unsupported(name, f"reading a {codec!r}-encoded column")
+            encoded.append(name)
+            continue
         by_stage.setdefault(loc.stage, []).append((name, loc))
     for stage, entries in by_stage.items():
         stage_ref = ref.stage_refs[stage]
@@ -540,6 +590,9 @@ def get_stage_fields(
         result = transfer.materialize_into(spec, stage_dests)
         for name, loc in entries:
             out[loc.section][name] = result.objects[loc.member]
+    for name in encoded:
+        values = _read_encoded(transfer, ref, name, selection)
+        out["non_tensor_batch"][name] = values if flat else _object_column(values)
     keys = meta_info_keys
     meta = (
         dict(ref.meta_info)

@@ -23,6 +23,7 @@ import numpy as np
 from mooncake_core.compat import structured_bundle as _sb
 from mooncake_core.compat import structured_dataproto as _dp
 from mooncake_core.compat import tensor_format
+from mooncake_core.compat.structured_infer import infer_structure
 from mooncake_core.compat.structured_types import (
     AUTO_PARALLEL_MIN_BYTES,
     AUTO_PARALLEL_MIN_CHUNKS,
@@ -80,6 +81,7 @@ __all__ = [
     "export_ref",
     "import_dataproto_ref",
     "import_ref",
+    "infer_structure",
     "is_dataproto_ref_handle",
     "raw_destination",
     "tensor_object_buffer",

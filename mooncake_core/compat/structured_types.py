@@ -55,8 +55,10 @@ STORAGE_GROUP_ID = "storage_group_id"
 class _Missing:
     """Marks an absent dict key (distinct from a ``None`` value)."""
 
+    __slots__ = ()
+
     def __repr__(self) -> str:
-        return "MISSING"
+        return "<MISSING>"
 
 
 MISSING = _Missing()

@@ -127,6 +127,8 @@ def describe(value: Any) -> Any:
         flat = value.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
         return ["tensor", str(value.dtype), list(value.shape), sha(flat.tobytes())]
     if isinstance(value, np.ndarray):
+        if value.dtype == object:  # a decoded object column: its rows
+            return ["objects", list(value.shape), [describe(v) for v in value.ravel()]]
         return ["ndarray", value.dtype.str, list(value.shape), sha(value.tobytes())]
     if isinstance(value, (bytes, bytearray, memoryview)):
         return ["bytes", sha(value)]
@@ -394,6 +396,151 @@ if rd is not None:
         lambda: t.materialize_into(t.read_spec(r2).select_members(["arr"]), {"arr": rd}).objects,
     )
     out["raw_after"] = sha(bytes(raw))
+
+
+def stored(prefix: str) -> dict[str, Any]:
+    """The stored keys under ``prefix``: manifests and meta in full, the rest by sha256."""
+    found = {}
+    for key in sorted(k for k in written if k.startswith(prefix) and store.is_exist(k) == 1):
+        data = bytes(store.get(key))
+        text = key.endswith("/manifest") or key.endswith("/meta")
+        found[key] = data.decode() if text else sha(data)
+    return found
+
+
+# object-dtype columns: codec inference (one codec per column, or per leaf of the
+# expanded dict / list structure when a leaf holds arrays, tensors or bytes)
+columns: dict[str, Any] = {
+    "x": ints[:4],
+    "names": ["a", "b\u00e9", None, ""],
+    "info": [{"k": 1, "s": "x"}, {"k": 2}, None, {"s": "y", "l": [1, 2]}],
+    "seq": [[1, 2], [3], [], None],
+    "arr": [np.arange(3.0), np.arange(4.0), None, np.arange(1.0)],
+    "grid": [
+        np.ones((2, 3), np.int32),
+        np.zeros((1, 3), np.int32),
+        None,
+        np.ones((0, 3), np.int32),
+    ],
+    "same": [np.arange(2, dtype=np.int16) + i for i in range(4)],
+    "nested": [{"ids": np.arange(2), "t": "a"}, {"ids": np.arange(3)}, None, {"t": "c"}],
+    "blob": [b"ab", None, b"", bytearray(b"xyz")],
+    "num": [1, 2.5, None, True],
+    "flags": [True, False, True, None],
+    "tens": [torch.arange(3.0), torch.ones(2, 2), None, torch.zeros(1)],
+    "media": [[b"a", b"bc"], [], None, [b"d"]],
+    "lists": [[{"a": 1}], [{"a": 2}, {"b": np.arange(2)}], None, []],
+    "mixed": [np.arange(2), np.array(3.0), None, np.arange(6).reshape(2, 3)],
+}
+out["obj_in"] = describe(columns)
+obj = call("obj_put", t.put, columns, type="dict", partition="objp", stage="o1")
+if obj is not None:
+    out["obj_handle"] = sos.export_dataproto_ref(obj)
+    call("obj_get", t.get, obj, type="dict")
+    call("obj_get_dp", t.get_dataproto, obj)
+    call("obj_rows", t.get, obj, type="dict", rows=slice(1, 4, 2))
+    call("obj_member_rows", t.get, obj, rows=sos.StructuredMemberSlice(0, -3, 4, 1))
+    call("obj_idx", t.get, obj, non_tensor_fields=["names", "nested", "tens"], rows=[3, 0])
+    call("obj_fields", t.get_dataproto, obj, non_tensor_fields=["info", "media"])
+    call("obj_view", t.dataproto_manifest_view, obj)
+    call("obj_import", t.get, sos.import_dataproto_ref(out["obj_handle"]), fields=["lists"])
+    arr2 = np.empty(4, dtype=object)
+    arr2[:] = columns["arr"]
+    more = {"non_tensor_batch": {"tags": np.array(list("pqrs"), dtype=object), "arr2": arr2}}
+    obj2 = call("obj_append", t.append_dataproto_fields, obj, more, stage="o1")
+    if obj2 is not None:
+        call("obj_get_appended", t.get_dataproto, obj2, non_tensor_fields=["tags", "arr2", "seq"])
+        out["obj_objects"] = stored("pfx/objp/")
+        call("obj_cleanup_append", t.cleanup_dataproto_append, obj, obj2)
+    call("obj_cleanup", t.cleanup_dataproto, obj)
+# FieldSchema codecs (no inference), and the auto fallbacks
+schemas = {
+    "m": sos.FieldSchema("msgpack_ragged"),
+    "j": sos.FieldSchema("json_ragged"),
+    "u": sos.FieldSchema("utf8_ragged"),
+    "tr": sos.FieldSchema("typed_ragged", metadata={"dtype": "float32"}),
+    "nd": sos.FieldSchema("ndarray", metadata={"dtype": "int32"}),
+    "nd_auto": sos.FieldSchema("ndarray"),
+    "auto": sos.FieldSchema("auto", nullable=False),
+    "rtd": sos.FieldSchema("ragged_tensor_dict", metadata={"keys": ["a", "b"]}),
+    "rt": sos.FieldSchema("ragged_tensor"),
+    "by": sos.FieldSchema("bytes_ragged"),
+}
+schema_cols: dict[str, Any] = {
+    "m": [{"a": [1, 2]}, None, "s"],
+    "j": [{"a": 1.5}, [1, None], None],
+    "u": ["x", None, "yz"],
+    "tr": [[1, 2], [3], None],
+    "nd": [1, None, 3],
+    "nd_auto": [{"v": np.arange(2)}, {"v": np.arange(1)}, {"w": "z"}],
+    "auto": np.array(["a", "b", "c"], dtype=object),
+    "rtd": [{"a": torch.ones(2)}, None, {"a": torch.zeros(1), "b": torch.arange(3.0)}],
+    "rt": [torch.ones(2, dtype=torch.int64), None, np.arange(3)],
+    "by": [b"1", b"", None],
+}
+sd = call(
+    "schema_put",
+    t.put_dataproto,
+    {"batch": {"x": torch.zeros(3)}, "non_tensor_batch": schema_cols},
+    field_schemas=schemas,
+    partition="schp",
+)
+if sd is not None:
+    out["schema_handle"] = sos.export_dataproto_ref(sd)
+    out["schema_objects"] = stored("pfx/schp/")
+    call("schema_get", t.get_dataproto, sd)
+    call("schema_rows", t.get, sd, rows=[2, 1])
+    call("schema_cleanup", t.cleanup_dataproto, sd)
+base = {"batch": {"x": torch.zeros(2)}}
+for label, col, schema in [
+    ("err_s_codec", ["a", "b"], sos.FieldSchema("zzz")),
+    ("err_s_null", ["a", None], sos.FieldSchema("utf8_ragged", nullable=False)),
+    ("err_s_auto_null", ["a", None], sos.FieldSchema("auto", nullable=False)),
+    ("err_s_keys", [{"a": torch.ones(1), "c": torch.ones(1)}, None], schemas["rtd"]),
+    ("err_s_key_none", [{"a": None}, None], schemas["rtd"]),
+    ("err_s_dtype", [1, 2], sos.FieldSchema("ndarray", metadata={"dtype": "U3"})),
+    ("err_s_msgpack", [np.int64(1), 2], sos.FieldSchema("msgpack_ragged")),
+    ("err_s_bf16", [torch.ones(1, dtype=torch.bfloat16), None], sos.FieldSchema("ragged_tensor")),
+    ("err_s_value", 5, sos.FieldSchema("utf8_ragged")),
+]:
+    call(
+        label,
+        t.put_dataproto,
+        {**base, "non_tensor_batch": {"c": col}},
+        field_schemas={"c": schema},
+    )
+for label, col in [
+    ("err_obj_null", [None, None]),
+    ("err_obj_mixed", [1, "a"]),
+    ("err_obj_tuple", [{"a": (1, 2)}, {"a": (3,)}]),
+    ("err_obj_objarr", [np.array(["a"], dtype=object), np.array(["b"], dtype=object)]),
+]:
+    call(label, t.put, {"x": ints[:2], "c": col}, type="dict")
+
+
+def inferred(values: list[Any]) -> Any:
+    leaves: list[Any] = []
+    nodes: list[Any] = []
+    sos.infer_structure("root", values, leaves, nodes)
+    return {
+        "leaves": [
+            [leaf.path, describe(leaf.values), leaf.decision.accepted, leaf.decision.codec]
+            + [leaf.decision.reason, leaf.decision.normalized_type, leaf.decision.metadata]
+            for leaf in leaves
+        ],
+        "nodes": [[n.path, n.node_type, n.children, n.lengths, n.row_mask] for n in nodes],
+    }
+
+
+rows_in = [{"a.b": 1, "c": [{"d": "x"}, None]}, None, {"c": [], "e": b"z"}, {"a.b": 2.5}]
+call("infer", inferred, rows_in)
+call("infer_flat", inferred, [[1, 2], [3.5]])
+call("infer_deep", inferred, [{"a": [[[1]]]}])
+call("infer_missing", repr, sos.MISSING)
+too_deep: Any = "leaf"
+for _ in range(40):
+    too_deep = {"k": too_deep}
+call("err_infer_depth", inferred, [too_deep])
 out["left"] = sorted(k for k in written if store.is_exist(k) == 1)
 keys = sorted(written)
 objects = {}
@@ -405,7 +552,6 @@ for key in keys:
         objects[key] = sha(data)
 out["objects"] = objects
 out["groups"] = {k: v for k, v in sorted(store.groups.items()) if v}
-call("object_column", t.put, {"x": ints[:4], "names": ["a", "b", "c", "d"]}, type="dict")
 if master is not None:
     # the whole store: tensor members go through its put_tensor / get_tensor, as the
     # published module does on a store that has them
