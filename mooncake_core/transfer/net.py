@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-__all__ = ["recv_exact", "send_parts", "tune_socket"]
+__all__ = ["recv_exact", "recv_views", "send_parts", "tune_socket"]
 
 _SOCK_BUF = 4 << 20
 
@@ -35,6 +35,27 @@ def recv_exact(sock: socket.socket, view: memoryview) -> bool:
             raise ConnectionError(f"connection closed after {got} of {n} bytes")
         got += k
     return True
+
+
+def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """Fill every view of ``views`` in order from ``sock`` (scatter ``recvmsg_into``, at most
+    1024 buffers a call); raises ConnectionError on an EOF before all are full."""
+    bufs = [v for v in views if len(v)]
+    want = sum(len(v) for v in bufs)
+    got = 0
+    while bufs:
+        k = sock.recvmsg_into(bufs[:1024])[0]
+        if k == 0:
+            raise ConnectionError(f"connection closed after {got} of {want} bytes")
+        got += k
+        while k:
+            first = bufs[0]
+            if k >= len(first):
+                k -= len(first)
+                bufs.pop(0)
+            else:
+                bufs[0] = first[k:]
+                k = 0
 
 
 def send_parts(sock: socket.socket, parts: list[memoryview | bytes]) -> None:

@@ -6,9 +6,14 @@ nonce). The client answers with a HELLO whose payload is HMAC-SHA256(secret, non
 accepted no other operation is served.
 
 Requests are a fixed 32-byte header, optionally followed by ``length`` payload bytes
-(WRITE, HELLO, TENSOR, NOTIFY). Responses are a fixed 24-byte header, optionally
-followed by payload (READ, DESC). Responses come back in request order, so a client
+(WRITE, HELLO, TENSOR, NOTIFY, READV). Responses are a fixed 24-byte header, optionally
+followed by payload (READ, READV, DESC). Responses come back in request order, so a client
 may pipeline several requests on one connection.
+
+READV (version 2) reads several ranges in one request: ``aux`` ranges, the payload
+``aux`` x ``RANGE`` (addr u64, length u64); the answer carries the ranges' bytes back to
+back, or one error status for the whole request. A client sends it only to a peer whose
+greeting says version 2 or later.
 """
 
 from __future__ import annotations
@@ -26,17 +31,24 @@ __all__ = [
     "Op",
     "Status",
     "MAX_CONTROL_PAYLOAD",
+    "MAX_READV_BYTES",
+    "MAX_READV_RANGES",
+    "RANGE",
     "auth_digest",
 ]
 
 MAGIC = 0x4D434B31  # "MCK1"
-VERSION = 1
+VERSION = 2  # 2: READV
 # greeting: magic u32, version u16, flags u16 (bit0: secret required), nonce 16s
 GREETING = struct.Struct("<IHH16s")
 # request: magic u32, op u8, flags u8, pad u16, req_id u32, aux u32, addr u64, length u64
 REQ = struct.Struct("<IBBHIIQQ")
 # response: magic u32, status i32, req_id u32, pad u32, length u64
 RESP = struct.Struct("<IiIIQ")
+# one range of a READV request: addr u64, length u64
+RANGE = struct.Struct("<QQ")
+MAX_READV_RANGES = 1024  # IOV_MAX on Linux: one sendmsg/recvmsg_into per answer at most
+MAX_READV_BYTES = 256 << 20  # one READV answers at most this many bytes
 
 MAX_CONTROL_PAYLOAD = 16 << 20  # HELLO / TENSOR metadata / NOTIFY bodies above this are refused
 FLAG_SECRET_REQUIRED = 1
@@ -51,6 +63,7 @@ class Op:
     NOTIFY = 6
     PING = 7
     RDMA_CONNECT = 8  # queue-pair exchange (JSON both ways) for the RDMA transport
+    READV = 9  # several ranges, one answer (version 2)
 
 
 class Status:

@@ -25,6 +25,9 @@ from mooncake_core.transfer.protocol import (
     GREETING,
     MAGIC,
     MAX_CONTROL_PAYLOAD,
+    MAX_READV_BYTES,
+    MAX_READV_RANGES,
+    RANGE,
     REQ,
     RESP,
     VERSION,
@@ -182,6 +185,8 @@ class TransferServer:
                     self._reply(conn, Status.OUT_OF_BOUNDS, req_id, str(exc).encode()[:1024])
                     continue
                 self._reply(conn, Status.OK, req_id, region.copy_out(addr, length))
+            elif op == Op.READV:
+                self._readv(conn, req_id, aux, length)
             elif op == Op.HELLO:
                 body = self._recv_control(conn, length, req_id)
                 if not hmac.compare_digest(bytes(body[:32]), expected):
@@ -230,6 +235,31 @@ class TransferServer:
             else:
                 self._reply(conn, Status.BAD_REQUEST, req_id)
                 raise _Close(f"unknown op {op}")
+
+    def _readv(self, conn: socket.socket, req_id: int, count: int, length: int) -> None:
+        """Answer a READV: every range's bytes back to back, or one refusal."""
+        if not 0 < count <= MAX_READV_RANGES or length != count * RANGE.size:
+            self._reply(conn, Status.BAD_REQUEST, req_id)
+            raise _Close(f"READV of {count} ranges with a {length}-byte descriptor")
+        desc = memoryview(bytearray(length))
+        if not recv_exact(conn, desc):
+            raise _Close("eof in READV ranges")
+        parts: list[memoryview | bytes] = []
+        total = 0
+        find = self.engine.segments.find
+        for i in range(count):
+            addr, n = RANGE.unpack_from(desc, i * RANGE.size)
+            try:
+                parts.append(find(addr, n).copy_out(addr, n))
+            except InvalidRequest as exc:  # the refused range's index goes in the pad field
+                msg = str(exc).encode()[:1024]
+                send_parts(conn, [RESP.pack(MAGIC, Status.OUT_OF_BOUNDS, req_id, i, len(msg)), msg])
+                return
+            total += n
+            if total > MAX_READV_BYTES:
+                self._reply(conn, Status.TOO_LARGE, req_id)
+                return
+        send_parts(conn, [RESP.pack(MAGIC, Status.OK, req_id, 0, total), *parts])
 
     def _recv_control(self, conn: socket.socket, length: int, req_id: int) -> memoryview:
         if length > MAX_CONTROL_PAYLOAD:

@@ -27,10 +27,13 @@ from mooncake_core.errors import (
 )
 from mooncake_core.metrics.transfer import TRANSFER
 from mooncake_core.plugins import TransportInfo, hookimpl
-from mooncake_core.transfer.net import recv_exact, send_parts, tune_socket
+from mooncake_core.transfer.net import recv_exact, recv_views, send_parts, tune_socket
 from mooncake_core.transfer.protocol import (
     GREETING,
     MAGIC,
+    MAX_READV_BYTES,
+    MAX_READV_RANGES,
+    RANGE,
     REQ,
     RESP,
     STATUS_TEXT,
@@ -46,6 +49,7 @@ __all__ = ["TCPTransport", "TCPConnection"]
 logger = logging.getLogger(__name__)
 
 WINDOW = 32  # outstanding requests per connection
+READV_MIN_VERSION = 2  # peers from this protocol version on serve READV
 
 
 class TCPConnection:
@@ -64,6 +68,9 @@ class TCPConnection:
         self.peer = peer
         self.lock = threading.Lock()
         self.broken = False
+        self.peer_version = 0
+        #: reads up to this many bytes together go out as one READV (set by the transport)
+        self.readv_bytes = 0
         self._req_id = 0
         self.spin_s = (
             0.0  # wait for an answer this long with poll(0) before sleeping (set by the transport)
@@ -85,7 +92,7 @@ class TCPConnection:
                 raise PeerUnreachable(
                     f"peer {peer!r} at {host}:{port} closed the connection during the handshake"
                 )
-            magic, _ver, _flags, nonce = GREETING.unpack(g)
+            magic, self.peer_version, _flags, nonce = GREETING.unpack(g)
             if magic != MAGIC:
                 raise PeerUnreachable(
                     f"{host}:{port} is not a mooncake-core transfer engine (bad greeting)"
@@ -176,23 +183,53 @@ class TCPConnection:
             raise ConnectionError("peer closed the connection")
         return status, bytes(body)
 
+    def _units(self, items: list[WorkItem]) -> list[list[WorkItem]]:
+        """``items`` as requests: runs of consecutive reads that fit ``readv_bytes`` together
+        become one READV (when the peer serves it); everything else goes alone."""
+        limit = self.readv_bytes if self.peer_version >= READV_MIN_VERSION else 0
+        units: list[list[WorkItem]] = []
+        run: list[WorkItem] = []
+        size = 0
+        for it in items:
+            if it.op == READ and it.length < limit:
+                if run and (size + it.length > limit or len(run) >= MAX_READV_RANGES):
+                    units.append(run)
+                    run, size = [], 0
+                run.append(it)
+                size += it.length
+                continue
+            if run:
+                units.append(run)
+                run, size = [], 0
+            units.append([it])
+        if run:
+            units.append(run)
+        return units
+
     def run(self, items: list[WorkItem], on_send: Callable[[], None] | None = None) -> None:
         """Pipeline ``items`` on this connection; marks each done or sets its error.
 
-        Raises ConnectionError/OSError when the connection fails; items not marked done
-        must then be retried elsewhere.
+        Small reads go out together as READV requests (see :meth:`_units`). Raises
+        ConnectionError/OSError when the connection fails; items not marked done must then
+        be retried elsewhere.
         """
         sock = self.sock
+        units = self._units(items)
         sent = 0
         recvd = 0
-        n = len(items)
+        n = len(units)
         head = memoryview(bytearray(RESP.size))
         while recvd < n:
             while sent < n and sent - recvd < WINDOW:
-                it = items[sent]
+                unit = units[sent]
+                it = unit[0]
                 if on_send is not None:
                     on_send()
-                if it.op == READ:
+                if len(unit) > 1:
+                    desc = b"".join(RANGE.pack(u.remote_addr, u.length) for u in unit)
+                    head_b = REQ.pack(MAGIC, Op.READV, 0, 0, sent, len(unit), 0, len(desc))
+                    sock.sendall(head_b + desc)
+                elif it.op == READ:
                     sock.sendall(REQ.pack(MAGIC, Op.READ, 0, 0, sent, 0, it.remote_addr, it.length))
                 else:
                     send_parts(
@@ -203,28 +240,37 @@ class TCPConnection:
                         ],
                     )
                 sent += 1
-            it = items[recvd]
+            unit = units[recvd]
+            it = unit[0]
             if self.spin_s:
                 self._spin()
             if not recv_exact(sock, head):
                 raise ConnectionError("peer closed the connection")
-            magic, status, _rid, _pad, length = RESP.unpack(head)
+            magic, status, _rid, pad, length = RESP.unpack(head)
             if magic != MAGIC:
                 raise ConnectionError("bad response magic")
             if status == Status.OK:
                 if it.op == READ:
-                    if length != it.length:
+                    want = sum(u.length for u in unit)
+                    if length != want:
                         raise ConnectionError(
-                            f"peer answered {length} bytes for a {it.length}-byte read"
+                            f"peer answered {length} bytes for a {want}-byte read"
                         )
-                    if not recv_exact(sock, it.local_view):
+                    if len(unit) > 1:
+                        recv_views(sock, [u.local_view for u in unit])
+                    elif not recv_exact(sock, it.local_view):
                         raise ConnectionError("peer closed the connection mid-payload")
-                it.done = True
+                for u in unit:
+                    u.done = True
             else:
                 detail = memoryview(bytearray(length))
                 if length:
                     recv_exact(sock, detail)
                 msg = bytes(detail).decode(errors="replace") or STATUS_TEXT.get(status, str(status))
+                if len(unit) > 1:  # a READV: only the range the peer names failed
+                    if status != Status.OUT_OF_BOUNDS or pad >= len(unit):
+                        raise ConnectionError(f"peer {self.peer!r} refused a READV: {msg}")
+                    it = unit[pad]  # the others stay pending: the transport retries them
                 it.error = InvalidRequest(
                     f"peer {self.peer!r} refused {'read' if it.op == READ else 'write'} "
                     f"of {it.length} bytes at 0x{it.remote_addr:x}: {msg}"
@@ -296,6 +342,7 @@ class TCPTransport(Transport):
             )
             conn.sock.settimeout(self.engine.config.transfer.timeout_s)
             conn.spin_s = max(0.0, self.engine.config.transfer.spin_us) * 1e-6
+            conn.readv_bytes = min(self.slice_size, MAX_READV_BYTES)
             pool.conns[index] = conn
             return conn
 
