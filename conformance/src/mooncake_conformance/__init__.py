@@ -9,6 +9,7 @@ from __future__ import annotations
 from mooncake_conformance.adapter import AdapterContract
 from mooncake_conformance.fixtures import AdapterFixtures, adapter_fixtures
 from mooncake_conformance.harness import EngineHarness, HarnessSpec, KVLayout, build_harness
+from mooncake_conformance.migration import MigrationContract, MigrationOutcome, MigrationPair
 from mooncake_conformance.status import describe
 from mooncake_conformance.store import StoreCluster
 
@@ -18,6 +19,9 @@ __all__ = [
     "EngineHarness",
     "HarnessSpec",
     "KVLayout",
+    "MigrationContract",
+    "MigrationOutcome",
+    "MigrationPair",
     "StoreCluster",
     "adapter_fixtures",
     "build_harness",

@@ -17,7 +17,9 @@ Checks, by theme (all against a real master and memory node on loopback):
 - concurrency: several engine processes save and load overlapping prefixes;
 - faults: the master or the memory node goes away mid-operation: misses or failures,
   never wrong data or exceptions, and recovery when it returns;
-- bad input from the engine side: clear errors, and the adapter keeps working.
+- bad input from the engine side: clear errors, and the adapter keeps working;
+- PD migration between two engine processes, when the adapter has a migration backend
+  (:class:`~mooncake_conformance.migration.MigrationContract`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import pytest
 
 from mooncake_conformance.fixtures import MakeHarness, SpawnWorker
 from mooncake_conformance.harness import EngineHarness, HarnessSpec, KVLayout
+from mooncake_conformance.migration import MigrationContract
 from mooncake_conformance.scenarios import (
     ChurnStats,
     churn,
@@ -101,7 +104,7 @@ def _roundtrip(
     )
 
 
-class AdapterContract:
+class AdapterContract(MigrationContract):
     """Checks every adapter must pass (mix in the adapter's ``AdapterFixtures`` subclass)."""
 
     # ================================================================== layout

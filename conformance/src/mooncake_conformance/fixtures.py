@@ -15,8 +15,10 @@ An adapter's test module defines one class per engine::
 *Must* override: ``adapter_name``, ``harness_factory``, ``kv_layout`` (give it
 ``params=`` with every layout the engine offers) and ``base_layout`` (the layout the
 behavioural checks use). *May* override: ``adapter_package``, ``harness_options``,
-``worker_env``, ``call_budget_s`` and the capability flags ``supports_multiprocess`` and
-``supports_store_faults`` (a False flag skips the checks that need it, with a reason).
+``worker_env``, ``call_budget_s``, the capability flags ``supports_multiprocess`` and
+``supports_store_faults`` (a False flag skips the checks that need it, with a reason),
+and ``migration_pair`` (a :class:`~mooncake_conformance.migration.MigrationPair` for the
+PD migration checks; by default they skip with ``no_migration_reason``).
 Everything else is provided: a real store (master and memory node processes on loopback),
 ``make_harness`` for in-process engine ranks and ``spawn_worker`` for engine processes.
 """
@@ -35,6 +37,11 @@ from mooncake_conformance.store import StoreCluster
 from mooncake_conformance.worker import Worker
 
 __all__ = ["AdapterFixtures", "MakeHarness", "SpawnWorker", "adapter_fixtures"]
+
+NO_MIGRATION = (
+    "the adapter offers no migration pair (a PD backend moving KV blocks between two engine "
+    "processes); override the migration_pair fixture to run the migration checks"
+)
 
 MakeHarness = Callable[..., EngineHarness]
 SpawnWorker = Callable[[HarnessSpec], Worker]
@@ -95,6 +102,17 @@ class AdapterFixtures:
     def supports_store_faults(self) -> bool:
         """Whether the adapter is expected to survive the store going away."""
         return True
+
+    @pytest.fixture
+    def no_migration_reason(self) -> str:
+        """Why the adapter offers no ``migration_pair`` (the migration checks skip with it)."""
+        return NO_MIGRATION
+
+    @pytest.fixture
+    def migration_pair(self, no_migration_reason: str) -> Any:
+        """Two linked engine ranks for the PD migration checks
+        (:class:`~mooncake_conformance.migration.MigrationPair`); override to run them."""
+        pytest.skip(no_migration_reason)
 
     # ------------------------------------------------------------------ provided
     @pytest.fixture(autouse=True)
@@ -200,6 +218,7 @@ def adapter_fixtures(
     call_budget_s: float = 20.0,
     supports_multiprocess: bool = True,
     supports_store_faults: bool = True,
+    no_migration_reason: str = NO_MIGRATION,
 ) -> type[AdapterFixtures]:
     """An :class:`AdapterFixtures` subclass from plain values, so an adapter's test module
     needs no fixture boilerplate::
@@ -211,7 +230,8 @@ def adapter_fixtures(
 
     ``layouts[0]`` is the base layout the behavioural checks use; every layout is a
     parameter of the layout checks. ``worker_env`` is called per check (it may read the
-    environment at that time).
+    environment at that time). ``no_migration_reason``: why the migration checks skip
+    (an adapter that runs them overrides ``migration_pair`` in its test class).
     """
     if not layouts:
         raise ValueError(f"adapter {adapter_name!r}: layouts is empty; give at least one")
@@ -258,6 +278,10 @@ def adapter_fixtures(
         @pytest.fixture
         def supports_store_faults(self) -> bool:
             return supports_store_faults
+
+        @pytest.fixture
+        def no_migration_reason(self) -> str:
+            return no_migration_reason
 
     _Fixtures.__name__ = _Fixtures.__qualname__ = f"{adapter_name.title()}Fixtures"
     return _Fixtures

@@ -36,7 +36,7 @@ __all__ = [
     "SUITE_VERSION",
 ]
 
-SUITE_VERSION = "0.1.0"
+SUITE_VERSION = "0.2.0"  # 0.2.0: the PD migration checks
 _RANK = {"failed": 3, "passed": 2, "skipped": 1}
 
 

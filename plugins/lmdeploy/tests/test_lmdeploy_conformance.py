@@ -38,6 +38,8 @@ LMDeployFixtures = adapter_fixtures(
     # LMDeploy's worker calls the compat store synchronously, which waits up to 15 s per
     # call for a master: an outage blocks saves longer than the suite's budget
     supports_store_faults=False,
+    no_migration_reason="LMDeploy's migration checks run in test_lmdeploy_pd.py "
+    "(TestLMDeployMigration), on the two rank processes that module holds",
 )
 
 

@@ -26,7 +26,9 @@ pytest.importorskip(
     "lmdeploy.pytorch.disagg.backend", reason="lmdeploy is not installed (scripts/setup.sh)"
 )
 
-from mooncake_lmdeploy.testing import RankError, RankProcess, link_pair  # noqa: E402
+from mooncake_conformance import KVLayout, MigrationContract, adapter_fixtures  # noqa: E402
+from mooncake_lmdeploy.migration import migration_deadline_s  # noqa: E402
+from mooncake_lmdeploy.testing import RankError, RankPair, RankProcess, link_pair  # noqa: E402
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]
 
@@ -185,6 +187,33 @@ def test_lmdeploys_decode_loop_fails_only_the_request_whose_migration_failed(pai
     assert {11, 12} <= set(stalled["told_prefill"])
     good = request(13, [9, 10, 11])
     assert good["response"] == "SUCCESS" and good["loop_running"], good
+
+
+# the conformance status is LMDeploy's (the store checks run in test_lmdeploy_conformance.py)
+_Fixtures = adapter_fixtures(
+    "lmdeploy",
+    "mooncake_lmdeploy.store_harness:make_harness",
+    [KVLayout("packed", num_layers=4, page_size=16, num_kv_heads=2, head_dim=64)],
+    adapter_package="mooncake_lmdeploy",
+)
+
+
+class TestLMDeployMigration(MigrationContract, _Fixtures):  # type: ignore[valid-type,misc]
+    """The conformance suite's PD migration checks on this module's two rank processes:
+    LMDeploy's CacheEngine.migrate and its decode EngineLoop, our backend underneath."""
+
+    @pytest.fixture
+    def migration_pair(self, pair: Any, monkeypatch: pytest.MonkeyPatch) -> RankPair:
+        p, d, _, _ = pair
+        monkeypatch.setenv("MOONCAKE_LMDEPLOY_MIGRATION_TIMEOUT_S", str(TIMEOUT_S))
+        return RankPair(
+            p,
+            d,
+            prefill_blocks=P_BLOCKS,
+            decode_blocks=D_BLOCKS,
+            block_bytes=BLOCK_BYTES,
+            deadline_s=migration_deadline_s(),
+        )
 
 
 def test_dead_prefill_fails_fast(pair: Any) -> None:

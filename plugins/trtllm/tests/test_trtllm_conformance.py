@@ -29,6 +29,8 @@ TrtllmFixtures = adapter_fixtures(
     LAYOUTS,
     adapter_package="mooncake_trtllm",
     harness_options={"lookup_timeout_s": 2.0, "retry_after_s": 1.0},
+    no_migration_reason="the TensorRT-LLM adapter is a KV cache (store) connector only; "
+    "it has no PD migration backend",
 )
 
 

@@ -23,7 +23,7 @@ driven by JSON lines on stdin (answers ``OK {json}`` / ``ERR message`` on stdout
   seconds taken (or ``ERR`` with the backend's error);
 - ``raw_serve`` / ``raw_read`` {port, nbytes}: the raw-socket reference of the bench
   (:mod:`mooncake_core.bench.rawtcp` over the first pool's memory);
-- ``loop_start`` {blocks} / ``loop_request`` {session_id, remote_engine_id, blocks,
+- ``loop_start`` {blocks} / ``loop_info`` / ``loop_request`` {session_id, remote_engine_id, blocks,
   tokens}: LMDeploy's decode ``EngineLoop.migration_loop`` over this cache engine
   (:mod:`mooncake_lmdeploy.loop_harness`), and one migration request through it;
 - ``corrupt_link`` {remote_engine_id, delta}: a corrupt descriptor of the peer's pools;
@@ -42,7 +42,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "block_bytes",
     "RankProcess",
     "RankError",
+    "RankPair",
     "link_pair",
     "main",
 ]
@@ -199,7 +201,14 @@ class _Rank:
         (:class:`mooncake_lmdeploy.loop_harness.DecodeLoop`)."""
         from mooncake_lmdeploy.loop_harness import DecodeLoop
 
+        if self.loop is not None:
+            self.loop.close()
         self.loop = DecodeLoop(self.eng, int(m["blocks"]), int(m.get("block_size", 16)))
+        out: dict[str, Any] = self.loop.info()
+        return out
+
+    def loop_info(self, m: dict[str, Any]) -> dict[str, Any]:
+        """The decode loop's :meth:`~mooncake_lmdeploy.loop_harness.DecodeLoop.info`."""
         out: dict[str, Any] = self.loop.info()
         return out
 
@@ -373,6 +382,90 @@ def link_pair(
     info_d = decode.call("init", request=req(d_id, cfg_d, p_id, cfg_p))["info"]
     prefill.call("connect", remote_engine_id=d_id, infos=[info_d])
     decode.call("connect", remote_engine_id=p_id, infos=[info_p])
+
+
+class RankPair:
+    """A linked prefill and decode :class:`RankProcess` as a conformance ``MigrationPair``
+    (:mod:`mooncake_conformance.migration`): ``migrate`` is ``CacheEngine.migrate`` in the
+    decode rank, ``request`` one request through LMDeploy's decode ``EngineLoop``
+    (:mod:`mooncake_lmdeploy.loop_harness`, started on first use)."""
+
+    def __init__(
+        self,
+        prefill: RankProcess,
+        decode: RankProcess,
+        *,
+        prefill_blocks: int,
+        decode_blocks: int,
+        block_bytes: int,
+        deadline_s: float,
+        block_size: int = 16,
+        p_id: str = "http://127.0.0.1:23333",
+    ) -> None:
+        self.p, self.d = prefill, decode
+        self.prefill_blocks, self.decode_blocks = prefill_blocks, decode_blocks
+        self.block_bytes, self.deadline_s = block_bytes, deadline_s
+        self.block_size, self.p_id = block_size, p_id
+        self._loop = False
+
+    def _rank(self, side: str) -> RankProcess:
+        if side not in ("prefill", "decode"):
+            raise ValueError(f"side must be 'prefill' or 'decode', got {side!r}")
+        return self.p if side == "prefill" else self.d
+
+    def fill_prefill(self, seed: int) -> None:
+        self.p.call("fill", blocks=list(range(self.prefill_blocks)), seed=seed)
+
+    def zero_decode(self) -> None:
+        self.d.call("zero")
+
+    def digests(self, side: str, blocks: Sequence[int]) -> list[str]:
+        out: list[str] = self._rank(side).call("digest", blocks=list(blocks))["sha"]
+        return out
+
+    def batch(self, pairs: Sequence[tuple[int, int]]) -> dict[str, Any]:
+        """A ``MigrationExecutionBatch`` (as JSON) pulling ``pairs`` from the prefill."""
+        from lmdeploy.pytorch.disagg.conn.protocol import MigrationProtocol
+
+        return {
+            "protocol": MigrationProtocol.RDMA.value,
+            "requests": [[self.p_id, [[int(a), int(b)] for a, b in pairs]]],
+        }
+
+    def migrate(self, pairs: Sequence[tuple[int, int]]) -> None:
+        self.d.call("migrate", batch=self.batch(pairs))
+
+    def request(self, session_id: int, prefill_blocks: Sequence[int]) -> Any:
+        from mooncake_conformance.migration import MigrationOutcome
+
+        if not self._loop:
+            self.d.call("loop_start", blocks=self.decode_blocks, block_size=self.block_size)
+            self._loop = True
+        free = int(self.d.call("loop_info")["free_blocks"])
+        out = self.d.call(
+            "loop_request",
+            session_id=session_id,
+            remote_engine_id=self.p_id,
+            blocks=list(prefill_blocks),
+            tokens=len(prefill_blocks) * self.block_size - self.block_size // 2,
+        )
+        ok = out["response"] == "SUCCESS" and out["loop_running"]
+        return MigrationOutcome(
+            ok=ok,
+            error="" if ok else f"{out['response']}: {out['error'] or out['loop_error']}",
+            # what the request holds once answered (LMDeploy's block table)
+            decode_blocks=list(out["decode_blocks"]) if out["blocks_held"] else [],
+            free_before=free,
+            free_after=int(out["free_after_end"]),
+        )
+
+    @contextmanager
+    def stalled_prefill(self) -> Iterator[None]:
+        self.p.stop()
+        try:
+            yield
+        finally:
+            self.p.resume()
 
 
 def main() -> int:
