@@ -6,6 +6,7 @@ Everything listens on 127.0.0.1 and lives in one temporary directory (logs, etcd
 from __future__ import annotations
 
 import json
+import re
 import selectors
 import signal
 import socket
@@ -39,6 +40,27 @@ def rss_of(pid: int) -> tuple[int, int, int] | None:
         if key in vals:
             vals[key] = int(rest.split()[0]) * 1024
     return vals["VmRSS"], vals["RssAnon"], vals["RssShmem"]
+
+
+_MEMFD = re.compile(r"/memfd:mooncake-(\d+)")
+
+
+def mapped_engine_memory(pid: int) -> dict[int, int]:
+    """Bytes of each process's engine memory (memfd ``mooncake-<owner pid>``) that ``pid``
+    maps, by owner pid (its own included); empty once it is gone."""
+    out: dict[int, int] = {}
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            text = f.read()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        m = _MEMFD.search(line)
+        if m:
+            lo, _, hi = line.split(maxsplit=1)[0].partition("-")
+            owner = int(m.group(1))
+            out[owner] = out.get(owner, 0) + int(hi, 16) - int(lo, 16)
+    return out
 
 
 class Proc:

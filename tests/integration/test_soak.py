@@ -50,6 +50,7 @@ def test_one_minute_soak_loses_corrupts_hangs_and_leaks_nothing(tmp_path: Path) 
     assert out["hung_ops"] == 0
     assert out["workers_failed"] == 0
     assert out["rss_growth_pct_max"] < 5.0
+    assert out["dead_peer_mapped_mib"] == {}  # no killed store node's segment stays mapped
     assert {g["label"] for g in out["rss"]} >= {f"worker{i}" for i in range(4)} | {"store-stable"}
     # the load and the faults really happened
     assert out["ops"] > 1000 and out["get_hits"] > 100 and out["pd_transfers"] > 100

@@ -225,6 +225,7 @@ def test_a_peer_that_exits_is_unmapped_though_nothing_is_sent_to_it_again(
     """A store client reads from a peer's segment, the peer dies, the master drops its
     segment, and no transfer goes to it again: the mapping (the dead peer's whole segment,
     kept alive by us) must still go, found by the sweep that transfers to other peers run."""
+    from mooncake_core.bench.soak_procs import mapped_engine_memory
     from mooncake_core.transfer.transports import shm as shm_mod
 
     victim, other = spawn_peer(), spawn_peer()
@@ -234,6 +235,8 @@ def test_a_peer_that_exits_is_unmapped_though_nothing_is_sent_to_it_again(
     engine.read(victim.name, bytearray(1000), vaddr, transport="shm")
     engine.read(other.name, bytearray(1000), oaddr, transport="shm")
     assert shm.mapped_pids() >= {victim.pid, other.pid}  # type: ignore[attr-defined]
+    # what the soak's check reads (/proc/self/maps) sees the same
+    assert mapped_engine_memory(os.getpid()).get(victim.pid, 0) >= 8 << 20
     (mm,) = [mm for k, (mm, _b) in shm._maps.items() if k[0] == victim.pid]  # type: ignore[attr-defined]
     victim.kill()
     deadline = time.monotonic() + 10 + shm_mod.SWEEP_S
@@ -243,6 +246,7 @@ def test_a_peer_that_exits_is_unmapped_though_nothing_is_sent_to_it_again(
     assert victim.pid not in shm.mapped_pids(), "the dead peer's segment is still mapped"  # type: ignore[attr-defined]
     assert mm.closed
     assert other.pid in shm.mapped_pids()  # type: ignore[attr-defined]  # the live one is kept
+    assert victim.pid not in mapped_engine_memory(os.getpid())
 
 
 def test_broken_connection_is_retried_and_completes(
