@@ -135,6 +135,9 @@ class _Rank:
     def __init__(self) -> None:
         self.eng: Any = None
         self.raw_buf: Any = None
+        # one event loop for every migrate, as in LMDeploy's engine (asyncio.run made a
+        # loop and tore it down inside each timed call)
+        self.aloop = asyncio.new_event_loop()
         self.loop: Any = None
         self.saved_regions: dict[str, dict[int, tuple[int, int]]] = {}
 
@@ -193,7 +196,7 @@ class _Rank:
 
         batch = MigrationExecutionBatch.model_validate(m["batch"])
         t0 = time.perf_counter()
-        asyncio.run(self.eng.migrate(batch))
+        self.aloop.run_until_complete(self.eng.migrate(batch))
         return {"seconds": time.perf_counter() - t0}
 
     def loop_start(self, m: dict[str, Any]) -> dict[str, Any]:
@@ -502,6 +505,7 @@ def main() -> int:
     impl = getattr(rank.eng, "migration_backend_impl", None)
     if impl is not None and hasattr(impl, "close"):
         impl.close()
+    rank.aloop.close()
     return 0
 
 
