@@ -41,7 +41,15 @@ from mooncake_conformance.harness import EngineHarness, HarnessSpec
 
 from mooncake_lmdeploy.testing import block_bytes, cpu_cache_engine
 
-__all__ = ["LMDeployStoreHarness", "make_harness", "HostRow", "HostEvent"]
+__all__ = ["LMDeployStoreHarness", "make_harness", "HostRow", "HostEvent", "preload"]
+
+
+def preload() -> None:
+    """Import what a harness needs, so the conformance suite's worker processes fork from one
+    process that did it (see ``mooncake_conformance.worker``)."""
+    import torch  # noqa: F401
+    from lmdeploy.pytorch.kv_connector.mooncake.store import worker  # noqa: F401
+
 
 _ids = iter(range(1, 1 << 62))
 

@@ -45,9 +45,20 @@ if TYPE_CHECKING:
 
     from mooncake_vllm.store_keys import StoreKeyScheme
 
-__all__ = ["VLLMStoreHarness", "make_harness", "allocate_cpu_kv_caches"]
+__all__ = ["VLLMStoreHarness", "make_harness", "allocate_cpu_kv_caches", "preload"]
 
 _ids = itertools.count()
+
+
+def preload() -> None:
+    """Import what a harness needs (about 10 s of CPU), so the conformance suite's worker
+    processes fork from one process that did it (see ``mooncake_conformance.worker``)."""
+    import torch  # noqa: F401
+    import vllm.v1.attention.backends.cpu_attn  # noqa: F401
+    import vllm.v1.kv_cache_interface  # noqa: F401
+    import vllm.v1.worker.utils  # noqa: F401
+
+    import mooncake_vllm.store_connector  # noqa: F401
 
 
 def allocate_cpu_kv_caches(
