@@ -22,6 +22,14 @@ def test_status_merges_runs_and_detects_staleness(
     assert status.describe("x", "mooncake_conformance").startswith(
         f"passed {len(names)} of {len(names)}"
     )
+    # a skip of the same sources (the check ran in another module) keeps the pass
+    status.write_status("x", "mooncake_conformance", {names[0]: "skipped"}, {names[0]: "why"})
+    assert status.describe("x", "mooncake_conformance").startswith(
+        f"passed {len(names)} of {len(names)}"
+    )
+    status.write_status("x", "mooncake_conformance", {names[0]: "failed"}, {})
+    assert status.describe("x", "mooncake_conformance").startswith("FAILED 1 of")
+    status.write_status("x", "mooncake_conformance", {names[0]: "passed"}, {})
     p = tmp_path / "x.json"
     data = json.loads(p.read_text())
     data["source_digest"] = "0" * 16

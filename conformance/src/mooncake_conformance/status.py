@@ -9,7 +9,8 @@ with parameters passes only if every parameter passed). ``<dir>`` is
 The file records a digest of the adapter package's sources; :func:`describe` (what
 ``mooncake-core plugins`` shows through each adapter's ``mooncake_adapter_info``) calls
 a result *stale* once the sources changed, and *incomplete* when some checks never ran.
-Runs that only cover some checks merge with the last run of the same sources.
+Runs that only cover some checks merge with the last run of the same sources (a skip
+does not replace a recorded pass or failure).
 """
 
 from __future__ import annotations
@@ -117,7 +118,11 @@ def write_status(
     if old and old.get("source_digest") == digest and old.get("suite_version") == SUITE_VERSION:
         merged.update(old.get("checks", {}))
         old_reasons = dict(old.get("skip_reasons", {}))
-    merged.update(checks)
+    for name, outcome in checks.items():
+        # a skip says nothing new: it never hides what a run of the same sources found
+        # (an adapter may run a check in one module and skip it in another)
+        if outcome != "skipped" or merged.get(name) not in ("passed", "failed"):
+            merged[name] = outcome
     old_reasons.update(reasons)
     data = {
         "adapter": adapter,
