@@ -117,10 +117,11 @@ def _store_round(
     quick: bool,
     rnd: int,
     big: np.ndarray | None = None,
+    only_1m: bool = False,
 ) -> dict[str, float]:
     out: dict[str, float] = {}
     budget = (48 << 20) if quick else (192 << 20)
-    for size in SIZES:
+    for size in [1 << 20] if only_1m else SIZES:
         n = max(3, min(300 if not quick else 100, budget // size))
         keys = [f"r{rnd}/s{size}/{i}" for i in range(n)]
         sv, dv = _mv(src)[:size], _mv(dst)[:size]
@@ -152,6 +153,8 @@ def _store_round(
         if rnd == 0 and size == 1 << 20 and not np.array_equal(src[:size], dst[:size]):
             raise AssertionError("store bench read back wrong bytes")
         client.remove_by_regex(f"^r{rnd}/s{size}/", force=True)
+    if only_1m:
+        return out
     reps = 3 if quick else 8
     bviews = [_mv(src)[i * BATCH_SZ : (i + 1) * BATCH_SZ] for i in range(BATCH_N)]
     dviews = [_mv(dst)[i * BATCH_SZ : (i + 1) * BATCH_SZ] for i in range(BATCH_N)]
@@ -302,7 +305,7 @@ def _wait_file(
     raise RuntimeError(f"{what} was not ready within {timeout:.0f}s")
 
 
-def run_bench(quick: bool, transport: str, rounds: int) -> dict[str, Any]:
+def run_bench(quick: bool, transport: str, rounds: int, only_1m: bool = False) -> dict[str, Any]:
     from mooncake_core.store import StoreClient
 
     tmp = tempfile.mkdtemp(prefix="mc-bench-store-")
@@ -360,7 +363,7 @@ def run_bench(quick: bool, transport: str, rounds: int) -> dict[str, Any]:
         with StoreClient(master=addr, segment_size=0, transport=transport) as client:
             for rnd in range(rounds):
                 row: dict[str, float] = {}
-                for size in (1 << 20, 16 << 20):
+                for size in (1 << 20,) if only_1m else (1 << 20, 16 << 20):
                     reps = max(2, (64 << 20) // size // (2 if quick else 1))
                     sv, dv = _mv(src)[:size], _mv(dst)[:size]
                     row[f"raw_tcp_put_gbps_{_label(size)}"] = _gbps(
@@ -369,22 +372,27 @@ def run_bench(quick: bool, transport: str, rounds: int) -> dict[str, Any]:
                     row[f"raw_tcp_get_gbps_{_label(size)}"] = _gbps(
                         size, functools.partial(raw.read, dv), reps
                     )
-                row.update(_store_round(client, seg, src, dst, quick, rnd, big))
-                row["memcpy_gbps_16m"] = _gbps(
-                    16 << 20, lambda: np.copyto(a[: 16 << 20], src[: 16 << 20]), 8
-                )
-                row["memcpy_cold_gbps_16m"] = _cold_memcpy(big, a)
-                row["memcpy_gbps_64m"] = _gbps(64 << 20, lambda: np.copyto(a, src), 4)
-                # the limit at 1 MiB over loopback is the bare socket: ours / it, in this round
+                row.update(_store_round(client, seg, src, dst, quick, rnd, big, only_1m))
                 for op in ("put", "get"):
                     row[f"{op}_gbps_1m_ratio_vs_socket"] = (
                         row[f"{op}_gbps_1m"] / row[f"raw_tcp_{op}_gbps_1m"]
                     )
                 rows.append(row)
-            meta = _meta(client, seg, quick)
+                if only_1m:
+                    continue
+                row["memcpy_gbps_16m"] = _gbps(
+                    16 << 20, lambda: np.copyto(a[: 16 << 20], src[: 16 << 20]), 8
+                )
+                row["memcpy_cold_gbps_16m"] = _cold_memcpy(big, a)
+                row["memcpy_gbps_64m"] = _gbps(64 << 20, lambda: np.copyto(a, src), 4)
+            meta = {} if only_1m else _meta(client, seg, quick)
         result: dict[str, Any] = {
             k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]
         }
+        result["transport"] = transport
+        result["rounds"] = rounds
+        if only_1m:
+            return result
         result.update({k: round(v, 1) for k, v in meta.items()})
         # the shm target's reference: a memcpy of the same bytes in the same pattern (n distinct
         # 16 MiB sources, each read as often as the gets read them); hot = one source again and
@@ -401,8 +409,6 @@ def run_bench(quick: bool, transport: str, rounds: int) -> dict[str, Any]:
         result["get_vs_raw_tcp_16m"] = round(
             result["get_gbps_16m"] / result["raw_tcp_get_gbps_16m"], 3
         )
-        result["transport"] = transport
-        result["rounds"] = rounds
         return result
     finally:
         store_hot.stop_processes(procs)
@@ -430,6 +436,12 @@ def main(argv: list[str] | None = None) -> int:
         help="a Python with mooncake-transfer-engine-non-cuda installed: also run the published "
         "store",
     )
+    ap.add_argument(
+        "--only-1m",
+        action="store_true",
+        help="only the 1 MiB puts and gets against the bare socket (the *_ratio_vs_socket "
+        "figures; the quickest check of the client's hot path)",
+    )
     ap.add_argument("--role", default="reader", help=argparse.SUPPRESS)
     ap.add_argument("--master", default="", help=argparse.SUPPRESS)
     ap.add_argument("--segment-size", type=int, default=0, help=argparse.SUPPRESS)
@@ -438,6 +450,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "holder":
         return _holder(args.master, args.segment_size, args.ready_file)
     rounds = args.rounds or (2 if args.quick else 3)
+    if args.only_1m:
+        res = run_bench(args.quick, args.transport, rounds, only_1m=True)
+        print(
+            f"store bench 1m only ({res['transport']}, median of {rounds} rounds): "
+            f"put {res['put_gbps_1m']:.2f} GB/s, {res['put_gbps_1m_ratio_vs_socket']:.2f}x "
+            f"the bare socket ({res['raw_tcp_put_gbps_1m']:.2f} GB/s); get "
+            f"{res['get_gbps_1m']:.2f} GB/s, {res['get_gbps_1m_ratio_vs_socket']:.2f}x "
+            f"({res['raw_tcp_get_gbps_1m']:.2f} GB/s); get with no remembered locations "
+            f"{res['get_uncached_gbps_1m']:.2f} GB/s"
+        )
+        if args.json:
+            print(json.dumps(res))
+        return 0
     if not args.compare_mooncake:
         res = run_bench(args.quick, args.transport, rounds)
     else:  # alternate ours and theirs, one round each, so machine drift hits both

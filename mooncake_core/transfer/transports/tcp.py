@@ -49,6 +49,9 @@ __all__ = ["TCPTransport", "TCPConnection"]
 logger = logging.getLogger(__name__)
 
 WINDOW = 32  # outstanding requests per connection
+# Spin for the answer only to slices up to this size: a larger one is never answered within the
+# spin, and polling on a small host takes the core the peer (and the store master) need then.
+SPIN_MAX_BYTES = 256 << 10
 READV_MIN_VERSION = 2  # peers from this protocol version on serve READV
 
 
@@ -242,7 +245,7 @@ class TCPConnection:
                 sent += 1
             unit = units[recvd]
             it = unit[0]
-            if self.spin_s:
+            if self.spin_s and it.length <= SPIN_MAX_BYTES:
                 self._spin()
             if not recv_exact(sock, head):
                 raise ConnectionError("peer closed the connection")
