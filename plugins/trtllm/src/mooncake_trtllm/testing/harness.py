@@ -48,7 +48,23 @@ from mooncake_trtllm.testing.standins import (
     FakeSchedulerOutput,
 )
 
-__all__ = ["TrtllmStoreHarness", "make_harness", "engine_step", "StepResult", "make_pool"]
+__all__ = [
+    "TrtllmStoreHarness",
+    "make_harness",
+    "engine_step",
+    "StepResult",
+    "make_pool",
+    "preload",
+]
+
+
+def preload() -> None:
+    """Import what a harness needs (torch, the connector), so the conformance suite's worker
+    processes fork from one process that did it (see ``mooncake_conformance.worker``)."""
+    import torch  # noqa: F401
+
+    import mooncake_trtllm.connector  # noqa: F401
+
 
 _ids = itertools.count(1)
 
