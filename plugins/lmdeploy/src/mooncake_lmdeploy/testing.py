@@ -46,6 +46,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from mooncake_core.transfer.procfs import all_threads_stopped
+
 __all__ = [
     "cpu_cache_engine",
     "engine_config",
@@ -272,20 +274,6 @@ class RankError(RuntimeError):
     """A rank process answered ``ERR``."""
 
 
-def _all_threads_stopped(pid: int) -> bool:
-    """True when every thread of ``pid`` is in state T (stopped) per ``/proc``."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-        for tid in tids:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                # "tid (comm) S ...": comm may hold spaces and parentheses
-                if f.read().rpartition(")")[2].split()[0] not in ("T", "t"):
-                    return False
-    except (FileNotFoundError, ProcessLookupError):
-        return False  # exited, or a thread ended while we looked: look again
-    return bool(tids)
-
-
 class RankProcess:
     """``python -m mooncake_lmdeploy.testing`` in a process of its own (one engine rank)."""
 
@@ -330,7 +318,7 @@ class RankProcess:
         a loaded machine; a "stalled" peer would then still answer."""
         os.kill(self.proc.pid, signal.SIGSTOP)
         deadline = time.monotonic() + timeout
-        while not _all_threads_stopped(self.proc.pid):
+        while not all_threads_stopped(self.proc.pid):
             if self.proc.poll() is not None:
                 raise RankError(f"rank {self.name} exited (code {self.proc.poll()}) while stopping")
             if time.monotonic() > deadline:
