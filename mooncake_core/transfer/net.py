@@ -37,6 +37,18 @@ def recv_exact(sock: socket.socket, view: memoryview) -> bool:
     return True
 
 
+def _advance(bufs: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes of ``bufs`` (moved by one ``sendmsg``/``recvmsg_into``): the
+    buffers they fill whole, and the front of the next one."""
+    done = 0
+    while n and n >= len(bufs[done]):
+        n -= len(bufs[done])
+        done += 1
+    del bufs[:done]
+    if n:
+        bufs[0] = bufs[0][n:]
+
+
 def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
     """Fill every view of ``views`` in order from ``sock`` (scatter ``recvmsg_into``, at most
     1024 buffers a call); raises ConnectionError on an EOF before all are full."""
@@ -48,14 +60,7 @@ def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
         if k == 0:
             raise ConnectionError(f"connection closed after {got} of {want} bytes")
         got += k
-        while k:
-            first = bufs[0]
-            if k >= len(first):
-                k -= len(first)
-                bufs.pop(0)
-            else:
-                bufs[0] = first[k:]
-                k = 0
+        _advance(bufs, k)
 
 
 def send_parts(sock: socket.socket, parts: list[memoryview | bytes]) -> None:
@@ -63,12 +68,4 @@ def send_parts(sock: socket.socket, parts: list[memoryview | bytes]) -> None:
     bufs = [p if isinstance(p, memoryview) else memoryview(p) for p in parts]
     bufs = [b for b in bufs if len(b)]
     while bufs:
-        sent = sock.sendmsg(bufs[:64])
-        while sent:
-            first = bufs[0]
-            if sent >= len(first):
-                sent -= len(first)
-                bufs.pop(0)
-            else:
-                bufs[0] = first[sent:]
-                sent = 0
+        _advance(bufs, sock.sendmsg(bufs[:64]))
