@@ -245,7 +245,8 @@ class TCPConnection:
                 sent += 1
             unit = units[recvd]
             it = unit[0]
-            if self.spin_s and it.length <= SPIN_MAX_BYTES:
+            want = sum(u.length for u in unit)  # bytes this request moves (a READV: all ranges)
+            if self.spin_s and want <= SPIN_MAX_BYTES:
                 self._spin()
             if not recv_exact(sock, head):
                 raise ConnectionError("peer closed the connection")
@@ -254,7 +255,6 @@ class TCPConnection:
                 raise ConnectionError("bad response magic")
             if status == Status.OK:
                 if it.op == READ:
-                    want = sum(u.length for u in unit)
                     if length != want:
                         raise ConnectionError(
                             f"peer answered {length} bytes for a {want}-byte read"
