@@ -222,11 +222,13 @@ class ShmTransport(Transport):
         with self._lock:
             return {k[0] for k in self._maps}
 
-    def _sweep(self, force: bool = False) -> None:
+    def _sweep(self) -> None:
         """Drop the mappings of peers that exited (at most every :data:`SWEEP_S`)."""
         now = time.monotonic()
+        if now < self._next_sweep:  # every transfer passes here: no lock until a sweep is due
+            return
         with self._lock:
-            if not force and now < self._next_sweep:
+            if now < self._next_sweep:  # another thread took this sweep
                 return
             self._next_sweep = now + SWEEP_S
             started = dict(self._started)
