@@ -504,29 +504,28 @@ def test_cli_seeds_a_directory_and_a_file_and_get_writes_them_back_byte_for_byte
     (src / "sub").mkdir(parents=True)
     (src / "model-00001.safetensors").write_bytes(bytes(blob(3 << 20, 8)))
     (src / "sub" / "config.json").write_bytes(b'{"layers": 2}')
-    name, ready = unique("cli"), tmp_path / "ready.json"
-    seed = subprocess.Popen(
-        [
-            *cli,
-            "seed",
-            str(src),
-            "--name",
-            name,
-            "--shard-size",
-            "512KB",
-            "--ready-file",
-            str(ready),
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
+
+    def start_seed(args: list[str], ready: Path) -> subprocess.Popen[str]:
+        """``p2p seed ARGS``, once its ready file says it serves (killed if it never does)."""
+        proc = subprocess.Popen(
+            [*cli, "seed", *args, "--ready-file", str(ready)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         end = time.monotonic() + 30
-        while not ready.exists() and time.monotonic() < end and seed.poll() is None:
+        while not ready.exists() and time.monotonic() < end and proc.poll() is None:
             time.sleep(0.1)
-        assert ready.exists(), seed.stderr.read() if seed.stderr else ""
+        if not ready.exists():
+            proc.kill()
+            proc.wait()
+        assert ready.exists(), proc.stderr.read() if proc.stderr else ""
+        return proc
+
+    name = unique("cli")
+    seed = start_seed([str(src), "--name", name, "--shard-size", "512KB"], tmp_path / "ready.json")
+    try:
         out = tmp_path / "out"
         r = subprocess.run([*cli, "get", name, str(out)], env=env, capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
@@ -550,19 +549,8 @@ def test_cli_seeds_a_directory_and_a_file_and_get_writes_them_back_byte_for_byte
         assert seed.wait(15) == 0  # the seeder noticed and stopped serving
         assert "stopped serving" in (seed.stdout.read() if seed.stdout else "")
         # a single file seeds too, and get writes it to the file path OUT
-        one, ready1 = src / "model-00001.safetensors", tmp_path / "ready1.json"
-        name1 = unique("cli1")
-        seed = subprocess.Popen(
-            [*cli, "seed", str(one), "--name", name1, "--ready-file", str(ready1)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        end = time.monotonic() + 30
-        while not ready1.exists() and time.monotonic() < end and seed.poll() is None:
-            time.sleep(0.1)
-        assert ready1.exists(), seed.stderr.read() if seed.stderr else ""
+        one, name1 = src / "model-00001.safetensors", unique("cli1")
+        seed = start_seed([str(one), "--name", name1], tmp_path / "ready1.json")
         got = tmp_path / "one.safetensors"
         r = subprocess.run([*cli, "get", name1, str(got)], env=env, capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
