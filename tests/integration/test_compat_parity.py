@@ -668,20 +668,37 @@ PORT_CASES: list[tuple[dict[str, str], tuple[int, int]]] = [
 ]
 
 
-def _port_env_runs(python: str, tmp_path: Path, ours: bool, master: tuple[str, str]) -> list[Any]:
+def _free_range(lo: int, hi: int, n: int = 10) -> int:
+    """A random ``base`` in [lo, hi) whose ports ``base .. base+n-1`` all bind now. Ranges stay
+    below Linux's ephemeral ports (32768 on): a CI run saw the published store client, its
+    whole range taken, fall back to a port outside it."""
     import random
+    import socket
 
+    for _ in range(200):
+        base = random.randrange(lo, hi, 10)
+        try:
+            for p in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("0.0.0.0", p))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {n} free consecutive ports between {lo} and {hi}")
+
+
+def _port_env_runs(python: str, tmp_path: Path, ours: bool, master: tuple[str, str]) -> list[Any]:
     script = _script(tmp_path, PORT_ENV)
     out = []
     for i, (env_t, (lo, hi)) in enumerate(PORT_CASES):
-        base = random.randrange(20000, 29000, 10)
+        base = _free_range(20000, 27000)
         env = harness._env(ours)
         env.update({k: v.format(b=base, b9=base + 9) for k, v in env_t.items()})
         if (lo, hi) == (0, 9):
             lo, hi = base, base + 9
         args = [str(lo), str(hi)]
         if i == 0:  # the store client's own pair, with a master
-            cbase = base + 5000
+            cbase = _free_range(27000, 32000)
             env.update(
                 {"MC_STORE_CLIENT_MIN_PORT": str(cbase), "MC_STORE_CLIENT_MAX_PORT": str(cbase + 9)}
             )
