@@ -72,7 +72,7 @@ logger = logging.getLogger(__name__)
 _WARM_PREFIX = "mcv-warm-up"  # keys of the start-up probe (never a KV page: no "mcv/")
 _LOAD_THREADS = 4  # batches read from the store at once
 _LOAD_BATCHES = 0  # default of the load_batches option (0: one batch per layer)
-_IO_CPUS = "engine"  # default of the io_cpus option
+_IO_CPUS = "spare"  # default of the io_cpus option
 _SAVE_NICE = 10  # niceness of the save thread
 
 
@@ -307,18 +307,36 @@ class _StoreScheduler:
             self.client = None
 
 
-def _io_cpus(extra: dict[str, Any]) -> set[int] | None:
-    """The CPUs the connector's I/O threads may run on: None keeps vLLM's binding
-    (``io_cpus: engine``); ``any`` (the default) lets them leave the cores vLLM binds its
-    compute threads to."""
+_IO_CPU_MODES = ("spare", "any", "engine")
+
+
+def _io_cpus(extra: dict[str, Any]) -> str:
+    """The ``io_cpus`` option, checked: where the connector's I/O threads may run.
+
+    - ``spare`` (the default): on the CPUs of the process's cpuset that vLLM did not bind its
+      compute to (a page copy then never takes the forward's core); where vLLM bound nothing,
+      or bound every CPU, the threads stay where they are.
+    - ``any``: on any CPU of the cpuset, the forward's included.
+    - ``engine``: on the cores vLLM binds its compute threads to (they inherit that binding).
+    """
     how = str(option(extra, "io_cpus", _IO_CPUS))
-    if how not in ("any", "engine"):
+    if how not in _IO_CPU_MODES:
         raise ValueError(
-            f"kv_connector_extra_config.io_cpus must be 'any' or 'engine', got {how!r}"
+            f"kv_connector_extra_config.io_cpus must be 'spare', 'any' or 'engine', got {how!r}"
         )
+    return how
+
+
+def _resolve_io_cpus(how: str) -> set[int] | None:
+    """The CPU set of ``how`` for threads started now (None: keep the inherited binding).
+    Called on vLLM's main thread after vLLM bound it to its compute cores."""
     if how == "engine" or not hasattr(os, "sched_setaffinity"):
         return None
-    return set(range(os.cpu_count() or 1))  # the kernel keeps them inside the cgroup's cpuset
+    every = set(range(os.cpu_count() or 1))  # the kernel keeps them inside the cgroup's cpuset
+    if how == "any":
+        return every
+    spare = every - os.sched_getaffinity(0)
+    return spare or None
 
 
 def _set_cpus(tid: int, cpus: set[int] | None) -> None:
@@ -364,19 +382,20 @@ class _StoreWorker:
         self._load_secs = 0.0  # this step's load-thread seconds (added to the counters once)
         self._load_meta: dict[str, float] = {}
         self._load_errors: set[int] = set()
-        self.io_cpus = _io_cpus(extra)
+        self.io_cpu_mode = _io_cpus(extra)
+        # resolved when the KV caches are registered, once vLLM has bound its compute threads;
+        # the pools' threads start later and read it then
+        self.io_cpus: set[int] | None = None
         # saves are off the critical path: the save thread yields the core to the forward
         self._save_pool = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="mc-vllm-save",
-            initializer=_lower_priority,
-            initargs=(self.io_cpus,),
+            initializer=lambda: _lower_priority(self.io_cpus),
         )
         self._load_pool = ThreadPoolExecutor(
             max_workers=_LOAD_THREADS,
             thread_name_prefix="mc-vllm-load",
-            initializer=_set_cpus,
-            initargs=(0, self.io_cpus),
+            initializer=lambda: _set_cpus(0, self.io_cpus),
         )
         self.warm = parse_bool(option(extra, "warm_up", True), "warm_up")
         self.warm_up_s: float | None = None  # how long the start-up probe took (None: not run)
@@ -398,6 +417,7 @@ class _StoreWorker:
         cfg = config_from_engine(self.extra)
         seg = self.extra.get("segment_size")
         size = int(cfg.global_segment_size) if seg is None else int(parse_size(seg))
+        self.io_cpus = _resolve_io_cpus(self.io_cpu_mode)
         try:
             self.client = StoreClient(
                 cfg, segment_size=size, failover_timeout_s=self.retry_timeout_s, tenant=self.tenant

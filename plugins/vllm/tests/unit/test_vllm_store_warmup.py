@@ -181,29 +181,32 @@ def test_bad_load_options_are_one_clear_error() -> None:
 
     with pytest.raises(ValueError, match="load_batches must be >= 0"):
         _StoreWorker(_vc(), {"load_batches": -1}, "bad", 0)
-    with pytest.raises(ValueError, match="io_cpus must be 'any' or 'engine'"):
+    with pytest.raises(ValueError, match="io_cpus must be 'spare', 'any' or 'engine'"):
         _StoreWorker(_vc(), {"io_cpus": "sometimes"}, "bad", 0)
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 def test_io_threads_may_leave_the_engine_cores(master: Any) -> None:
     """vLLM binds its main thread to its compute cores, and threads it starts inherit that.
-    ``io_cpus: any`` lets the connector's load threads and the store client's threads run
-    elsewhere; ``engine`` (the default) keeps them on the engine's cores."""
+    ``io_cpus: spare`` (the default) moves the connector's load threads and the store
+    client's threads to the other CPUs, ``any`` lets them run anywhere, ``engine`` keeps them
+    on the engine's cores."""
     import torch
     from mooncake_vllm.store_connector import _StoreWorker
 
     cpus = os.sched_getaffinity(0)
     engine_core = {min(cpus)}
+    want = {"engine": engine_core, "any": cpus, "spare": cpus - engine_core}
 
-    def start(how: str, out: list[Any]) -> None:  # as vLLM's bound main thread would
+    def start(how: str | None, out: list[Any]) -> None:  # as vLLM's bound main thread would
         os.sched_setaffinity(0, engine_core)
         kv = {"model.layers.0.self_attn.attn": torch.zeros(4, 2, 32, 16)}
-        w = _StoreWorker(_vc(), _extra(master, segment_size="4MiB", io_cpus=how), how, 0)
+        opts = {} if how is None else {"io_cpus": how}
+        w = _StoreWorker(_vc(), _extra(master, segment_size="4MiB", **opts), str(how), 0)
         out.append(w)
         w.register_kv_caches(kv)
 
-    for how in ("engine", "any"):
+    for how in ("engine", "any", "spare", None):
         made: list[Any] = []
         t = threading.Thread(target=start, args=(how, made))
         t.start()
@@ -211,10 +214,10 @@ def test_io_threads_may_leave_the_engine_cores(master: Any) -> None:
         w = made[0]
         try:
             assert w.client is not None and w.warm_up_s is not None
-            threads = [*w._load_pool._threads, w.client._poller]
-            assert len(threads) > 1
+            threads = [*w._load_pool._threads, *w._save_pool._threads, w.client._poller]
+            assert len(threads) > 2
             for th in threads:
                 got = os.sched_getaffinity(th.native_id)
-                assert (got == engine_core) if how == "engine" else (got >= cpus), (how, th.name)
+                assert got == want[how or "spare"], (how, th.name, got)
         finally:
             w.close()
