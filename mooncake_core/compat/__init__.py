@@ -67,6 +67,8 @@ LAZY_MODULES: dict[str, str] = {
     "mooncake.async_store": "mooncake_core.compat.async_store",
     "mooncake.buffer_pool": "mooncake_core.compat.buffer_pool",
     "mooncake.structured_object_store": "mooncake_core.compat.structured_object_store",
+    "mooncake.dataproto_catalog": "mooncake_core.compat.dataproto_catalog",
+    "mooncake.reshard": "mooncake_core.compat.reshard",
 }
 
 
@@ -89,13 +91,21 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        ours = LAZY_MODULES.get(fullname)
-        if ours is None or not installed():
+        if not installed():
             return None
+        ours = LAZY_MODULES.get(fullname)
+        if ours is None:  # a submodule of a lazy package: mooncake.reshard.weight
+            parent, _, leaf = fullname.rpartition(".")
+            base = LAZY_MODULES.get(parent) or _SUBMODULES.get(parent)
+            if base is None or importlib.util.find_spec(f"{base}.{leaf}") is None:
+                return None
+            ours = _SUBMODULES[fullname] = f"{base}.{leaf}"
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(ours))
 
 
 _FINDER = _AliasFinder()
+#: submodules of the lazy packages found so far (upstream name -> ours)
+_SUBMODULES: dict[str, str] = {}
 
 
 def __getattr__(name: str) -> Any:
@@ -156,7 +166,7 @@ def uninstall() -> None:
     """Undo :func:`install` (for tests)."""
     if _FINDER in sys.meta_path:
         sys.meta_path.remove(_FINDER)
-    for upstream in [*_MODULES, *LAZY_MODULES]:
+    for upstream in [*_MODULES, *LAZY_MODULES, *_SUBMODULES]:
         mod = sys.modules.get(upstream)
         if mod is not None and mod.__name__.startswith("mooncake_core.compat"):
             del sys.modules[upstream]

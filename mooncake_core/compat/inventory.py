@@ -51,8 +51,6 @@ _SSD = "remote SSD provisioning over SSH (paramiko, SPDK targets): an operator t
 _NOF = "NVMe-over-Fabrics segments: needs NoF hardware and the published master's NoF RPCs"
 _CUDA_T = "CUDA tensors; the non-CUDA wheel refuses them too"
 _ENGRAM = "Engram embedding tables (a research feature of the wheel): out of scope"
-_DATAPROTO = "verl DataProto catalogs and bundles (RL training data plane): out of scope"
-_RESHARD = "weight resharding manifests (RL weight sync): out of scope"
 _CLI = "the published command-line tools; ours is `mooncake-core` (docs/store.md)"
 _SEG = (
     "file-backed and local-disk segments (mount_segment(path)): our segments are memory;"
@@ -80,8 +78,6 @@ NOT_PROVIDED: dict[str, str] = {
     "mooncake.cli_bench": _CLI,
     "mooncake.cli_client": _CLI,
     "mooncake.transfer_engine_topology_dump": _TOPO,
-    "mooncake.dataproto_catalog": _DATAPROTO,
-    "mooncake.reshard": _RESHARD,
     "mooncake.mooncake_store_service": "the published store's HTTP service; ours: `mooncake-core`",
     "mooncake._fast_copy": "a private C helper of the wheel",
     # mooncake.engine

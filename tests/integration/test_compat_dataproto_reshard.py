@@ -1,0 +1,158 @@
+"""``mooncake.dataproto_catalog`` and ``mooncake.reshard``: ours against the published
+0.3.13 modules.
+
+``dataproto_reshard_calls.py`` makes the same calls on both (a catalog's tags, rows,
+fragments, pinned reads, appends, removals and drain, through ``DataProtoCatalogTransfer``
+over a dict-backed ``MooncakeBundleTransfer``; the reshard contracts and their errors)
+and prints every result plus every stored key. torch is hidden on both sides, so the
+wheel side needs only numpy and msgpack in the scratch venv; it is skipped, saying how to
+enable it, when that venv is absent. The ours-only test asserts the behaviour itself, so
+it checks something where the wheel is not installed (CI).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import test_compat_parity as parity
+
+from mooncake_core.bench.published import peer
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).with_name("dataproto_reshard_calls.py")
+
+
+def _start(python: str, side: str) -> subprocess.Popen[str]:
+    env = dict(peer().mooncake_env(), GLOG_minloglevel="2")
+    if side == "ours":
+        env["PYTHONPATH"] = str(ROOT)
+    return subprocess.Popen(
+        [python, str(SCRIPT), side],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _result(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    data: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return data
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, Any]:
+    """Both runs, started at once."""
+    try:
+        theirs_python: str | None = parity.published_python_with("numpy", "msgpack")
+    except pytest.skip.Exception as exc:
+        theirs_python, reason = None, str(exc)
+    procs = {"ours": _start(sys.executable, "ours")}
+    if theirs_python is not None:
+        procs["theirs"] = _start(theirs_python, "theirs")
+    out: dict[str, Any] = {name: _result(proc) for name, proc in procs.items()}
+    out.setdefault("theirs", reason if theirs_python is None else None)
+    return out
+
+
+def test_ours_answers_and_stores_as_the_published_modules(runs: dict[str, Any]) -> None:
+    theirs, ours = runs["theirs"], runs["ours"]
+    if isinstance(theirs, str):
+        pytest.skip(theirs)
+    assert theirs["module"] == "mooncake" and ours["module"] == "mooncake_core"
+    assert len(theirs) > 100  # the run did the work
+    diff = {k: (theirs.get(k), ours.get(k)) for k in set(theirs) | set(ours) if k != "module"}
+    assert {k: v for k, v in diff.items() if v[0] != v[1]} == {}
+
+
+def test_catalog_behaviour_on_ours(runs: dict[str, Any]) -> None:
+    """The catalog's answers asserted on ours alone (runs without the wheel)."""
+    ours = runs["ours"]
+    assert ours["tags_merge"]["tags"] == [{"x": 2, "l": [1], "y": 3}]
+    assert ours["e_keys_dup"] == ["error", "ValueError", "keys must be unique"]
+    assert ours["e_tags_type"] == ["error", "TypeError", "tags must be mappings"]
+    assert ours["publish_again"] == ours["publish_tags"]  # idempotent until acknowledged
+    assert ours["publish_after_ack"]["tags"] == [{"t": 3}]
+    # a published fragment: its id is the manifest key, its rows resolve in key order
+    put, res = ours["put"], ours["resolve"]
+    assert put["fields"] == ["ids", "score"] and ours["fragment_is_manifest_key"] is True
+    assert res["read_token"] == 1 and res["keys"] == ["b", "a"]
+    ((fid, handle),) = res["handles"].items()
+    assert res["field_groups"] == [{"fields": ["ids", "score"], "locations": [[fid, 1], [fid, 0]]}]
+    assert handle["type"] == "mooncake_dataproto_ref" and res["meta_info"] == {"step": 10}
+    assert ours["read_fragment"]["ids"] == ["ndarray", "<i8", [2], [10, 11]]
+    # append: the appended handle replaces the fragment; the old one is stale
+    assert ours["append"]["fields"] == ["ids", "score", "adv"]
+    assert ours["e_append_stale"][2].startswith("stale DataProto append handle")
+    # retirement waits for pinned reads: removing row a frees its fragments at once,
+    # except the pinned one, which goes (cleaned from the store) when its read ends
+    assert ours["resolve_pin_a"]["read_token"] == 2
+    assert len(ours["keys_pinned"]) == 3 and all("0008/" in k for k in ours["keys_pinned"])
+    assert ours["keys_released"] == [] and ours["list_empty"] == {"p": {"c": {"z": 1}}}
+    assert ours["calls"][-7:-2] == [
+        "resolve",
+        "remove",
+        "ack_retired",
+        "release_read",
+        "ack_retired",
+    ]
+    assert ours["resolve_mixed"][2] == "conflicting DataProto meta_info value for 'step'"
+    assert ours["e_drain_pinned"][2] == "cannot drain DataProto catalog with 1 active read(s)"
+    assert ours["e_mismatch"][2].startswith("DataProto fragment management mismatch")
+    assert ours["publish_append_stale"] == {
+        "append_rejected": "stale DataProto append handle: 'nofrag'"
+    }
+    assert ours["publish_append_repeat"] == ours["publish_append_stale"]  # same operation id
+    # drain removed every managed fragment from the store; the unmanaged one stays
+    assert ours["keys_after_drain"] and all("/u/" in k for k in ours["keys_after_drain"])
+    assert ours["e_update_drained"] == ["error", "RuntimeError", "DataProto catalog is drained"]
+    assert ours["publish_append_drained"] == {"append_rejected": "DataProto catalog is drained"}
+    assert ours["released"] == ["r1", "r2"] and ours["attached"] == ["r1", "r2"]
+
+
+def test_reshard_contracts_on_ours(runs: dict[str, Any]) -> None:
+    ours = runs["ours"]
+    assert ours["reshard"] == [
+        "PlacementManifest", "ResourceKind", "ResourceManifest", "RuntimeBindingManifest",
+        "contracts",
+    ]  # fmt: skip
+    assert ours["kind"] == ["enum", "ResourceKind", "kv_cache"] and ours["kind_eq"] is True
+    frag = ours["fragment"][1]
+    assert frag["strides_bytes"] == [12, 12, 4]  # the extent-1 stride made dense
+    assert ours["fragment_pickle"][1]["owner"] is None  # the owner does not travel
+    assert ours["eq_ignores_owner"] is True
+    assert ours["e_f_wrap"][2] == "address range must fit in an unsigned 64-bit integer"
+    assert ours["e_f_bounds"][2] == "runtime view exceeds storage allocation bounds"
+    assert ours["bind_ok"] is None and ours["bind_digest"][1] == "ValueError"
+
+
+def test_the_modules_import_as_mooncake_names() -> None:
+    code = (
+        "import mooncake_core.compat as c; c.install(force=True);"
+        "import mooncake.dataproto_catalog as d, mooncake.reshard.contracts.ids as i;"
+        "from mooncake.reshard.contracts import RuntimeBindingFragment as R;"
+        "import mooncake_core.compat.reshard.contracts as ours;"
+        "print(d.__name__, i.__name__, R is ours.RuntimeBindingFragment);"
+        "import mooncake.reshard.nope"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        timeout=60,
+    )
+    assert out.stdout.split() == [
+        "mooncake_core.compat.dataproto_catalog",
+        "mooncake_core.compat.reshard.contracts.ids",
+        "True",
+    ], out.stderr
+    assert "ModuleNotFoundError: No module named 'mooncake.reshard.nope'" in out.stderr
