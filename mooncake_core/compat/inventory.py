@@ -51,6 +51,10 @@ _SSD = "remote SSD provisioning over SSH (paramiko, SPDK targets): an operator t
 _NOF = "NVMe-over-Fabrics segments: needs NoF hardware and the published master's NoF RPCs"
 _CUDA_T = "CUDA tensors; the non-CUDA wheel refuses them too"
 _ENGRAM = "Engram embedding tables (a research feature of the wheel): out of scope"
+_PLANNER = (
+    "the reshard transfer planner (plans between weight placements): not written yet;"
+    " its inputs (placements, stored manifests, their JSON) are provided"
+)
 _CLI = "the published command-line tools; ours is `mooncake-core` (docs/store.md)"
 _SEG = (
     "file-backed and local-disk segments (mount_segment(path)): our segments are memory;"
@@ -80,6 +84,13 @@ NOT_PROVIDED: dict[str, str] = {
     "mooncake.transfer_engine_topology_dump": _TOPO,
     "mooncake.mooncake_store_service": "the published store's HTTP service; ours: `mooncake-core`",
     "mooncake._fast_copy": "a private C helper of the wheel",
+    "mooncake.reshard.weight.planner": _PLANNER,
+    "mooncake.reshard.weight:plan_*": _PLANNER,
+    "mooncake.reshard.weight:LogicalTransferPlan": _PLANNER,
+    "mooncake.reshard.weight:PipelineRouteGroup": _PLANNER,
+    "mooncake.reshard.weight:PlacementExecutorPlan": _PLANNER,
+    "mooncake.reshard.weight:PlanningLimits": _PLANNER,
+    "mooncake.reshard.weight:TransferRegion": _PLANNER,
     # mooncake.engine
     "mooncake.engine:InnerTransferEngine": "the C++ engine type; get_engine() returns ours",
     "mooncake.engine:SharedSegment": _CUDA,
@@ -179,14 +190,31 @@ def _from_source(path: Path) -> Surface:
     return {k: v for k, v in out.items() if not k.startswith("_") or k == "_fast_copy"}
 
 
+def _public_submodules(package: str) -> list[str]:
+    """The public modules of subpackage ``package`` (``mooncake.reshard``), recursively;
+    private ones (``_planner``) are implementation."""
+    try:
+        path = importlib.import_module(package).__path__
+    except Exception:  # noqa: BLE001 - not importable here: listed as one module
+        return []
+    names = []
+    for info in pkgutil.iter_modules(path):
+        if not info.name.startswith("_"):
+            names.append(f"{package}.{info.name}")
+            names += _public_submodules(names[-1]) if info.ispkg else []
+    return names
+
+
 def published_modules(package: str = "mooncake") -> list[str]:
-    """The package and every module in it (pkgutil over its directory), importable or not."""
+    """The package and every module in it (pkgutil over its directory), importable or not,
+    and the public modules of its subpackages."""
     pkg = importlib.import_module(package)
     names = [package]
     for info in pkgutil.iter_modules(pkg.__path__):
         if info.name.startswith("lib"):  # bundled shared libraries (libasio.so, ...)
             continue
         names.append(f"{package}.{info.name}")
+        names += _public_submodules(names[-1]) if info.ispkg else []
     return sorted(names)
 
 

@@ -32,6 +32,7 @@ if SIDE == "ours":
 import mooncake.dataproto_catalog as dc  # noqa: E402
 import mooncake.reshard as rs  # noqa: E402
 import mooncake.structured_object_store as sos  # noqa: E402
+from reshard_weight_calls import weight_calls  # noqa: E402
 
 _counter = iter(range(1, 1 << 30))
 uuid.uuid4 = lambda: uuid.UUID(int=next(_counter))
@@ -324,4 +325,5 @@ for label, binding in [
 ]:
     call(label, rc.validate_resource_binding_identity, Placement(), binding)
 call("ids", lambda: [rc.TensorId("t"), rc.LeaseId("l"), rc.TopologyId.__name__])
+weight_calls(call, out)
 sys.stdout.write(json.dumps(out, sort_keys=True) + "\n")

@@ -12,6 +12,7 @@ it checks something where the wheel is not installed (CI).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -132,6 +133,50 @@ def test_reshard_contracts_on_ours(runs: dict[str, Any]) -> None:
     assert ours["e_f_wrap"][2] == "address range must fit in an unsigned 64-bit integer"
     assert ours["e_f_bounds"][2] == "runtime view exceeds storage allocation bounds"
     assert ours["bind_ok"] is None and ours["bind_digest"][1] == "ValueError"
+
+
+#: what the published 0.3.13 package answers for the script's placement and stored
+#: manifest (the sha256 of their canonical JSON, and the content-derived ids), so that
+#: byte identity is checked where the wheel is absent too
+PUBLISHED_PLACEMENT = [
+    "a5b3defee822c03d9fcd7871710317f428dc57baa8d3d4889a1626ca187ecd06",
+    "sha256:b25a449f48eaabb7af53cf51282c6cf7df4a8b681be3714545e62ad3226a9756",
+    "model_weight",
+]
+PUBLISHED_TOPOLOGY_ID = "sha256:3e6812609f7fa8817c3a14120f5dce1a823dd690a7048432738da83a52562288"
+PUBLISHED_WEIGHT_MANIFEST = "c9b40ecf5884490e3ab3f155ec4d9b4ac2a57ab979d8008ec14717fc48f68dde"
+
+
+def test_reshard_weight_on_ours(runs: dict[str, Any]) -> None:
+    """Placements, runtime bindings and stored manifests on ours alone."""
+    ours = runs["ours"]
+    # the canonical JSON and ids are the published ones, byte for byte
+    assert ours["placement_digest"] == PUBLISHED_PLACEMENT
+    assert hashlib.sha256(ours["placement_json"].encode()).hexdigest() == PUBLISHED_PLACEMENT[0]
+    assert ours["topology"] == [PUBLISHED_TOPOLOGY_ID, 2, ["w0", "w1"]]
+    assert ours["wm_digest"] == PUBLISHED_WEIGHT_MANIFEST
+    assert '"created_at":"2026-12-02T00:00:00Zé"' in ours["wm_json"]  # UTF-8, not \\u escapes
+    assert ours["round_trip_equal"] is True and ours["wm_round_trip"] is True
+    assert ours["pl_parts_same"] is True  # parts in any order: the same placement
+    # what the JSON reader refuses
+    assert ours["j_dup"][2] == "duplicate JSON field: revision"
+    assert ours["j_nan"][2] == "non-finite JSON number is unsupported: NaN"
+    assert ours["j_pid"][2] == "placement_id does not match canonical logical content"
+    assert ours["j_gen_bool"][2] == "weight_generation must be an integer at least 0"
+    assert ours["j_drop_frag"][2] == "global placement tensor is not fully covered: qkv"
+    assert ours["e_pl_alias"][2] == "alias group is not declared consistently for tensor: lm_head"
+    # runtime bindings: aliases may share an address; other overlaps are refused
+    assert ours["bind_ok"] is None
+    assert ours["e_bind_all"][2] == "missing runtime binding participant: w1"
+    assert ours["e_bind_overlap"][2].startswith("runtime binding address ranges overlap: rt-qkv")
+    assert ours["e_bind_alloc"][2].startswith("runtime binding storage allocation ranges overlap")
+    assert (
+        ours["wm_e_range"][2] == "stored fragment object ranges overlap: s2 and s3 in g/payload/1"
+    )
+    geometry = {k: ours[k] for k in ours if k.startswith("g_") and k != "g_contains_rank"}
+    assert [k for k, v in geometry.items() if v is True] == [
+        "g_contains", "g_cover", "g_ov1", "g_ov2", "g_ov3", "g_regions",
+    ]  # fmt: skip
 
 
 def test_the_modules_import_as_mooncake_names() -> None:
