@@ -47,6 +47,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "metadata-server": ("mooncake_core.cli.metadata_server", "run the HTTP metadata server"),
     "master": ("mooncake_core.cli.master", "run a store master"),
     "store": ("mooncake_core.cli.store_node", "run a store node that only contributes memory"),
+    "client": (
+        "mooncake_core.cli.standalone_client",
+        "run a standalone store client that setup_dummy stores attach to",
+    ),
     "simulate": (
         "mooncake_core.cli.simulate",
         "replay a request trace through the conductor simulator",

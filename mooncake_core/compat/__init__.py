@@ -67,6 +67,7 @@ LAZY_MODULES: dict[str, str] = {
     "mooncake.async_store": "mooncake_core.compat.async_store",
     "mooncake.buffer_pool": "mooncake_core.compat.buffer_pool",
     "mooncake.structured_object_store": "mooncake_core.compat.structured_object_store",
+    "mooncake.cli_client": "mooncake_core.compat.cli_client",
     "mooncake.dataproto_catalog": "mooncake_core.compat.dataproto_catalog",
     "mooncake.reshard": "mooncake_core.compat.reshard",
 }

@@ -80,7 +80,6 @@ NOT_PROVIDED: dict[str, str] = {
     "mooncake.vllm_v1_proxy_server": _VLLM,
     "mooncake.cli": _CLI,
     "mooncake.cli_bench": _CLI,
-    "mooncake.cli_client": _CLI,
     "mooncake.transfer_engine_topology_dump": _TOPO,
     "mooncake.mooncake_store_service": "the published store's HTTP service; ours: `mooncake-core`",
     "mooncake._fast_copy": "a private C helper of the wheel",
@@ -100,15 +99,9 @@ NOT_PROVIDED: dict[str, str] = {
     "mooncake.store:EngramStoreConfig": _ENGRAM,
     "mooncake.store:MooncakeDistributedNoFRegister": _NOF,
     # mooncake.store: MooncakeDistributedStore members
-    "mooncake.*store:MooncakeDistributedStore*.setup_dummy": "a dummy client attaches over"
-    " an IPC socket and shared memory to a separate `mooncake_client` process that holds the"
-    " real client; we have no such standalone client service",
     "mooncake.*store:MooncakeDistributedStore*.init_all": "crashes (SIGSEGV) in the"
     " published 0.3.13 wheel before connecting anywhere, with or without a master and etcd at"
     " its defaults: there is no published behaviour to follow; use setup()",
-    "mooncake.*store:MooncakeDistributedStore*.alloc_from_mem_pool": "allocates from the"
-    " shared memory pool of a dummy client (setup_dummy), which we do not provide; after"
-    " setup() the published one returns 0 for every size",
     "mooncake.*store:MooncakeDistributedStore*.mount_segment": _SEG,
     "mooncake.*store:MooncakeDistributedStore*.unmount_segment": _SEG,
     "mooncake.*store:MooncakeDistributedStore*.unmount_local_disk_segment": _SEG,

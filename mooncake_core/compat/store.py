@@ -42,6 +42,7 @@ from mooncake_core.compat.buffer_pool import (  # the published names, re-export
     get_alloc_func_addr,
     get_free_func_addr,
 )
+from mooncake_core.compat.store_dummy import DummyMethods
 from mooncake_core.compat.store_parallel import (  # the published names, re-exported
     ParallelAxis,
     ParallelMethods,
@@ -194,6 +195,7 @@ class MooncakeDistributedStore(
     ReplicaMethods,
     SegmentMethods,
     SessionMethods,
+    DummyMethods,
     RangeMethods,
     TaskMethods,
 ):

@@ -184,11 +184,11 @@ def test_the_signature_comparison_catches_a_renamed_or_defaulted_parameter() -> 
 
 
 def test_the_comparison_catches_a_missing_and_a_dishonest_name() -> None:
-    theirs = {"mooncake.store": {"MooncakeDistributedStore": ["put", "brand_new", "setup_dummy"]}}
-    ours = {"mooncake.store": {"MooncakeDistributedStore": ["put", "setup_dummy"]}}
+    theirs = {"mooncake.store": {"MooncakeDistributedStore": ["put", "brand_new", "init_all"]}}
+    ours = {"mooncake.store": {"MooncakeDistributedStore": ["put", "init_all"]}}
     missing, dishonest = compare(theirs, ours)
     assert missing == ["mooncake.store:MooncakeDistributedStore.brand_new"]
-    assert dishonest == ["mooncake.store:MooncakeDistributedStore.setup_dummy"]
+    assert dishonest == ["mooncake.store:MooncakeDistributedStore.init_all"]
 
 
 def test_docs_mirror_the_not_provided_table() -> None:

@@ -1,0 +1,147 @@
+"""``mooncake-core client``: a standalone store client that other processes attach to.
+
+It holds a real store client (its segment in the pool, its transfer engine) and serves
+processes on this host that called ``setup_dummy(mem_pool_size, local_buffer_size,
+"HOST:PORT")`` (:mod:`mooncake_core.store.standalone_client`, docs/compat.md). The
+command line is the published ``mooncake_client``'s (gflags spellings: ``--port=50052``,
+``--master_server_address 127.0.0.1:50051``, ``--global_segment_size "4 GB"``, ...;
+:data:`mooncake_core.compat.cli_client.PUBLISHED_FLAGS`), also reachable as
+``python -m mooncake.cli_client`` after ``mooncake_core.compat.install()``.
+
+Differences on purpose: ``--host`` defaults to 127.0.0.1 (published: 0.0.0.0);
+``--metadata_server`` defaults to our config's ``metadata_server`` (P2P handshake unless
+set; published: ``http://127.0.0.1:8080/metadata``); ``--port 0`` picks a free port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+from mooncake_core import __version__
+from mooncake_core.cli import gflags
+from mooncake_core.compat.cli_client import PUBLISHED_FLAGS
+from mooncake_core.config import load_config, parse_size
+from mooncake_core.errors import ConfigError
+from mooncake_core.store.client import StoreClient
+from mooncake_core.store.standalone_client import StandaloneClientService
+from mooncake_core.store.tenants import check_tenant
+
+__all__ = ["add_arguments", "run", "FLAGS"]
+
+logger = logging.getLogger(__name__)
+
+VERSION = f"mooncake_client (mooncake-core {__version__}; published flags of Mooncake 0.3.13)"
+FLAGS: tuple[gflags.Flag, ...] = tuple(gflags.Flag(*f) for f in PUBLISHED_FLAGS)
+_WILDCARD = {"0.0.0.0", "::", ""}
+_GLOG_LEVELS = {0: "INFO", 1: "WARNING", 2: "ERROR", 3: "CRITICAL"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", default=None, help="mooncake.json (default $MOONCAKE_CONFIG_PATH)"
+    )
+    parser.add_argument(
+        "--ready-file", default=None, help="write {port, ipc, segment, pid} here once serving"
+    )
+    gflags.add_gflags(parser, FLAGS, VERSION)
+
+
+def resolve(given: dict[str, str]) -> tuple[dict[str, Any], list[str]]:
+    """The published flags' values (given over published defaults) and warning lines.
+
+    Raises:
+        ConfigError: a bad value, or a flag of a feature we lack; one line naming it.
+    """
+    values: dict[str, Any] = {}
+    warnings: list[str] = []
+    for flag in FLAGS:
+        default = gflags.parse_value(flag, flag.default)
+        value = gflags.parse_value(flag, given[flag.name]) if flag.name in given else default
+        if flag.kind == "off" and value != default:
+            raise ConfigError(
+                f"--{flag.name}={given[flag.name]}: not supported by mooncake-core ({flag.note}); "
+                f"remove it or leave it at {flag.default!r}"
+            )
+        if flag.kind == "noop" and value != default:
+            warnings.append(
+                f"--{flag.name}: accepted for compatibility, no effect here ({flag.note})"
+            )
+        values[flag.name] = value
+    for name in ("global_segment_size", "local_buffer_size"):
+        values[name] = parse_size(values[name], f"--{name}")
+    if not 0 <= int(values["port"]) < 65536:
+        raise ConfigError(f"--port: {values['port']} is not a port (0 picks a free one)")
+    return values, warnings
+
+
+def run(args: argparse.Namespace) -> int:
+    given = gflags.given_flags(args)
+    values, warnings = resolve(given)
+    for line in warnings:
+        logger.warning("%s", line)
+    if "minloglevel" in given and getattr(args, "log_level", None) is None:
+        level = _GLOG_LEVELS.get(int(values["minloglevel"]), "CRITICAL")
+        logging.getLogger().setLevel(level)
+    host = str(values["host"]).strip() if "host" in given else "127.0.0.1"
+    segment_host = host
+    if host in _WILDCARD:
+        segment_host = "127.0.0.1"
+        logger.warning(
+            "--host %r: the client's segment is published as 127.0.0.1, which other hosts "
+            "cannot reach; give this host's address to serve them",
+            host,
+        )
+    tenant = check_tenant(
+        "" if values["tenant_id"] == "default" else str(values["tenant_id"]), "--tenant_id"
+    )
+    protocol = {"rdma": "rdma", "efa": "rdma", "barex": "rdma", "shm": "shm"}.get(
+        str(values["protocol"]).strip().lower(), "tcp"
+    )
+    overrides: dict[str, Any] = {
+        "local_hostname": segment_host,
+        "protocol": protocol,
+        "device_name": str(values["device_names"]),
+        "master_server_address": str(values["master_server_address"]),
+        "global_segment_size": int(values["global_segment_size"]),
+        "local_buffer_size": int(values["local_buffer_size"]),
+    }
+    if "metadata_server" in given:
+        overrides["metadata_server"] = str(values["metadata_server"])
+    cfg = load_config(args.config, **overrides)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    client = StoreClient(
+        cfg,
+        master=cfg.master_server_address,
+        segment_size=cfg.global_segment_size,
+        tenant=tenant,
+    )
+    client.start()
+    with client:
+        service = StandaloneClientService(
+            client, host if host else "127.0.0.1", int(values["port"])
+        )
+        with service:
+            if args.ready_file:
+                tmp = args.ready_file + ".tmp"
+                with open(tmp, "w") as f:
+                    json.dump(
+                        {
+                            "port": service.port,
+                            "ipc": "@" + service.ipc[1:],
+                            "segment": client.hostname,
+                            "pid": os.getpid(),
+                        },
+                        f,
+                    )
+                os.replace(tmp, args.ready_file)
+            print(f"Starting real client service on {host}:{service.port}", flush=True)
+            stop.wait()
+    return 0
