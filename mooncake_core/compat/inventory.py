@@ -51,10 +51,6 @@ _SSD = "remote SSD provisioning over SSH (paramiko, SPDK targets): an operator t
 _NOF = "NVMe-over-Fabrics segments: needs NoF hardware and the published master's NoF RPCs"
 _CUDA_T = "CUDA tensors; the non-CUDA wheel refuses them too"
 _ENGRAM = "Engram embedding tables (a research feature of the wheel): out of scope"
-_PLANNER = (
-    "the reshard transfer planner (plans between weight placements): not written yet;"
-    " its inputs (placements, stored manifests, their JSON) are provided"
-)
 _CLI = "the published command-line tools; ours is `mooncake-core` (docs/store.md)"
 _SEG = (
     "file-backed and local-disk segments (mount_segment(path)): our segments are memory;"
@@ -83,13 +79,6 @@ NOT_PROVIDED: dict[str, str] = {
     "mooncake.transfer_engine_topology_dump": _TOPO,
     "mooncake.mooncake_store_service": "the published store's HTTP service; ours: `mooncake-core`",
     "mooncake._fast_copy": "a private C helper of the wheel",
-    "mooncake.reshard.weight.planner": _PLANNER,
-    "mooncake.reshard.weight:plan_*": _PLANNER,
-    "mooncake.reshard.weight:LogicalTransferPlan": _PLANNER,
-    "mooncake.reshard.weight:PipelineRouteGroup": _PLANNER,
-    "mooncake.reshard.weight:PlacementExecutorPlan": _PLANNER,
-    "mooncake.reshard.weight:PlanningLimits": _PLANNER,
-    "mooncake.reshard.weight:TransferRegion": _PLANNER,
     # mooncake.engine
     "mooncake.engine:InnerTransferEngine": "the C++ engine type; get_engine() returns ours",
     "mooncake.engine:SharedSegment": _CUDA,

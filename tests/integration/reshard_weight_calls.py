@@ -433,6 +433,8 @@ def weight_calls(call: Callable[..., Any], out: dict[str, Any]) -> None:
     ]
     for label, change in manifest_cases:
         call(label, w.WeightManifest, **{**wm_args, **change})
+    if wm is not None:
+        planner_calls(call, out, pl, wm)
     call("e_identity", StoredManifestIdentity, "n", "m", "r", 1, "g", "g/manifest", "AB" * 32)
     call("e_snapshot", validate_weight_manifest_snapshot, "x")
     # geometry
@@ -461,3 +463,155 @@ def weight_calls(call: Callable[..., Any], out: dict[str, Any]) -> None:
     ]
     for label, fn, args in geometry_cases:
         call(label, fn, *args)
+
+
+def plan_summary(plan: Any) -> dict[str, Any]:
+    """What a LogicalTransferPlan says: regions, executors, routes, totals."""
+
+    def executors(side: str) -> list[Any]:
+        items = plan.source_executors if side == "source" else plan.target_executors
+        return [
+            [e.participant_id, e.rank.tp, list(e.placement_fragment_ids),
+             list(plan.operation_indices_for_executor(e, side))]
+            for e in items
+        ]  # fmt: skip
+
+    return {
+        "ops": [
+            [
+                o.tensor_id,
+                o.source.fragment_id,
+                o.target.fragment_id,
+                o.overlap_offset,
+                o.overlap_shape,
+                o.source_base_offset,
+                o.target_base_offset,
+                o.inner_bytes,
+                o.outer_loop_counts,
+                o.source_strides,
+                o.target_strides,
+            ]
+            for o in plan.operations
+        ],  # fmt: skip
+        "source_executors": executors("source"),
+        "target_executors": executors("target"),
+        "routes": [
+            [
+                r.source_pp,
+                r.source_pipeline_stage_id,
+                r.target_pp,
+                r.target_pipeline_stage_id,
+                r.operation_indices,
+            ]
+            for r in plan.pipeline_routes
+        ],  # fmt: skip
+        "total_bytes": plan.total_bytes,
+        "ids": [plan.source_placement_id, plan.target_placement_id],
+        "identity": None
+        if plan.source_manifest_identity is None
+        else plan.source_manifest_identity.content_sha256,
+    }
+
+
+def planner_calls(call: Callable[..., Any], out: dict[str, Any], pl: Any, wm: Any) -> None:
+    """Plans between the script's tp=2 placement, a tp=1 one and the stored manifest."""
+    import dataclasses
+    import pickle
+
+    import mooncake.reshard.weight as w
+
+    one = w.ParallelRank()
+    topo1 = w.ParallelTopology(
+        tp_size=1, pp_size=1, ep_size=1, dp_size=1, participants=(w.TopologyParticipant("t0", one),)
+    )
+    frags = []
+    for t in pl.tensors:
+        group = ("embed", "lm_head") if t.tensor_id in ("embed", "lm_head") else ()
+        nbytes = t.itemsize
+        for n in t.global_shape:
+            nbytes *= n
+        frags.append(
+            w.PlacementFragment(t.tensor_id, (0,) * len(t.global_shape), t.global_shape, nbytes,
+                                one, aliases=group)
+        )  # fmt: skip
+    ident = dict(resource_id="m", revision="r1", weight_generation=3, placement_set_id="s1")
+    tgt = w.WeightPlacementManifest.from_fragments(
+        **ident, topology=topo1, tensors=pl.tensors, fragments=frags
+    )
+
+    def summarize(label: str, fn: Any, *args: Any, **kw: Any) -> Any:
+        plan = call(label, lambda: plan_summary(fn(*args, **kw)))
+        return plan
+
+    summarize("plan_2_to_1", w.plan_placement_transfer, pl, tgt)
+    summarize("plan_1_to_2", w.plan_placement_transfer, tgt, pl)
+    summarize("plan_local_w1", w.plan_placement_transfer_to_local_target, tgt, pl, "w1")
+    summarize("plan_local_default", w.plan_placement_transfer_to_local_target, pl, tgt)
+    summarize("plan_stored", w.plan_stored_transfer_to_target_placement, wm, pl)
+    call("e_plan_local_multi", w.plan_placement_transfer_to_local_target, tgt, pl)
+    call("e_plan_local_who", w.plan_placement_transfer_to_local_target, tgt, pl, "zz")
+    call("e_plan_limit", w.plan_placement_transfer, tgt, pl,
+         planning_limits=w.PlanningLimits(max_transfer_regions=3))  # fmt: skip
+    call("e_plan_segments", w.plan_placement_transfer, tgt, pl,
+         planning_limits=w.PlanningLimits(max_total_lowered_segments=2))  # fmt: skip
+    call("e_limits", w.PlanningLimits, 0)
+    call("e_plan_type", w.plan_placement_transfer, "x", pl)
+    other = w.WeightPlacementManifest.from_fragments(
+        **dict(ident, revision="r2"), topology=topo1, tensors=pl.tensors, fragments=frags
+    )
+    call("e_plan_revision", w.plan_placement_transfer, pl, other)
+    changed = [dataclasses.replace(t, layout_fingerprint="fp2") if t.tensor_id == "norm" else t
+               for t in pl.tensors]  # fmt: skip
+    relaid = w.WeightPlacementManifest.from_fragments(
+        **ident, topology=topo1, tensors=changed, fragments=frags
+    )
+    call("e_plan_layout", w.plan_placement_transfer, pl, relaid)
+    # a tensor split on its last dimension: strided regions
+    r0, r1 = w.ParallelRank(tp=0), w.ParallelRank(tp=1)
+    topo2 = w.ParallelTopology(tp_size=2, pp_size=1, ep_size=1, dp_size=1,
+                               participants=(w.TopologyParticipant("a", r0),
+                                             w.TopologyParticipant("b", r1)))  # fmt: skip
+    col = w.TensorDescriptor("col", (4, 6), "float32", 4, (1,), "fp", (w.SplitAxis("tp", 1),))
+    split = w.WeightPlacementManifest.from_fragments(
+        **ident, topology=topo2, tensors=(col,),
+        fragments=(w.PlacementFragment("col", (0, 0), (4, 3), 48, r0),
+                   w.PlacementFragment("col", (0, 3), (4, 3), 48, r1)))  # fmt: skip
+    whole = w.WeightPlacementManifest.from_fragments(
+        **ident, topology=topo1, tensors=(col,),
+        fragments=(w.PlacementFragment("col", (0, 0), (4, 6), 96, one),))  # fmt: skip
+    plan = call("plan_strided_raw", lambda: plan_summary(w.plan_placement_transfer(whole, split)))
+    if plan is None:
+        return
+    real = w.plan_placement_transfer(whole, split)
+    region = real.operations[1]
+    call("segments", lambda: list(region.iter_segments(max_segments=4)))
+    call("e_segments", lambda: list(region.iter_segments(max_segments=3)))
+    call("e_segments_arg", lambda: list(region.iter_segments(max_segments=0)))
+    call("region_props", lambda: [region.segment_count, region.total_bytes, region.nbytes,
+                                  region.repeat, region.source_offset, region.target_offset,
+                                  region.source_stride, region.target_stride])  # fmt: skip
+    call("pickled_equal", lambda: pickle.loads(pickle.dumps(real)) == real)
+    region_cases: list[tuple[str, dict[str, Any]]] = [
+        ("e_region_base", {"source_base_offset": 4}),
+        ("e_region_inner", {"inner_bytes": 0}),
+        (
+            "e_region_canon",
+            {
+                "inner_bytes": 6,
+                "outer_loop_counts": (8,),
+                "source_strides": (12,),
+                "target_strides": (6,),
+            },
+        ),  # fmt: skip
+        ("e_region_box", {"overlap_shape": (4, 4)}),
+        ("e_region_ints", {"overlap_offset": "00"}),
+        ("e_region_rank", {"overlap_offset": (0,)}),
+        ("e_region_neg", {"target_strides": (-1,)}),
+        ("e_region_counts", {"outer_loop_counts": (4, 1)}),
+    ]
+    for label, change in region_cases:
+        call(label, dataclasses.replace, region, **change)
+    call("e_executor", real.operation_indices_for_executor, real.target_executors[0], "source")
+    call("e_side", real.operation_indices_for_executor, real.target_executors[0], "middle")
+    call("e_route", w.PipelineRouteGroup, None, None, 0, None, (1, 1))
+    call("e_exec_plan", w.PlacementExecutorPlan, "p", "a", r0, ())

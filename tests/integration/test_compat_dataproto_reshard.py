@@ -179,6 +179,33 @@ def test_reshard_weight_on_ours(runs: dict[str, Any]) -> None:
     ]  # fmt: skip
 
 
+def test_reshard_planner_on_ours(runs: dict[str, Any]) -> None:
+    """Plans between the script's placements (tp=2 <-> tp=1, stored -> tp=2, a split on
+    the last dimension) on ours alone; the figures are what the published planner gives."""
+    ours = runs["ours"]
+    down = ours["plan_2_to_1"]
+    assert [op[0] for op in down["ops"]] == ["qkv", "qkv", "lm_head", "norm", "embed"]
+    assert down["total_bytes"] == 176  # each tensor once: 64 + 16 + 48 + 48
+    # sources: DP replica 0, the first tp rank for the replicated tensors
+    assert [[e[0], e[3]] for e in down["source_executors"]] == [["w0", [0, 2, 3, 4]], ["w1", [1]]]
+    assert down["routes"] == [[0, None, 0, None, [0, 1, 2, 4]], [0, 0, 0, None, [3]]]
+    stored = ours["plan_stored"]
+    assert stored["identity"] == PUBLISHED_WEIGHT_MANIFEST and stored["ids"][0] is None
+    assert len(stored["ops"]) == 8 and stored["total_bytes"] == 288  # both ranks filled
+    strided = ours["plan_strided_raw"]["ops"]
+    assert [op[3:] for op in strided] == [
+        [[0, 3], [4, 3], 12, 0, 12, [4], [24], [12]],
+        [[0, 0], [4, 3], 0, 0, 12, [4], [24], [12]],
+    ]
+    assert ours["segments"] == [[0, 0, 12], [24, 12, 12], [48, 24, 12], [72, 36, 12]]
+    assert ours["region_props"] == [4, 48, 12, 4, 0, 0, 24, 12]
+    assert ours["pickled_equal"] is True
+    assert ours["e_plan_limit"][2] == "logical transfer plan exceeds max_transfer_regions: 3"
+    assert ours["e_plan_layout"][2] == "layout mismatch for tensor norm"
+    assert ours["e_region_canon"][2] == "transfer region loop geometry is not canonical"
+    assert ours["e_segments"][2] == "transfer region exceeds max_segments: 4 > 3"
+
+
 def test_the_modules_import_as_mooncake_names() -> None:
     code = (
         "import mooncake_core.compat as c; c.install(force=True);"

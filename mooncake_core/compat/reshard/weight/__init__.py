@@ -1,6 +1,7 @@
 """``mooncake.reshard.weight``: model-weight placements (who holds which box of which
 tensor), runtime bindings (where those boxes are in memory), stored weight manifests,
-and their canonical JSON, as the published 0.3.13 package defines them."""
+their canonical JSON, and the transfer planner between placements, as the published
+0.3.13 package defines them."""
 
 from mooncake_core.compat.reshard.weight.manifest import (
     OwnershipAxis,
@@ -17,6 +18,17 @@ from mooncake_core.compat.reshard.weight.manifest import (
     WeightRuntimeBindingManifest,
     validate_runtime_binding,
     validate_runtime_bindings,
+)
+from mooncake_core.compat.reshard.weight.planner import (
+    LogicalTransferOperation,
+    LogicalTransferPlan,
+    PipelineRouteGroup,
+    PlacementExecutorPlan,
+    PlanningLimits,
+    TransferRegion,
+    plan_placement_transfer,
+    plan_placement_transfer_to_local_target,
+    plan_stored_transfer_to_target_placement,
 )
 from mooncake_core.compat.reshard.weight.serde import (
     weight_placement_from_json,
@@ -43,4 +55,13 @@ __all__ = [
     "weight_placement_to_json",
     "StoredFragment",
     "WeightManifest",
+    "LogicalTransferPlan",
+    "LogicalTransferOperation",
+    "PipelineRouteGroup",
+    "PlacementExecutorPlan",
+    "PlanningLimits",
+    "TransferRegion",
+    "plan_placement_transfer",
+    "plan_placement_transfer_to_local_target",
+    "plan_stored_transfer_to_target_placement",
 ]
