@@ -306,10 +306,15 @@ def given_flags(namespace: argparse.Namespace) -> dict[str, str]:
     return dict(getattr(namespace, GIVEN, None) or {})
 
 
-def add_gflags(parser: argparse.ArgumentParser, flags: Sequence[Flag], version: str) -> None:
+def add_gflags(
+    parser: argparse.ArgumentParser,
+    flags: Sequence[Flag],
+    version: str,
+    program: str = "mooncake_master",
+) -> None:
     """Add ``flags`` to ``parser`` with gflags syntax (spellings it already has are skipped)."""
     group = parser.add_argument_group(
-        "published mooncake_master flags",
+        f"published {program} flags",
         "gflags spellings (--flag=v, -flag v, --noflag); see docs/compat.md",
     )
     taken = set(parser._option_string_actions)

@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ready-file", default=None, help="write {port, ipc, segment, pid} here once serving"
     )
-    gflags.add_gflags(parser, FLAGS, VERSION)
+    gflags.add_gflags(parser, FLAGS, VERSION, "mooncake_client")
 
 
 def resolve(given: dict[str, str]) -> tuple[dict[str, Any], list[str]]:
