@@ -4,8 +4,10 @@ with a canonical placement id and a digest of its canonical JSON."""
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from mooncake_core.compat.reshard.contracts import (
     ParticipantId,
@@ -20,6 +22,7 @@ from mooncake_core.compat.reshard.weight.part import WeightPlacementPart
 from mooncake_core.compat.reshard.weight.topology import ParallelTopology
 from mooncake_core.compat.reshard.weight.types import (
     OwnershipAxis,
+    ParallelRank,
     PlacementFragment,
     ReplicatedAxis,
     SplitAxis,
@@ -231,9 +234,7 @@ class WeightPlacementManifest:
     def digest(self) -> str:
         """sha256 (hex) of :func:`~.serde.weight_placement_to_json` of this placement."""
         if self._digest_cache is None:
-            from mooncake_core.compat.reshard.weight.serde import weight_placement_to_json
-
-            text = weight_placement_to_json(self)
+            text = canonical_placement_json(self)
             object.__setattr__(self, "_digest_cache", hashlib.sha256(text.encode()).hexdigest())
         assert self._digest_cache is not None
         return self._digest_cache
@@ -301,3 +302,70 @@ class WeightPlacementManifest:
             parts=tuple(parts),
             placement_id=placement_id,
         )
+
+
+def _rank(rank: ParallelRank) -> dict[str, int]:
+    return {"dp": rank.dp, "tp": rank.tp, "pp": rank.pp, "ep": rank.ep}
+
+
+def _fragment(frag: PlacementFragment) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "placement_fragment_id": frag.placement_fragment_id,
+        "tensor_id": frag.tensor_id,
+        "global_offset": list(frag.global_offset),
+        "local_shape": list(frag.local_shape),
+        "nbytes": frag.nbytes,
+        "rank": _rank(frag.rank),
+        "aliases": list(frag.aliases),
+    }
+    if frag.pipeline_stage_id is not None:
+        out["pipeline_stage_id"] = frag.pipeline_stage_id
+    return out
+
+
+def canonical_placement_json(placement: WeightPlacementManifest) -> str:
+    """The placement's canonical wire JSON (sorted keys, compact); its sha256 is the
+    placement's ``digest``."""
+    topo = placement.topology
+    payload = {
+        "resource_kind": placement.resource_kind.value,
+        "resource_id": placement.resource_id,
+        "revision": placement.revision,
+        "weight_generation": placement.weight_generation,
+        "placement_set_id": placement.placement_set_id,
+        "placement_id": placement.placement_id,
+        "topology": {
+            "tp_size": topo.tp_size,
+            "pp_size": topo.pp_size,
+            "ep_size": topo.ep_size,
+            "dp_size": topo.dp_size,
+            "topology_id": topo.topology_id,
+            "participants": [
+                {"participant_id": p.participant_id, "rank": _rank(p.rank)}
+                for p in topo.participants
+            ],
+        },
+        "tensors": [
+            {
+                "tensor_id": t.tensor_id,
+                "global_shape": list(t.global_shape),
+                "dtype": t.dtype,
+                "itemsize": t.itemsize,
+                "shard_dims": list(t.shard_dims),
+                "layout_fingerprint": t.layout_fingerprint,
+                "parallel_axes": [axis_wire(a) for a in t.parallel_axes],
+                "layer_id": t.layer_id,
+                "expert_id": t.expert_id,
+            }
+            for t in placement.tensors
+        ],
+        "parts": [
+            {
+                "participant_id": part.participant_id,
+                "rank": _rank(part.rank),
+                "fragments": [_fragment(f) for f in part.fragments],
+            }
+            for part in placement.parts
+        ],
+    }
+    return json.dumps(payload, sort_keys=True, separators=(",", ":"))

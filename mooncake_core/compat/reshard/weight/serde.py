@@ -26,7 +26,10 @@ from mooncake_core.compat.reshard.contracts import (
     TopologyId,
 )
 from mooncake_core.compat.reshard.weight.part import WeightPlacementPart
-from mooncake_core.compat.reshard.weight.placement import WeightPlacementManifest, axis_wire
+from mooncake_core.compat.reshard.weight.placement import (
+    WeightPlacementManifest,
+    canonical_placement_json,
+)
 from mooncake_core.compat.reshard.weight.topology import ParallelTopology, TopologyParticipant
 from mooncake_core.compat.reshard.weight.types import (
     AXIS_ORDER,
@@ -82,72 +85,11 @@ _FRAGMENT = _FRAGMENT_OLD | {"pipeline_stage_id"}
 # -- writing ------------------------------------------------------------------------
 
 
-def _rank(rank: ParallelRank) -> dict[str, int]:
-    return {"dp": rank.dp, "tp": rank.tp, "pp": rank.pp, "ep": rank.ep}
-
-
-def _fragment(frag: PlacementFragment) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "placement_fragment_id": frag.placement_fragment_id,
-        "tensor_id": frag.tensor_id,
-        "global_offset": list(frag.global_offset),
-        "local_shape": list(frag.local_shape),
-        "nbytes": frag.nbytes,
-        "rank": _rank(frag.rank),
-        "aliases": list(frag.aliases),
-    }
-    if frag.pipeline_stage_id is not None:
-        out["pipeline_stage_id"] = frag.pipeline_stage_id
-    return out
-
-
 def weight_placement_to_json(placement: WeightPlacementManifest) -> str:
     """The placement's canonical JSON (sorted keys, compact)."""
     if not isinstance(placement, WeightPlacementManifest):
         raise ValueError("placement must be a WeightPlacementManifest")
-    topo = placement.topology
-    payload = {
-        "resource_kind": placement.resource_kind.value,
-        "resource_id": placement.resource_id,
-        "revision": placement.revision,
-        "weight_generation": placement.weight_generation,
-        "placement_set_id": placement.placement_set_id,
-        "placement_id": placement.placement_id,
-        "topology": {
-            "tp_size": topo.tp_size,
-            "pp_size": topo.pp_size,
-            "ep_size": topo.ep_size,
-            "dp_size": topo.dp_size,
-            "topology_id": topo.topology_id,
-            "participants": [
-                {"participant_id": p.participant_id, "rank": _rank(p.rank)}
-                for p in topo.participants
-            ],
-        },
-        "tensors": [
-            {
-                "tensor_id": t.tensor_id,
-                "global_shape": list(t.global_shape),
-                "dtype": t.dtype,
-                "itemsize": t.itemsize,
-                "shard_dims": list(t.shard_dims),
-                "layout_fingerprint": t.layout_fingerprint,
-                "parallel_axes": [axis_wire(a) for a in t.parallel_axes],
-                "layer_id": t.layer_id,
-                "expert_id": t.expert_id,
-            }
-            for t in placement.tensors
-        ],
-        "parts": [
-            {
-                "participant_id": part.participant_id,
-                "rank": _rank(part.rank),
-                "fragments": [_fragment(f) for f in part.fragments],
-            }
-            for part in placement.parts
-        ],
-    }
-    return json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return canonical_placement_json(placement)
 
 
 # -- reading ------------------------------------------------------------------------
