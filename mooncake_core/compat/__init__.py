@@ -70,6 +70,10 @@ LAZY_MODULES: dict[str, str] = {
     "mooncake.cli_client": "mooncake_core.compat.cli_client",
     "mooncake.dataproto_catalog": "mooncake_core.compat.dataproto_catalog",
     "mooncake.reshard": "mooncake_core.compat.reshard",
+    "mooncake.mooncake_store_service": "mooncake_core.compat.store_service",
+    "mooncake.cli": "mooncake_core.compat.cli",
+    "mooncake.cli_bench": "mooncake_core.compat.cli_bench",
+    "mooncake.transfer_engine_topology_dump": "mooncake_core.compat.transfer_engine_topology_dump",
 }
 
 
