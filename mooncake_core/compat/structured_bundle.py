@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from mooncake_core.compat import tensor_format
+from mooncake_core.compat.structured_ranges import read_ranges_into
 from mooncake_core.compat.structured_types import (
     MISSING_OBJECT_ERROR,
     STRUCTURED_FIELD_SPECS_KEY,
@@ -261,22 +262,6 @@ def cleanup_keys(store: BundleStore, keys: Sequence[str], strict: bool) -> None:
             errors.append((key, status))
     if errors and strict:
         raise RuntimeError(f"failed to remove {len(errors)} Mooncake keys: {errors[:3]}")
-
-
-def range_fragments(
-    chunks: Sequence[Mapping[str, Any]], offset: int, length: int
-) -> list[tuple[str, int, int, int, int]]:
-    """Per chunk that overlaps ``[offset, offset+length)``: (key, chunk size,
-    destination offset, offset in the chunk, bytes)."""
-    out = []
-    end, at = offset + length, 0
-    for chunk in chunks:
-        size = int(chunk["bytes"])
-        lo, hi = max(offset, at), min(end, at + size)
-        if lo < hi:
-            out.append((chunk["key"], size, lo - offset, lo - at, hi - lo))
-        at += size
-    return out
 
 
 # ---------------------------------------------------------------- the manifest store
@@ -533,11 +518,15 @@ class BundleManifests:
 
     def read_range_into(self, spec: Mapping[str, Any], dest: Any, offset: int, length: int) -> None:
         """Copy bytes ``[offset, offset+length)`` of a payload into the writable ``dest``."""
-        for key, size, at, src, n in range_fragments(spec["chunks"], offset, length):
-            data = self.store.get(key)
-            if len(data) != size:
-                raise RuntimeError(f"get failed for {key}: expected {size} bytes, got {len(data)}")
-            dest[at : at + n] = memoryview(data)[src : src + n]
+        self.read_ranges_into(spec, dest, [(offset, 0, length)])
+
+    def read_ranges_into(
+        self, spec: Mapping[str, Any], dest: Any, ranges: Sequence[tuple[int, int, int]]
+    ) -> None:
+        """Copy ``(offset in the payload, offset in dest, length)`` ranges of a payload into
+        the writable ``dest``, moving only their bytes where the store reads ranges
+        (:func:`structured_ranges.read_ranges_into`)."""
+        read_ranges_into(self.store, spec["chunks"], dest, ranges)
 
     def read_payload(self, spec: Mapping[str, Any]) -> bytes:
         """A whole payload."""

@@ -30,7 +30,12 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from mooncake_core.compat.structured_infer import CodecDecision, is_pil_image, torch_module
+from mooncake_core.compat.structured_infer import (
+    CodecDecision,
+    is_pil_image,
+    loaded_torch,
+    torch_module,
+)
 from mooncake_core.compat.structured_types import FieldSchema
 
 __all__ = ["Encoded", "decode_leaf", "encode_leaf", "encode_leaf_schema"]
@@ -258,7 +263,7 @@ def decode_typed_ragged(p: Payload, rows: int, meta: Mapping[str, Any] | None) -
     meta = meta or {}
     dtype = np.dtype(meta.get("dtype", TYPED_RAGGED_DEFAULT_DTYPE))
     raw = p["data"]
-    torch = torch_module()
+    torch = loaded_torch()
     if torch is not None and isinstance(raw, torch.Tensor):
         data = raw.numpy()
     elif isinstance(raw, (bytes, bytearray, memoryview)):

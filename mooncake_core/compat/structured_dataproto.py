@@ -13,7 +13,7 @@ object-dtype ``non_tensor_batch`` column (strings, bytes, lists, dicts, per-row 
 tensors), or one whose ``FieldSchema`` names a codec, is encoded into typed payload members
 ``non_tensor_batch.<field>.<payload>`` (:mod:`structured_recursive`,
 :mod:`structured_codecs`) and described in the ref's ``encoded_non_tensor``; reading it
-decodes whole columns, then selects rows.
+decodes whole columns, or reads only the selected rows' bytes (:mod:`structured_partial`).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from mooncake_core.compat.structured_flat import (
     schema_section,
     split_sections,
 )
+from mooncake_core.compat.structured_partial import read_encoded_rows
 from mooncake_core.compat.structured_recursive import (
     decode_column,
     encode_inferred,
@@ -461,8 +462,9 @@ def _read_indices(
         row = dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
         target = ndarray_target(member, dest, dtype, (len(idx), *map(int, shape[1:])))
         flat = target.view(np.uint8).reshape(-1)
-        for out, r in enumerate(idx):
-            bundles.read_range_into(payload, flat[out * row : (out + 1) * row], r * row, row)
+        bundles.read_ranges_into(
+            payload, flat, [(r * row, o * row, row) for o, r in enumerate(idx)]
+        )
         return target
     if encoding != "torch_tensor":
         raise ValueError(f"structured member {member} does not support indexed rows")
@@ -474,10 +476,9 @@ def _read_indices(
         raise ValueError("structured tensor indexed read requires at least one dimension")
     row = size * int(np.prod(shape[1:], dtype=np.int64))
     data = bytearray(len(idx) * row)
-    for out, r in enumerate(idx):
-        bundles.read_range_into(
-            payload, memoryview(data)[out * row : (out + 1) * row], head_bytes + r * row, row
-        )
+    bundles.read_ranges_into(
+        payload, data, [(head_bytes + r * row, o * row, row) for o, r in enumerate(idx)]
+    )
     head = patched_header(
         bundles.read_range(payload, 0, head_bytes), (len(idx), *shape[1:]), len(data)
     )
@@ -500,9 +501,14 @@ def _read_indices(
 
 
 def _read_encoded(
-    transfer: Any, ref: MooncakeDataProtoRef, name: str, selection: _Rows | None
+    transfer: Any,
+    ref: MooncakeDataProtoRef,
+    name: str,
+    selection: _Rows | None,
+    stages: dict[str, Any],
 ) -> list[Any]:
-    """An encoded column: its payload members read whole, decoded, rows selected."""
+    """An encoded column: its payload members read whole and decoded, or, for selected
+    rows, only those rows' bytes (:mod:`structured_partial`)."""
     rows: range | tuple[int, ...] | None = None
     if selection is not None and selection.indices is not None:
         rows = selection.indices
@@ -514,10 +520,11 @@ def _read_encoded(
     enc = ref.encoded_non_tensor[name]
     members = enc["payload_members"]
     stage_ref = ref.stage_refs[ref.field_index[name].stage]
+    if rows is not None:
+        return read_encoded_rows(transfer, stage_ref, enc, rows, stages)
     spec = transfer.read_spec(stage_ref).select_members(list(members.values()))
     got = transfer.materialize(spec).objects
-    values = decode_column(enc, {p: got[m] for p, m in members.items()}, ref.batch_size)
-    return values if rows is None else [values[i] for i in rows]
+    return decode_column(enc, {p: got[m] for p, m in members.items()}, ref.batch_size)
 
 
 def _object_column(values: list[Any]) -> np.ndarray[Any, Any]:
@@ -590,8 +597,9 @@ def get_stage_fields(
         result = transfer.materialize_into(spec, stage_dests)
         for name, loc in entries:
             out[loc.section][name] = result.objects[loc.member]
+    stages: dict[str, Any] = {}
     for name in encoded:
-        values = _read_encoded(transfer, ref, name, selection)
+        values = _read_encoded(transfer, ref, name, selection, stages)
         out["non_tensor_batch"][name] = values if flat else _object_column(values)
     keys = meta_info_keys
     meta = (

@@ -24,6 +24,7 @@ themselves are in :mod:`mooncake_core.compat.structured_codecs`.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,12 @@ def torch_module() -> Any:
     except ImportError:
         return None
     return torch
+
+
+def loaded_torch() -> Any:
+    """torch if some code imported it already, else None: a value can only be a tensor
+    then, so type checks need not pay torch's import (seconds)."""
+    return sys.modules.get("torch")
 
 
 @dataclass
@@ -122,7 +129,7 @@ def choose_leaf_codec(values: list[Any]) -> CodecDecision:
     nn = non_null(values)
     if not nn:
         return CodecDecision(False, "msgpack_ragged", "all rows are null", "msgpack")
-    torch = torch_module()
+    torch = loaded_torch()
     if torch is not None and all(isinstance(v, torch.Tensor) for v in nn):
         dtypes = {v.dtype for v in nn}
         if len(dtypes) != 1:

@@ -15,6 +15,7 @@ is left out, and why: :data:`mooncake_core.compat.inventory.NOT_PROVIDED`.
 from __future__ import annotations
 
 import ctypes
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -131,7 +132,7 @@ def _encode_member(value: Any) -> tuple[dict[str, Any], Any]:
         return {"encoding": "torch_tensor"}, value
     if isinstance(value, _sb.TensorPayload):
         return _encode_tensor(value.tensor)
-    torch = _torch()
+    torch = sys.modules.get("torch")  # a tensor means torch is imported: no import here
     if torch is not None and isinstance(value, torch.Tensor):
         return _encode_tensor(value)
     if isinstance(value, np.ndarray):
