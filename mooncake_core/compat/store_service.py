@@ -46,6 +46,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -76,6 +77,8 @@ _MAX_BODY = 100 << 20
 #: the longest ``/api/unmount_local_disk`` grace period the published service accepts
 _MAX_GRACE_S = 3600
 _RETRY_S = 1.0
+#: seconds between the lines that say the service still waits for its master
+_PROGRESS_S = 5.0
 
 Handler = Callable[[web.Request], Awaitable[web.Response]]
 
@@ -206,20 +209,21 @@ class MooncakeStoreService:
         self, max_wait_time: float = 60, shutdown_event: asyncio.Event | None = None
     ) -> bool:
         """Set the store up, retrying once a second for up to ``max_wait_time`` seconds
-        (a master that is not up yet); False when time ran out or ``shutdown_event`` was set."""
-        began = time.monotonic()
-        attempt = 0
+        (a master that is not up yet; a line every few seconds says so); False when time ran
+        out or ``shutdown_event`` was set."""
+        deadline = time.monotonic() + max_wait_time
+        attempt, ret = 0, None
         while True:
             if shutdown_event is not None and shutdown_event.is_set():
                 logger.info("store start cancelled")
                 return False
             attempt += 1
             store = MooncakeDistributedStore()
-            ret = await asyncio.to_thread(store.setup, self._setup_args())
+            got = await self._setup_once(store, deadline, shutdown_event)
+            if got is None:  # out of time or cancelled while that attempt ran
+                break
+            ret = got
             if ret == 0:
-                if shutdown_event is not None and shutdown_event.is_set():
-                    await asyncio.to_thread(store.close)
-                    return False
                 self.store = store
                 logger.info(
                     "store set up as %s (master %s)",
@@ -227,15 +231,9 @@ class MooncakeStoreService:
                     self.config.master_server_address,
                 )
                 return True
-            left = max_wait_time - (time.monotonic() - began)
+            left = deadline - time.monotonic()
             if left <= 0:
-                logger.error(
-                    "store setup failed %d time(s) in %.0f s (last code %d); giving up",
-                    attempt,
-                    max_wait_time,
-                    ret,
-                )
-                return False
+                break
             logger.warning(
                 "store setup failed (code %d): waiting for the master at %s, retry in %.1f s"
                 " (%.0f s left)",
@@ -244,15 +242,89 @@ class MooncakeStoreService:
                 min(_RETRY_S, left),
                 left,
             )
-            if shutdown_event is None:
-                await asyncio.sleep(min(_RETRY_S, left))
-            else:
-                try:
-                    await asyncio.wait_for(shutdown_event.wait(), min(_RETRY_S, left))
-                except asyncio.TimeoutError:
-                    continue
-                logger.info("store start cancelled")
-                return False
+            try:
+                waiter = (
+                    shutdown_event.wait() if shutdown_event is not None else asyncio.sleep(left)
+                )
+                await asyncio.wait_for(waiter, min(_RETRY_S, left))
+            except asyncio.TimeoutError:
+                continue
+        if shutdown_event is not None and shutdown_event.is_set():
+            logger.info("store start cancelled")
+        else:
+            logger.error(
+                "store setup: no success in %d attempt(s) within %g s (%s); giving up",
+                attempt,
+                max_wait_time,
+                "the master never answered" if ret is None else f"last code {ret}",
+            )
+        return False
+
+    async def _setup_once(
+        self,
+        store: MooncakeDistributedStore,
+        deadline: float,
+        shutdown_event: asyncio.Event | None,
+    ) -> int | None:
+        """One ``setup`` in a daemon thread (it may wait for the master longer than we
+        may); its code, or None when the deadline passed or shutdown was asked first (a
+        store that sets up after that is closed in its thread)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[int] = loop.create_future()
+        abandoned = threading.Event()
+
+        def deliver(code: int) -> None:  # on the loop, so ordered with abandoned.set()
+            if abandoned.is_set():
+                if code == 0:
+                    threading.Thread(target=store.close, daemon=True).start()
+            elif not done.done():
+                done.set_result(code)
+
+        def run() -> None:
+            try:
+                code = store.setup(self._setup_args())
+            except Exception:  # noqa: BLE001 - reported as a failed attempt
+                logger.exception("store setup raised")
+                code = -1
+            if abandoned.is_set():
+                if code == 0:
+                    store.close()
+                return
+            try:
+                loop.call_soon_threadsafe(deliver, code)
+            except RuntimeError:  # the loop is gone
+                if code == 0:
+                    store.close()
+
+        threading.Thread(target=run, name="store-setup", daemon=True).start()
+        began = time.monotonic()
+        stop = asyncio.ensure_future(shutdown_event.wait()) if shutdown_event else None
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                waits: set[asyncio.Future[Any]] = {done} if stop is None else {done, stop}
+                await asyncio.wait(
+                    waits, timeout=min(_PROGRESS_S, left), return_when=asyncio.FIRST_COMPLETED
+                )
+                if done.done():
+                    return done.result()
+                if stop is not None and stop.done():
+                    break
+                logger.warning(
+                    "still waiting for the store master at %s (%.0f s so far, %.0f s left)",
+                    self.config.master_server_address,
+                    time.monotonic() - began,
+                    max(0.0, deadline - time.monotonic()),
+                )
+        finally:
+            if stop is not None:
+                stop.cancel()
+        abandoned.set()
+        if done.done() and done.result() == 0:
+            await asyncio.to_thread(store.close)
+        return None
 
     async def start_http_service(self, port: int = 8080) -> bool:
         """Serve the routes on ``self.host:port`` (port 0: a free one, kept in ``self.port``)."""
@@ -289,9 +361,8 @@ class MooncakeStoreService:
             await runner.cleanup()
             raise
         self._runner = runner
-        server = site._server
-        socks = getattr(server, "sockets", None) or []
-        self.port = int(socks[0].getsockname()[1]) if socks else port
+        bound = [a for a in runner.addresses if isinstance(a, tuple)]
+        self.port = int(bound[0][1]) if bound else port
         logger.info("store REST API on http://%s:%d/api/", self.host, self.port)
         return True
 

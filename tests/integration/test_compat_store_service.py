@@ -359,12 +359,20 @@ def test_store_service_routes_ours(ours: Side) -> None:
 
 @pytest.mark.timeout(60)
 def test_store_service_refusals_are_one_line(ours: Side) -> None:
-    """Ours only (the published prints tracebacks): no configuration; a port in use."""
+    """Ours only (the published prints tracebacks): no configuration; no master; a port in
+    use."""
     env = {k: v for k, v in ours.env.items() if not k.startswith("MOONCAKE_")}
     out = ours.run("service", "--port", "0", env=env)
     assert out.returncode == 1
     assert "Traceback" not in out.stderr
     assert "mc_store_rest_server: configuration: " in out.stderr.splitlines()[-1]
+    # a master that never answers: it says that it waits, then gives up after --max-wait-time
+    absent = dict(_service_env(ours), MOONCAKE_MASTER=f"127.0.0.1:{peer().free_port()}")
+    out = ours.run("service", "--port", "0", "--max-wait-time", "1", env=absent)
+    assert out.returncode == 1
+    assert "Traceback" not in out.stderr
+    assert "still waiting for the store master" in out.stderr
+    assert "the store could not be set up within 1 s" in out.stderr.splitlines()[-1]
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
