@@ -25,9 +25,10 @@ from typing import Any
 
 from mooncake_core import __version__
 from mooncake_core.cli import gflags
+from mooncake_core.cli.store_node import wait_for_master
 from mooncake_core.compat.cli_client import PUBLISHED_FLAGS
 from mooncake_core.config import load_config, parse_size
-from mooncake_core.errors import ConfigError
+from mooncake_core.errors import ConfigError, MasterUnavailable
 from mooncake_core.store.client import StoreClient
 from mooncake_core.store.standalone_client import StandaloneClientService
 from mooncake_core.store.tenants import check_tenant
@@ -40,6 +41,7 @@ VERSION = f"mooncake_client (mooncake-core {__version__}; published flags of Moo
 FLAGS: tuple[gflags.Flag, ...] = tuple(gflags.Flag(*f) for f in PUBLISHED_FLAGS)
 _WILDCARD = {"0.0.0.0", "::", ""}
 _GLOG_LEVELS = {0: "INFO", 1: "WARNING", 2: "ERROR", 3: "CRITICAL"}
+_WAIT_MASTER_S = 120.0  # how long to wait for an absent master, saying so every few seconds
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -114,21 +116,27 @@ def run(args: argparse.Namespace) -> int:
     if "metadata_server" in given:
         overrides["metadata_server"] = str(values["metadata_server"])
     cfg = load_config(args.config, **overrides)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    client = StoreClient(
-        cfg,
-        master=cfg.master_server_address,
-        segment_size=cfg.global_segment_size,
-        tenant=tenant,
-    )
-    client.start()
-    with client:
-        service = StandaloneClientService(
-            client, host if host else "127.0.0.1", int(values["port"])
+    # bind first: a port in use is one line before anything starts
+    with StandaloneClientService(host or "127.0.0.1", int(values["port"])) as service:
+        try:
+            wait_for_master(cfg.master_server_address, _WAIT_MASTER_S)
+        except MasterUnavailable:
+            raise MasterUnavailable(
+                f"client: no master listens at {cfg.master_server_address} after "
+                f"{_WAIT_MASTER_S:g}s (start it, or give --master_server_address)"
+            ) from None
+        client = StoreClient(
+            cfg,
+            master=cfg.master_server_address,
+            segment_size=cfg.global_segment_size,
+            tenant=tenant,
         )
-        with service:
+        client.start()
+        with client:
+            stop = threading.Event()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: stop.set())
+            service.start(client)
             if args.ready_file:
                 tmp = args.ready_file + ".tmp"
                 with open(tmp, "w") as f:
@@ -144,4 +152,5 @@ def run(args: argparse.Namespace) -> int:
                 os.replace(tmp, args.ready_file)
             print(f"Starting real client service on {host}:{service.port}", flush=True)
             stop.wait()
+            service.stop()  # before the client closes: attached processes see -900
     return 0

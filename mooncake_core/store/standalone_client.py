@@ -430,16 +430,20 @@ class _Session:
 
 
 class StandaloneClientService:
-    """Serve ``client`` to processes on this host (see the module doc).
+    """Serve a store client to processes on this host (see the module doc).
+
+    The constructor binds (so a port in use fails before anything starts);
+    :meth:`start` serves ``client``, a started :class:`StoreClient` the service does not
+    close.
 
     Args:
-        client: a started :class:`StoreClient`; the service does not close it.
         host: the TCP listener's address (loopback by default).
         port: its port (0: a free one; the Unix socket is named after the port).
     """
 
-    def __init__(self, client: StoreClient, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.client = client
+    client: StoreClient
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self._tcp = socket.create_server((host, port), reuse_port=False)
         self.host = host
         self.port = int(self._tcp.getsockname()[1])
@@ -457,7 +461,8 @@ class StandaloneClientService:
         self._stopped = threading.Event()
         self._threads: list[threading.Thread] = []
 
-    def start(self) -> StandaloneClientService:
+    def start(self, client: StoreClient) -> StandaloneClientService:
+        self.client = client
         for target, name in ((self._accept_unix, "ipc"), (self._accept_tcp, "tcp")):
             t = threading.Thread(target=target, name=f"mc-client-{name}", daemon=True)
             t.start()
@@ -504,7 +509,10 @@ class StandaloneClientService:
             with self._lock:
                 self._sessions.add(session)
             logger.info("client pid %d attached", pid)
-            threading.Thread(target=session.serve, name=f"mc-client-pid{pid}", daemon=True).start()
+            t = threading.Thread(target=session.serve, name=f"mc-client-pid{pid}", daemon=True)
+            t.start()
+            with self._lock:
+                self._threads = [x for x in self._threads if x.is_alive()] + [t]
 
     def _forget(self, session: _Session) -> None:
         with self._lock:
@@ -519,14 +527,16 @@ class StandaloneClientService:
             s.close()
         with self._lock:
             sessions = list(self._sessions)
+            threads = list(self._threads)
         for session in sessions:
             with contextlib.suppress(OSError):
                 session.sock.shutdown(socket.SHUT_RDWR)
-        for t in self._threads:
-            t.join(timeout=2.0)
+        for t in threads:  # the sessions unmap their memory before the client closes
+            if t is not threading.current_thread():
+                t.join(timeout=2.0)
 
     def __enter__(self) -> StandaloneClientService:
-        return self.start()
+        return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
