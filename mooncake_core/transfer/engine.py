@@ -57,7 +57,13 @@ from mooncake_core.transfer.batch import (
     wait_all,
 )
 from mooncake_core.transfer.control import ControlInbox
-from mooncake_core.transfer.memory import ManagedBuffer, Region, SegmentTable, buffer_address
+from mooncake_core.transfer.memory import (
+    ManagedBuffer,
+    Region,
+    SegmentTable,
+    buffer_address,
+    view_address,
+)
 from mooncake_core.transfer.protocol import Op, Status
 from mooncake_core.transfer.server import TransferServer
 from mooncake_core.transfer.tensors import encode_tensor
@@ -111,6 +117,8 @@ class TransferEngine:
         self._started = False
         self._closed = False
         self.stats = {"bytes_read": 0, "bytes_written": 0, "failovers": 0}
+        self._slice_size = int(cfg.transfer.slice_size)  # read per transfer: looked up once
+        self._timeout_s = float(cfg.transfer.timeout_s)
         self.metrics_url = ""  # this process's /metrics when transfer.metrics_port >= 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -471,11 +479,10 @@ class TransferEngine:
             or (req.transport is not None and req.transport not in self._transports)
         ):
             return 0
-        with self._peers_lock:
-            peer = self._peers.get(req.peer)
+        peer = self._peers.get(req.peer)  # one dict read (atomic): no lock on the hot path
         if peer is None:
             return 0
-        slice_size = int(self.config.transfer.slice_size)
+        slice_size = self._slice_size
         if type(local) is int:  # an address inside our registered host memory
             length = req.length or 0
             if not 0 < length <= slice_size:
@@ -499,7 +506,7 @@ class TransferEngine:
             length = mv.nbytes if req.length is None else req.length
             if not 0 < length <= min(mv.nbytes, slice_size):
                 return 0
-            addr = buffer_address(mv, writable=False)[0]
+            addr = view_address(mv)
             view = mv[:length] if length != mv.nbytes else mv
         else:
             return 0
@@ -509,9 +516,7 @@ class TransferEngine:
         if not chain:
             return 0
         it = WorkItem(0, op, addr, view, remote, length)
-        deadline = time.monotonic() + (
-            timeout if timeout is not None else self.config.transfer.timeout_s
-        )
+        deadline = time.monotonic() + (timeout if timeout is not None else self._timeout_s)
         self._execute_chain(req.peer, peer, chain, [it], deadline)
         if it.done:
             return length

