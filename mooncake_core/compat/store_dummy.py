@@ -21,9 +21,11 @@ the same way, with our own protocol over its Unix socket:
   ``put_from`` / ``get_into`` / ``batch_*`` on addresses inside it move bytes between the
   pool and that memory with no copy in this process. Other addresses answer -600 and
   other registrations -1, as published.
-- ``is_exist``, ``get_size``, ``remove*``, ``batch_is_exist`` go through the service.
-  Calls the service does not forward (tensor-parallel helpers, replica and task calls,
-  segments) answer -1. ``get_hostname()`` is ``""``, as published.
+- ``is_exist``, ``get_size``, ``remove*``, ``batch_is_exist`` go through the service;
+  ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers`` gather and scatter
+  parts in registered pool memory by copy through the local buffer. Calls the service
+  does not forward (replica and task calls, segments) answer -1. ``get_hostname()`` is
+  ``""``, as published.
 - When the service is gone every call answers -900 (``get`` ``b""``, ``health_check``
   2) at once; nothing waits. A call gives up after :data:`CALL_TIMEOUT_S` seconds.
 """
@@ -82,6 +84,27 @@ def _view(value: Any) -> memoryview:
     return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
 
 
+class _PoolRegion:
+    kind = "host"
+
+
+class _PoolSegments:
+    """``engine.segments.find`` over a dummy's registered pool memory: the compat store's
+    multi-buffer calls gather from and scatter to it (mapped in this process too)."""
+
+    def __init__(self, dummy: DummyClient) -> None:
+        self._dummy = dummy
+
+    def find(self, addr: int, length: int) -> _PoolRegion:
+        self._dummy._locate(int(addr), int(length))  # InvalidArgument (-600) outside it
+        return _PoolRegion()
+
+
+class _PoolEngine:
+    def __init__(self, dummy: DummyClient) -> None:
+        self.segments = _PoolSegments(dummy)
+
+
 class DummyClient:
     """The part of :class:`StoreClient` the compat store uses, served by a standalone
     client service over its Unix socket (see the module doc)."""
@@ -95,6 +118,7 @@ class DummyClient:
         self._mem: dict[int, SharedMemory] = {}  # id -> shared memory (0: the local buffer)
         self._registered: set[int] = set()
         self._next = 1
+        self.engine = _PoolEngine(self)
         hello = self._request({"op": "hello", "version": PROTOCOL_VERSION})
         self.tenant: str | None = hello.get("tenant") or None
         self.service_pid = int(hello.get("pid") or 0)

@@ -343,9 +343,15 @@ CODES = textwrap.dedent(
     r["missing"] = [s.get_into("cmp/none", a, 10), s.get_size("cmp/none"), s.is_exist("cmp/none"),
                     s.remove("cmp/none"), s.get("cmp/none").decode()]
     r["batch_get_into"] = s.batch_get_into(["cmp/z", "cmp/none"], [a, a + 8190], [8192, 2])
+    ctypes.memmove(a, b"0123456789" * 30, 300)
+    r["multi_put"] = s.batch_put_from_multi_buffers(["cmp/m"], [[a, a + 4096]], [[100, 200]])
+    r["multi_get"] = s.batch_get_into_multi_buffers(
+        ["cmp/m", "cmp/none"], [[a + 1000, a + 2000], [a + 3000]], [[100, 200], [10]])
+    r["multi_ok"] = (ctypes.string_at(a + 1000, 100) == ctypes.string_at(a, 100)
+                     and ctypes.string_at(a + 2000, 200) == ctypes.string_at(a + 4096, 200))
     r["not_pool"] = s.put_from("cmp/np", ctypes.addressof(ctypes.create_string_buffer(64)), 64)
     r["unreg"] = [s.unregister_buffer(a), s.unregister_buffer(a)]
-    r["remove"] = [s.remove(k, True) for k in ("cmp/a", "cmp/exact", "cmp/z")]
+    r["remove"] = [s.remove(k, True) for k in ("cmp/a", "cmp/exact", "cmp/z", "cmp/m")]
     r["close"] = s.close()
     print(json.dumps(r), flush=True)
     """
@@ -415,7 +421,8 @@ def test_same_codes_as_published_mooncake_client(service: Service, tmp_path: Pat
     assert ours.returncode == 0, ours.stderr[-2000:]
     t = json.loads(theirs.stdout.strip().splitlines()[-1])
     o = json.loads(ours.stdout.strip().splitlines()[-1])
-    assert o["setup"] == 0 and o["get_into"] == 8192 and len(o) == len(t) == 21
+    assert o["setup"] == 0 and o["get_into"] == 8192 and len(o) == len(t) == 24
+    assert o["multi_put"] == [0] and o["multi_get"] == [300, -704] and o["multi_ok"]
     assert {k: v for k, v in o.items() if v != t.get(k)} == {}, (o, t)
 
 
