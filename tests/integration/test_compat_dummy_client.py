@@ -18,6 +18,7 @@ import logging
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -33,6 +34,7 @@ from mooncake_core.compat import store_dummy
 from mooncake_core.compat.cli_client import check_flags
 from mooncake_core.compat.store import MooncakeDistributedStore
 from mooncake_core.store import StoreClient
+from mooncake_core.store.standalone_client import ipc_address, recv_msg, send_msg
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -240,6 +242,23 @@ def test_killed_dummy_frees_its_memory_and_service_keeps_serving(
             proc.wait()
     _wait(lambda: service.shared_mappings() == 0, "the killed dummy's mappings to go")
     assert service.proc.poll() is None
+    # bad input on the socket: an answer naming it, or the connection closed; never a crash
+    for junk in (b"\xff\xff\xff\x7f", b"\x03\x00\x00\x00{{{", b"\x02\x00\x00\x00[]"):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+            raw.settimeout(5)
+            raw.connect(ipc_address(service.port))
+            raw.sendall(junk)
+            raw.recv(4096)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+        raw.settimeout(5)
+        raw.connect(ipc_address(service.port))
+        send_msg(raw, {"op": "map", "id": 1, "size": 1 << 40})  # no fd
+        answer, _ = recv_msg(raw)
+        assert answer["ok"] is False and "file descriptor" in answer["error"][1]
+        send_msg(raw, {"op": "get_into", "key": "dummy/held", "id": 9, "off": 0, "n": 8})
+        answer, _ = recv_msg(raw)
+        assert answer["ok"] is False and answer["error"][0] == "InvalidArgument"
+    assert service.proc.poll() is None
     # the service still serves, and what the dead dummy put is still readable
     s = MooncakeDistributedStore()
     assert s.setup_dummy(0, 1 << 20, service.address) == 0
@@ -427,8 +446,6 @@ def test_same_codes_as_published_mooncake_client(service: Service, tmp_path: Pat
 
 
 def _listening(port: int) -> bool:
-    import socket
-
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5):
             return True
