@@ -97,6 +97,13 @@ def _parser() -> argparse.ArgumentParser:
         help="an extra kv_connector_extra_config option for the store phase's A and B "
         "(VALUE as JSON, else a string; e.g. load_batches=1, io_cpus=any); repeatable",
     )
+    p.add_argument(
+        "--store-unpinned",
+        action="store_true",
+        help="store phase: every instance may use every core (before 2026-12-02 the store "
+        "phase's pins were not in effect: an in-process vLLM engine ignores "
+        "VLLM_CPU_OMP_THREADS_BIND)",
+    )
     p.add_argument("--skip-pd", action="store_true", help="leave out the PD phase")
     p.add_argument("--skip-store", action="store_true", help="leave out the store phase")
     p.add_argument(
@@ -237,6 +244,7 @@ def _store_phase(
     reaper: Any,
 ) -> None:
     from mooncake_vllm.bench_http import stream
+    from mooncake_vllm.bench_mixed import omp_env, pin_group
     from mooncake_vllm.testing import (
         VLLMServer,
         engine_env,
@@ -271,12 +279,17 @@ def _store_phase(
     master_log.close()
     seg = f"{max(512, (kv_per_token * L * (args.repeats + 2) * 2) >> 20)}MiB"
     details = ["--enable-prompt-tokens-details"]  # usage.cached_tokens: a hit, or not
+    # each instance on one core for real (VLLM_CPU_OMP_THREADS_BIND alone does not pin an
+    # in-process engine: see bench_mixed.omp_env); --store-unpinned: every instance on all
+    cores = [c["VLLM_CPU_OMP_THREADS_BIND"] for c in pin]
+    env = [dict(p) if args.store_unpinned else omp_env(c) for p, c in zip(pin, cores, strict=True)]
+    out["store_phase_pinned"] = not args.store_unpinned
     servers = [
         VLLMServer(
             model,
             name=n,
             log_path=work / f"{n}.log",
-            env=pin[i],
+            env=env[i],
             kv_transfer_config=store_transfer_config(
                 f"127.0.0.1:{port}",
                 segment_size=seg,
@@ -291,12 +304,12 @@ def _store_phase(
     ]
     # plain vLLM (no connector) on B's core: cold prefill and its own prefix-cache hit
     servers.append(
-        VLLMServer(model, name="P", log_path=work / "P.log", env=pin[1], args=details, **common)
+        VLLMServer(model, name="P", log_path=work / "P.log", env=env[1], args=details, **common)
     )
     peer = _lmcache_peer(args, work, reaper, log, out)
     if peer is not None:  # LA on A's core computes, LB on B's core hits
         servers += [
-            peer.vllm_server(model, n, pin[i], args=details, **common)
+            peer.vllm_server(model, n, env[i], args=details, **common)
             for i, n in enumerate(("LA", "LB"))
         ]
     for s in servers:
@@ -316,6 +329,10 @@ def _store_phase(
         for s in servers:
             s.wait_ready(args.start_timeout)
         reaper.sync()
+        if not args.store_unpinned:  # A and LA on the first core, B, P and LB on the second
+            homes = [cores[0], cores[1], cores[1], cores[0], cores[1]][: len(servers)]
+            for s, core in zip(servers, homes, strict=True):
+                pin_group(s, core)
         log(
             f"store phase: master + {len(servers)} vLLM instances"
             f"{' + lmcache server' if peer else ''} ready in {time.monotonic() - t0:.0f} s"

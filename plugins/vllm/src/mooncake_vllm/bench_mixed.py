@@ -71,6 +71,19 @@ def omp_env(cpus: str) -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": cpus, "OMP_NUM_THREADS": str(max(1, n))}
 
 
+def pin_group(s: Any, cpus: str) -> None:
+    """Every thread of every process of a ``VLLMServer``'s group onto ``cpus`` (once it is
+    ready: a pinned start-up takes minutes on loaded cores)."""
+    assert s.proc is not None
+    for pid in _group_pids(s.proc.pid):
+        subprocess.run(
+            ["taskset", "-a", "-cp", cpus, str(pid)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            check=False,
+        )
+
+
 def _group_pids(pgid: int) -> list[int]:
     """Live processes of process group ``pgid`` (from /proc)."""
     out = []
@@ -209,18 +222,6 @@ def mixed_phase(
         )
         reaper.server(s)
         return s
-
-    def pin_group(s: VLLMServer, cpus: str) -> None:
-        """Every thread of every process of the server's group onto ``cpus`` (once it is
-        ready: a pinned start-up takes minutes on loaded cores)."""
-        assert s.proc is not None
-        for pid in _group_pids(s.proc.pid):
-            subprocess.run(
-                ["taskset", "-a", "-cp", cpus, str(pid)],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                check=False,
-            )
 
     pre = pinned("mixed-prefill", c0, pd_transfer_config("kv_producer", stats_dir=stats))
     dec = pinned("mixed-decode", c1, pd_transfer_config("kv_consumer", stats_dir=stats))

@@ -339,6 +339,14 @@ def _resolve_io_cpus(how: str) -> set[int] | None:
     return spare or None
 
 
+def _binding() -> set[int] | None:
+    """The calling thread's CPUs (None where the platform cannot say)."""
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
 def _set_cpus(tid: int, cpus: set[int] | None) -> None:
     if cpus is None:
         return
@@ -386,6 +394,7 @@ class _StoreWorker:
         # resolved when the KV caches are registered, once vLLM has bound its compute threads;
         # the pools' threads start later and read it then
         self.io_cpus: set[int] | None = None
+        self._engine_cpus: set[int] | None = None  # the forward thread's CPUs when resolved
         # saves are off the critical path: the save thread yields the core to the forward
         self._save_pool = ThreadPoolExecutor(
             max_workers=1,
@@ -418,6 +427,7 @@ class _StoreWorker:
         seg = self.extra.get("segment_size")
         size = int(cfg.global_segment_size) if seg is None else int(parse_size(seg))
         self.io_cpus = _resolve_io_cpus(self.io_cpu_mode)
+        self._engine_cpus = _binding()
         try:
             self.client = StoreClient(
                 cfg, segment_size=size, failover_timeout_s=self.retry_timeout_s, tenant=self.tenant
@@ -450,14 +460,32 @@ class _StoreWorker:
             self.warm_up()
             self._free_io_threads()  # threads the warm-up started
 
-    def _free_io_threads(self) -> None:
+    def _follow_binding(self) -> None:
+        """Re-resolve ``io_cpus`` when the forward's thread was bound anew since (an operator's
+        ``taskset -a`` after start-up moves every thread, ours too, onto the engine's cores)."""
+        if self.io_cpu_mode == "engine":
+            return
+        now = _binding()
+        if now == self._engine_cpus:
+            return
+        self._engine_cpus = now
+        self.io_cpus = _resolve_io_cpus(self.io_cpu_mode)
+        logger.info(
+            "mooncake_vllm: the engine now runs on CPUs %s; I/O threads move to %s",
+            sorted(now or ()),
+            "its CPUs" if self.io_cpus is None else sorted(self.io_cpus),
+        )
+        self._free_io_threads(now if self.io_cpus is None else self.io_cpus)
+
+    def _free_io_threads(self, cpus: set[int] | None = None) -> None:
         """Let the store client's threads (started by vLLM's bound main thread, so bound to
-        its compute cores) run on ``io_cpus``; threads they start inherit that."""
-        if self.io_cpus is None:
+        its compute cores) run on ``io_cpus`` (or ``cpus``); threads they start inherit that."""
+        cpus = self.io_cpus if cpus is None else cpus
+        if cpus is None:
             return
         for t in threading.enumerate():
             if t.name.startswith("mc-") and t.native_id is not None:
-                _set_cpus(t.native_id, self.io_cpus)
+                _set_cpus(t.native_id, cpus)
 
     def warm_up(self) -> None:
         """Do at start-up what the first hit would otherwise pay for.
@@ -529,6 +557,7 @@ class _StoreWorker:
         on the load threads; :meth:`wait_for_layer_load` waits for a layer's group."""
         if not meta.loads or self.client is None:
             return
+        self._follow_binding()
         bb = self.block_bytes
         self._load_t0 = time.monotonic()
         self._load_waited = 0.0

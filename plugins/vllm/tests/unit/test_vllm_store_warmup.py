@@ -221,3 +221,37 @@ def test_io_threads_may_leave_the_engine_cores(master: Any) -> None:
                 assert got == want[how or "spare"], (how, th.name, got)
         finally:
             w.close()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_io_threads_follow_a_binding_made_after_start(master: Any) -> None:
+    """An operator's ``taskset -a`` after start-up moves every thread onto the engine's core,
+    the connector's too; the next load moves the I/O threads back off it (``spare``)."""
+    import torch
+    from mooncake_vllm.store_connector import _StoreWorker
+
+    cpus = os.sched_getaffinity(0)
+    engine_core = {min(cpus)}
+    seen: dict[str, Any] = {}
+
+    def run() -> None:  # unbound at start-up, as vLLM's in-process engine is
+        os.sched_setaffinity(0, cpus)
+        kv = {"model.layers.0.self_attn.attn": torch.zeros(4, 2, 32, 16)}
+        w = _StoreWorker(_vc(), _extra(master, segment_size="4MiB"), "late", 0)
+        seen["w"] = w
+        w.register_kv_caches(kv)
+        threads = [*w._load_pool._threads, *w._save_pool._threads, w.client._poller]
+        seen["before"] = [os.sched_getaffinity(t.native_id) for t in threads]
+        for t in [threading.current_thread(), *threads]:  # taskset -a -p <core> <pid>
+            os.sched_setaffinity(t.native_id, engine_core)
+        w._follow_binding()
+        seen["after"] = [os.sched_getaffinity(t.native_id) for t in threads]
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(60)
+    try:
+        assert seen["before"] and all(c == cpus for c in seen["before"])
+        assert all(c == cpus - engine_core for c in seen["after"]), seen["after"]
+    finally:
+        seen["w"].close()
