@@ -6,7 +6,8 @@ processes on this host that called ``setup_dummy(mem_pool_size, local_buffer_siz
 command line is the published ``mooncake_client``'s (gflags spellings: ``--port=50052``,
 ``--master_server_address 127.0.0.1:50051``, ``--global_segment_size "4 GB"``, ...;
 :data:`mooncake_core.compat.cli_client.PUBLISHED_FLAGS`), also reachable as
-``python -m mooncake.cli_client`` after ``mooncake_core.compat.install()``.
+``mooncake.cli_client.main()`` after ``mooncake_core.compat.install()`` (or
+``python -m mooncake_core.compat.cli_client``).
 
 Differences on purpose: ``--host`` defaults to 127.0.0.1 (published: 0.0.0.0);
 ``--metadata_server`` defaults to our config's ``metadata_server`` (P2P handshake unless
