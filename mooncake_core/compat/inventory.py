@@ -52,9 +52,10 @@ _NOF = "NVMe-over-Fabrics segments: needs NoF hardware and the published master'
 _CUDA_T = "CUDA tensors; the non-CUDA wheel refuses them too"
 _ENGRAM = "Engram embedding tables (a research feature of the wheel): out of scope"
 _CLI = "the published command-line tools; ours is `mooncake-core` (docs/store.md)"
-_SEG = (
-    "file-backed and local-disk segments (mount_segment(path)): our segments are memory;"
-    " memory ones: allocate_and_mount_segment"
+_DISK_SEG = (
+    "withdraws the client's local-disk (SSD offload) segment from the master; our SSD tier"
+    " has no call that drops one live client's disk copies (they go when it expires);"
+    " file-backed segments: mount_segment(path)"
 )
 _FABRIC = "probes the wheel's .so for fabric allocators (CUDA/NVLink): out of scope"
 _VLLM = "the published vLLM connector and proxy; ours live in the vLLM adapter (plugins/vllm)"
@@ -78,7 +79,6 @@ NOT_PROVIDED: dict[str, str] = {
     "mooncake.engine:InnerTransferEngine": "the C++ engine type; get_engine() returns ours",
     "mooncake.engine:SharedSegment": _CUDA,
     # mooncake.store: types
-    "mooncake.store:bind_to_numa_node": "NUMA binding of the wheel's allocator threads",
     "mooncake.store:EngramStore": _ENGRAM,
     "mooncake.store:EngramStoreConfig": _ENGRAM,
     "mooncake.store:MooncakeDistributedNoFRegister": _NOF,
@@ -86,9 +86,7 @@ NOT_PROVIDED: dict[str, str] = {
     "mooncake.*store*:MooncakeDistributedStore*.init_all": "crashes (SIGSEGV) in the"
     " published 0.3.13 wheel before connecting anywhere, with or without a master and etcd at"
     " its defaults: there is no published behaviour to follow; use setup()",
-    "mooncake.*store*:MooncakeDistributedStore*.mount_segment": _SEG,
-    "mooncake.*store*:MooncakeDistributedStore*.unmount_segment": _SEG,
-    "mooncake.*store*:MooncakeDistributedStore*.unmount_local_disk_segment": _SEG,
+    "mooncake.*store*:MooncakeDistributedStore*.unmount_local_disk_segment": _DISK_SEG,
     "mooncake.*store*:MooncakeDistributedStore*.*_cuda": _CUDA_T,
 }
 

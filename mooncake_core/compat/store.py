@@ -43,6 +43,7 @@ from mooncake_core.compat.buffer_pool import (  # the published names, re-export
     get_free_func_addr,
 )
 from mooncake_core.compat.store_dummy import DummyMethods
+from mooncake_core.compat.store_numa import bind_to_numa_node
 from mooncake_core.compat.store_parallel import (  # the published names, re-exported
     ParallelAxis,
     ParallelMethods,
@@ -117,6 +118,7 @@ from mooncake_core.transfer.engine import TransferEngine as _Engine
 from mooncake_core.transfer.memory import host_view
 
 __all__ = [
+    "bind_to_numa_node",
     "MooncakeDistributedStore",
     "ReplicateConfig",
     "SoftPinAction",

@@ -124,6 +124,7 @@ class StoreClient(ReservationLending, RememberedReads):
         self.tenant = check_tenant(tenant)
         self.rpc.tenant = self.tenant
         self._segments: dict[str, ManagedBuffer] = {}
+        self._caller_mem: set[int] = set()  # addresses of segments whose memory the caller lent
         self._seg_names: list[str] = []
         self._mounts = 0  # segments ever mounted: names are never reused after an unmount
         self._started = False
@@ -196,8 +197,12 @@ class StoreClient(ReservationLending, RememberedReads):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def mount_segment(self, size: int) -> str:
-        """Allocate ``size`` bytes of shared memory and lend them to the pool; returns its name."""
+    def mount_segment(
+        self, size: int, *, memory: ManagedBuffer | None = None, offset: int = 0
+    ) -> str:
+        """Allocate ``size`` bytes of shared memory and lend them to the pool; returns its name.
+        ``memory``: lend that mapping instead (e.g. a file's, ``size`` its length), registered
+        here (same-host peers map its ``fd`` at ``offset``), closed when it is unmounted."""
         if size <= 0:
             raise P.InvalidArgument(f"segment size must be positive, got {size}")
         with self._mount_lock:
@@ -207,14 +212,21 @@ class StoreClient(ReservationLending, RememberedReads):
             seq = self._mounts
             self._mounts += 1
             name = self.engine.name if seq == 0 else f"{self.engine.name}#{seq}"
-            buf = self.engine.allocate(size, name=f"store-{seq}", prefault=self._prefault)
+            if memory is None:
+                buf = self.engine.allocate(size, name=f"store-{seq}", prefault=self._prefault)
+            else:
+                buf = memory
+                region = Region(buf.addr, size, f"store-{seq}", owner=buf, memfd=buf.fd)
+                region.memfd_offset = offset
+                self.engine.segments.add(region)
+                self._caller_mem.add(buf.addr)
             try:
                 self.rpc.call(
                     "mount",
                     (self.client_id, name, self.engine.name, buf.addr, size, self.engine.host_id),
                 )
             except BaseException:
-                self.engine.free(buf)
+                self._release(buf)
                 raise
             self._segments[name] = buf
             self._seg_names.append(name)
@@ -229,6 +241,14 @@ class StoreClient(ReservationLending, RememberedReads):
             self._call("unmount", (self.client_id, name))
             self._seg_names.remove(name)
             del self._segments[name]
+            self._release(buf)
+
+    def _release(self, buf: ManagedBuffer) -> None:
+        if buf.addr in self._caller_mem:  # the caller's (mount_segment(memory=...))
+            self._caller_mem.discard(buf.addr)
+            self.engine.segments.remove(buf.addr)
+            buf.close()
+        else:
             self.engine.free(buf)
 
     @property
@@ -258,11 +278,11 @@ class StoreClient(ReservationLending, RememberedReads):
         self.rpc.close()  # also wakes the heartbeat thread if it waits for an answer
         if self._poller is not None:
             self._poller.join(timeout=2 * self.heartbeat_s + 1)
+        for buf in self._segments.values():
+            if not self._own_engine or buf.addr in self._caller_mem:
+                self._release(buf)
         if self._own_engine:
             self.engine.close()
-        else:
-            for buf in self._segments.values():
-                self.engine.free(buf)
         self._segments.clear()
 
     # ------------------------------------------------------------------ heartbeat and tasks
