@@ -228,7 +228,9 @@ class ReservationLending(ClientCore):
         asking after it returns sees the object. Returns like :meth:`_put_reserved`; None: the
         commit could not be sent, commit after the write instead.
         """
-        gen = self.rpc.generation()
+        # the generation _slot just checked the reservation against (an older one can only make
+        # the location remembered below unused, never wrongly used)
+        gen = lent.generation
         pend = self.rpc.start(
             "put_commit", (self.client_id, key, lent.rid, off, local.length, cfg, True)
         )

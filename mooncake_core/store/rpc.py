@@ -113,9 +113,8 @@ class _Sock:
         if got > 4 + n:
             raise ConnectionError("master sent more than one answer")
         if got == 4 + n:
-            resp = P.decode_response(
-                bytes(buf[4:got])
-            )  # Raw results must not alias the reused buffer
+            # Raw results must not alias the reused buffer: one copy of the frame
+            resp = P.decode_response(bytes(mv[4:got]))
         else:
             body = bytearray(n)
             view = memoryview(body)
