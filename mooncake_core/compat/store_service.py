@@ -18,10 +18,17 @@ status codes on :class:`mooncake_core.compat.store.MooncakeDistributedStore`:
 ``POST /api/mount``                    ``{"size": int}``: lend more memory; 200 with
                                        ``segment_ids`` and ``allocated_size``
 ``POST /api/unmount``                  ``{"segment_ids": [...]}``: withdraw it again
-``POST /api/mount_shm``,               file-backed segments (a ``/dev/shm`` name or a
-``POST /api/unmount_shm``,             path): validated as published; we have no
-``POST /api/reconfigure``              file-backed segments, so a mount of an existing file
-                                       answers 501 (a missing file: 500 as published)
+``POST /api/mount_shm``                ``{"name": shm name, "size": n, "offset"?}``: lend
+                                       that part of ``/dev/shm/<name>`` (the store's
+                                       ``mount_segment``): 200 with ``segment_ids``; 500
+                                       for a missing file or a bad range
+``POST /api/unmount_shm``              ``{"segment_ids": [...]}``: withdraw them one by one
+                                       (500 names the ids that failed)
+``POST /api/reconfigure``              ``{"mode": "decode", "path", "size", "offset"?}``
+                                       mounts the file in place of the previous ones
+                                       (mounted first, then the old ones unmounted; a
+                                       failed mount keeps them); ``{"mode": "prefill"}``
+                                       unmounts them
 ``POST /api/unmount_local_disk``       ``{"grace_period_seconds": 0..3600}``; 200 without
                                        an SSD tier (as published), 501 with one
 =====================================  =====================================================
@@ -43,7 +50,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import os
 import signal
 import sys
 import threading
@@ -135,10 +141,6 @@ def _grace(data: dict[str, Any]) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise _BadRequest(500, "grace_period_seconds must be a non-negative integer")
     return value
-
-
-class _NoFileSegments(Exception):
-    """The store has no file-backed segments (``mount_segment(path)``)."""
 
 
 class MooncakeStoreService:
@@ -485,28 +487,12 @@ class MooncakeStoreService:
     def _mount_file(
         self, path: str, size: int, offset: int, protocol: str, location: str
     ) -> dict[str, Any]:
-        """``mount_segment`` of the store when it has one; without: ``ret`` -1 for a file
-        that cannot be opened (as published), :class:`_NoFileSegments` for one that can."""
-        store = self._store()
-        mount = getattr(store, "mount_segment", None)
-        if mount is not None:
-            res: dict[str, Any] = mount(path, size, offset, protocol, location)
-            return res
-        try:
-            os.close(os.open(path, os.O_RDWR))
-        except OSError as exc:
-            logger.error("mount %s: %s", path, exc.strerror or exc)
-            return {"ret": -1, "segment_ids": []}
-        raise _NoFileSegments
+        """``size`` bytes of the file ``path`` from ``offset`` lent to the pool (the store's
+        ``mount_segment``): ``{"ret": 0 or -1, "segment_ids": [...]}``."""
+        return self._store().mount_segment(path, size, offset, protocol, location)
 
     def _unmount_file(self, segment_id: str, grace: int) -> int:
-        unmount = getattr(self._store(), "unmount_segment", None)
-        if unmount is None:
-            # we never mount file-backed segments: no id is one of ours
-            logger.error("unmount: no file-backed segment %s", segment_id)
-            return -1
-        ret: int = unmount([segment_id], grace)
-        return ret
+        return self._store().unmount_segment([segment_id], grace)
 
     async def handle_mount_shm(self, request: web.Request) -> web.Response:
         """``POST /api/mount_shm`` ``{"name": shm name, "size": n, "offset"?, ...}``."""
@@ -620,11 +606,8 @@ class MooncakeStoreService:
     async def _to_prefill(self) -> web.Response:
         async with self._state_lock:
             if self.mounted_segment_ids:
-                unmount = getattr(self._store(), "unmount_segment", None)
-                ret = (
-                    -1
-                    if unmount is None
-                    else await asyncio.to_thread(unmount, list(self.mounted_segment_ids))
+                ret = await asyncio.to_thread(
+                    self._store().unmount_segment, list(self.mounted_segment_ids)
                 )
                 if ret != 0:
                     return _error(500, f"Unmount failed, ret={ret}")
@@ -675,12 +658,6 @@ def _guarded(name: str, handler: Handler) -> Handler:
         except _BadRequest as exc:
             logger.warning("%s %s: %s", name, request.path, exc)
             return _error(exc.status, str(exc))
-        except _NoFileSegments:
-            return _error(
-                501,
-                "file-backed segments (mount_segment) are not provided by mooncake-core;"
-                " lend memory with POST /api/mount",
-            )
         except Exception as exc:  # noqa: BLE001 - one bad request must not end the service
             logger.exception("%s %s failed", name, request.path)
             return _error(500, f"{type(exc).__name__}: {exc}")

@@ -312,6 +312,103 @@ EXPECTED: dict[str, Any] = {
 }
 
 
+MiB = 1 << 20
+
+
+def _value(tag: str) -> str:
+    """1 MiB of text that names ``tag``, found again in a segment's file byte for byte."""
+    return (f"<{tag}:" + "".join(chr(48 + i % 75) for i in range(997)) + ">") * (MiB // 1000)
+
+
+def _exercise_files(base: str, tmp: Path, shm: str) -> dict[str, Any]:
+    """File-backed segments on a service that lends no memory of its own, so every object
+    lands in the file mounted: reconfigure decode (twice: the second replaces the first),
+    mount_shm / unmount_shm, reconfigure prefill; the bytes are found in the files."""
+    r: dict[str, Any] = {}
+    seg, shm_file = tmp / "decode.bin", Path("/dev/shm") / shm
+    seg.write_bytes(b"")
+    os.truncate(seg, 48 * MiB)
+
+    def c(name: str, *a: Any, **k: Any) -> Any:
+        r[name] = _call(base, *a, **k)
+        return r[name]
+
+    def ids(name: str) -> list[str]:  # ids differ per side: keep how many
+        got = r[name]
+        found = list(got[1].pop("segment_ids", None) or [])
+        got[1]["ids"] = len(found)
+        return found
+
+    def put_found(name: str, key: str, where: Path) -> None:
+        value = _value(key)
+        c(name, "PUT", "/api/put", {"key": key, "value": value})
+        got = _call(base, "GET", f"/api/get/{key}")
+        r[name + "_read"] = got[:2] + [got[2] == value.encode()]
+        r[name + "_in_file"] = where.read_bytes().find(value.encode()) >= 0
+
+    c("put_no_segment", "PUT", "/api/put", {"key": "f0", "value": "x"})
+    c("decode", "POST", "/api/reconfigure", {"mode": "decode", "path": str(seg), "size": 32 * MiB})
+    first = ids("decode")
+    put_found("put_first", "f1", seg)
+    c(
+        "decode_again",
+        "POST",
+        "/api/reconfigure",
+        {"mode": "decode", "path": str(seg), "size": 16 * MiB, "offset": 32 * MiB},
+    )
+    second = ids("decode_again")
+    r["replaced"] = bool(second) and set(first).isdisjoint(second)
+    c("f1_after_replace", "GET", "/api/exist/f1")
+    put_found("put_second", "f2", seg)
+    r["f2_past_32MiB"] = seg.read_bytes().find(_value("f2").encode()) >= 32 * MiB
+    c("unshm_old", "POST", "/api/unmount_shm", {"segment_ids": first})
+    r["unshm_old"][1]["failed_segment_ids"] = len(r["unshm_old"][1].get("failed_segment_ids", []))
+    c("prefill", "POST", "/api/reconfigure", {"mode": "prefill"})
+    c("f2_after_prefill", "GET", "/api/exist/f2")
+    try:
+        shm_file.write_bytes(b"")
+        os.truncate(shm_file, 16 * MiB)
+        c("mount_shm", "POST", "/api/mount_shm", {"name": "/" + shm, "size": 16 * MiB})
+        mounted = ids("mount_shm")
+        put_found("put_shm", "f3", shm_file)
+        c("unmount_shm", "POST", "/api/unmount_shm", {"segment_ids": mounted})
+        c("f3_after_unmount", "GET", "/api/exist/f3")
+    finally:
+        shm_file.unlink(missing_ok=True)
+    data = seg.read_bytes()
+    r["file_kept"] = [_value(k).encode() in data for k in ("f1", "f2")]
+    c("still_up", "PUT", "/api/put", {"key": "f4", "value": "x"})
+    return r
+
+
+_FOUND = {"_read": [200, "application/octet-stream", True], "_in_file": True}
+EXPECTED_FILES: dict[str, Any] = {
+    "put_no_segment": [500, {"error": "PUT operation failed"}],
+    "decode": [200, {"status": "success", "mode": "decode", "ids": 1}],
+    "put_first": _OK,
+    **{"put_first" + k: v for k, v in _FOUND.items()},
+    "decode_again": [200, {"status": "success", "mode": "decode", "ids": 1}],
+    "replaced": True,
+    "f1_after_replace": [200, {"exists": False}],
+    "put_second": _OK,
+    **{"put_second" + k: v for k, v in _FOUND.items()},
+    "f2_past_32MiB": True,
+    "unshm_old": [
+        500,
+        {"error": "Unmount failed for one or more segments", "failed_segment_ids": 1},
+    ],
+    "prefill": [200, {"status": "success", "mode": "prefill"}],
+    "f2_after_prefill": [200, {"exists": False}],
+    "mount_shm": [200, {"status": "success", "ids": 1}],
+    "put_shm": _OK,
+    **{"put_shm" + k: v for k, v in _FOUND.items()},
+    "unmount_shm": _OK,
+    "f3_after_unmount": [200, {"exists": False}],
+    "file_kept": [True, True],
+    "still_up": [500, {"error": "PUT operation failed"}],
+}
+
+
 def _service_env(side: Side) -> dict[str, str]:
     return dict(
         side.env,
@@ -337,8 +434,23 @@ def _service_run(side: Side) -> tuple[dict[str, Any], int]:
     return got, rc
 
 
-def _diff(got: dict[str, Any]) -> dict[str, Any]:
-    return {k: (got.get(k), v) for k, v in EXPECTED.items() if got.get(k) != v}
+def _files_run(side: Side, tmp: Path) -> tuple[dict[str, Any], int]:
+    """A second service that lends no memory (global segment 0): objects only find room
+    in the files mounted through the routes."""
+    port = peer().free_port()
+    svc = side.start(
+        "service", "--port", str(port), "-Dglobal_segment_size=0", env=_service_env(side)
+    )
+    try:
+        _wait_port(port, svc)
+        got = _exercise_files(f"http://127.0.0.1:{port}", tmp, f"mc-svc-{uuid.uuid4().hex}")
+    finally:
+        rc = _stop(svc)
+    return got, rc
+
+
+def _diff(got: dict[str, Any], want: dict[str, Any] = EXPECTED) -> dict[str, Any]:
+    return {k: (got.get(k), v) for k, v in want.items() if got.get(k) != v}
 
 
 @pytest.mark.slow
@@ -354,6 +466,21 @@ def test_store_service_routes_published(theirs: Side) -> None:
 def test_store_service_routes_ours(ours: Side) -> None:
     got, rc = _service_run(ours)
     assert _diff(got) == {}
+    assert rc == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_store_service_file_segments_published(theirs: Side, tmp_path: Path) -> None:
+    got, rc = _files_run(theirs, tmp_path)
+    assert _diff(got, EXPECTED_FILES) == {}
+    assert rc == 0
+
+
+@pytest.mark.timeout(120)
+def test_store_service_file_segments_ours(ours: Side, tmp_path: Path) -> None:
+    got, rc = _files_run(ours, tmp_path)
+    assert _diff(got, EXPECTED_FILES) == {}
     assert rc == 0
 
 
