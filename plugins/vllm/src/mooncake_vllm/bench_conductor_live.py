@@ -7,10 +7,12 @@ conductor-live-vllm [options]`` is the same as ``mooncake-core bench conductor -
 (:mod:`mooncake_core.bench.conductor_live`); this module runs the engines:
 
 - a store master (``mooncake-core master``);
-- two prefill vLLM servers, each pinned to one core (``VLLM_CPU_OMP_THREADS_BIND``, and
-  ``taskset -a -p`` on all its threads once it is ready), with vLLM's ``MultiConnector``
-  over our PD connector (``kv_producer``) and our store connector (``kv_both``, all
-  saving to and loading from the one master), KV events published to the proxy;
+- two prefill vLLM servers, each pinned to one core (one OpenMP thread,
+  :func:`~mooncake_vllm.bench_mixed.omp_env`, and ``taskset -a -p`` on all its threads once
+  it is ready; before 2026-12-02 two OpenMP threads shared the one core), with vLLM's
+  ``MultiConnector`` over our PD connector (``kv_producer``) and our store connector
+  (``kv_both``, all saving to and loading from the one master), KV events published to the
+  proxy;
 - one decode vLLM server (``kv_consumer``) sharing the first prefill instance's core
   (the proxy is a PD proxy; the decode work is the same under both policies);
 - a random-weight Llama built locally (8 layers x 512 hidden, fp32; no hub), run eager
@@ -56,6 +58,7 @@ from mooncake_core.bench.conductor_live import (
     merge_phases,
     request_tag,
 )
+from mooncake_vllm.bench_mixed import omp_env
 
 __all__ = ["main", "run_conductor_live", "shift_tokens", "parse_counters", "MODEL", "QUICK_MODEL"]
 
@@ -178,7 +181,7 @@ class _Cluster:
                 max_model_len=max_len,
                 kv_transfer_config=self._prefill_config(self.stats_dirs[i]),
                 log_stats=True,
-                env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": cores[i]},
+                env={"VLLM_SERVER_DEV_MODE": "1", **omp_env(cores[i])},
                 args=[
                     "--enforce-eager",
                     "--kv-events-config",
@@ -205,7 +208,7 @@ class _Cluster:
                 "kv_connector_module_path": "mooncake_vllm.connector",
                 "kv_load_failure_policy": "recompute",
             },
-            env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": cores[0]},
+            env={"VLLM_SERVER_DEV_MODE": "1", **omp_env(cores[0])},
             args=["--enforce-eager"],
         )
         self.cores = cores
