@@ -52,11 +52,6 @@ _NOF = "NVMe-over-Fabrics segments: needs NoF hardware and the published master'
 _CUDA_T = "CUDA tensors; the non-CUDA wheel refuses them too"
 _ENGRAM = "Engram embedding tables (a research feature of the wheel): out of scope"
 _CLI = "the published command-line tools; ours is `mooncake-core` (docs/store.md)"
-_DISK_SEG = (
-    "withdraws the client's local-disk (SSD offload) segment from the master; our SSD tier"
-    " has no call that drops one live client's disk copies (they go when it expires);"
-    " file-backed segments: mount_segment(path)"
-)
 _FABRIC = "probes the wheel's .so for fabric allocators (CUDA/NVLink): out of scope"
 _VLLM = "the published vLLM connector and proxy; ours live in the vLLM adapter (plugins/vllm)"
 
@@ -86,7 +81,6 @@ NOT_PROVIDED: dict[str, str] = {
     "mooncake.*store*:MooncakeDistributedStore*.init_all": "crashes (SIGSEGV) in the"
     " published 0.3.13 wheel before connecting anywhere, with or without a master and etcd at"
     " its defaults: there is no published behaviour to follow; use setup()",
-    "mooncake.*store*:MooncakeDistributedStore*.unmount_local_disk_segment": _DISK_SEG,
     "mooncake.*store*:MooncakeDistributedStore*.*_cuda": _CUDA_T,
 }
 

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from mooncake_core.errors import SegmentError
+from mooncake_core.store.ssd_withdraw import withdraw_ssd_tier
 from mooncake_core.transfer.memory import ManagedBuffer
 
 if TYPE_CHECKING:
@@ -200,6 +201,20 @@ class SegmentMethods:
             else:
                 mine.discard(seg)
         return rc
+
+    def unmount_local_disk_segment(self, grace_period_seconds: int = 0) -> int:
+        """Withdraw this client's SSD tier (local disk) after ``grace_period_seconds``: no
+        more offloads, and the master drops its disk copies (objects whose only copy was
+        there are gone). 0, also without a tier or when called again; -1 when not set up,
+        closed, or the master refused."""
+        _check_count("unmount_local_disk_segment", "grace_period_seconds", grace_period_seconds)
+        if getattr(self, "_client", None) is None:
+            logger.error("unmount_local_disk_segment: the store is not set up (call setup() first)")
+            return -1
+        if grace_period_seconds > 0:
+            time.sleep(grace_period_seconds)
+        res = self._run("unmount_local_disk_segment", withdraw_ssd_tier)
+        return 0 if res >= 0 else -1
 
 
 def _unmounter(name: str) -> Callable[[StoreClient], None]:

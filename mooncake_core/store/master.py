@@ -286,6 +286,7 @@ class MasterServer(HANode):
             ),
             "query_replica_task": lambda a, now: st.query_replica_task(a.task_id),
             "drop_replicas": lambda a, now: st.drop_replicas(a.client_id, a.key, a.segment, now),
+            "drop_disk": lambda a, now: st.drop_disk(a.client_id, now),
         }
 
     def handle(self, conn: Conn, req: P.Request) -> None:

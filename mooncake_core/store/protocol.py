@@ -379,6 +379,10 @@ class DropReplicasArgs(_A):
     segment: str
 
 
+class DropDiskArgs(_A):
+    client_id: str
+
+
 METHOD_ARGS: dict[str, type[msgspec.Struct]] = {
     "register_client": RegisterClientArgs,
     "mount": MountArgs,
@@ -411,6 +415,7 @@ METHOD_ARGS: dict[str, type[msgspec.Struct]] = {
     "create_replica_task": ReplicaTaskArgs,
     "query_replica_task": TaskIdArgs,
     "drop_replicas": DropReplicasArgs,
+    "drop_disk": DropDiskArgs,
 }
 
 _enc = msgspec.msgpack.Encoder()

@@ -3,6 +3,9 @@
 Contract: one file per key under ``path`` (name = SHA-256 of the key), written to a
 temporary name and renamed, so a reader never sees a partial file. ``read_into``
 returns False when the file is missing. Not shared between processes.
+
+:func:`~mooncake_core.store.ssd_withdraw.withdraw_ssd_tier` takes a live client's tier away
+again (the master's ``drop_disk``).
 """
 
 from __future__ import annotations

@@ -211,6 +211,40 @@ class SsdTiering(StateCore):
         else:
             raise InvalidArgument(f"task_done: unknown task kind {kind!r}")
 
+    def drop_disk(self, client_id: str, now: float) -> int:
+        """Withdraw ``client_id``'s SSD tier: no more offloads to it (queued ones are called
+        off, the memory replica stays), and its disk copies leave the metadata; an object
+        left with no replica at all is removed. Returns how many disk copies were dropped."""
+        c = self._client(client_id, now)
+        if c.ssd:
+            c.ssd = False
+            self._emit("client", client_id, c.host, c.peer, False)
+        for o in self.objects.values():
+            if o.offloading and o.offload_seg in c.segments:
+                self._settle_offload(o)
+                o.offloading = 0
+        dropped = 0
+        for key in sorted(c.disk_keys):
+            d = self.objects.get(key)
+            if d is None or d.disk != client_id:
+                continue
+            dropped += 1
+            d.disk = ""
+            self.promo_transient.pop(key, None)
+            if d.promo_replica is not None:  # a promotion in flight reads the copy we drop
+                self._free_replica(key, d.promo_replica)
+                d.promo_replica, d.promoting = None, 0
+            if d.replicas:
+                self._emit(*self._obj_entry(d))
+            else:
+                self._drop_object(d)
+        c.disk_keys.clear()
+        if dropped:
+            logger.info(
+                "client %s withdrew its SSD tier: %d disk copies dropped", client_id, dropped
+            )
+        return dropped
+
     def take_tasks(self, client_id: str, now: float) -> list[dict[str, Any]]:
         c = self._client(client_id, now)
         out = list(c.tasks)
