@@ -74,6 +74,8 @@ LAZY_MODULES: dict[str, str] = {
     "mooncake.cli": "mooncake_core.compat.cli",
     "mooncake.cli_bench": "mooncake_core.compat.cli_bench",
     "mooncake.transfer_engine_topology_dump": "mooncake_core.compat.transfer_engine_topology_dump",
+    "mooncake.mooncake_connector_v1": "mooncake_core.compat.mooncake_connector_v1",
+    "mooncake.vllm_v1_proxy_server": "mooncake_core.compat.vllm_v1_proxy_server",
 }
 
 

@@ -53,7 +53,11 @@ _CUDA_T = "CUDA tensors; the non-CUDA wheel refuses them too"
 _ENGRAM = "Engram embedding tables (a research feature of the wheel): out of scope"
 _CLI = "the published command-line tools; ours is `mooncake-core` (docs/store.md)"
 _FABRIC = "probes the wheel's .so for fabric allocators (CUDA/NVLink): out of scope"
-_VLLM = "the published vLLM connector and proxy; ours live in the vLLM adapter (plugins/vllm)"
+_VLLM = (
+    "the wheel's vendored (older vLLM) connector has it; mooncake.mooncake_connector_v1"
+    " re-exports the installed vLLM's built-in MooncakeConnector, which has none"
+    " (it pairs prefill and decode by transfer_id through a bootstrap server; docs/compat.md)"
+)
 
 #: Published names we do not provide, with the reason (mirrored in docs/compat.md).
 NOT_PROVIDED: dict[str, str] = {
@@ -67,8 +71,12 @@ NOT_PROVIDED: dict[str, str] = {
     "mooncake.mooncake_ssd_register": _SSD,
     "mooncake.mooncake_ssd_unregister": _SSD,
     "mooncake.spdk_tgt_create": _SSD,
-    "mooncake.mooncake_connector_v1": _VLLM,
-    "mooncake.vllm_v1_proxy_server": _VLLM,
+    # mooncake.mooncake_connector_v1: the wheel's side-channel wire types and env constants
+    "mooncake.mooncake_connector_v1:MooncakeAgentMetadata": _VLLM,
+    "mooncake.mooncake_connector_v1:RecvReqMeta": _VLLM,
+    "mooncake.mooncake_connector_v1:TRANS_*": _VLLM,
+    "mooncake.mooncake_connector_v1:VLLM_MOONCAKE_*": _VLLM,
+    "mooncake.mooncake_connector_v1:MooncakeConnectorWorker.group_kv_pull": _VLLM,
     "mooncake._fast_copy": "a private C helper of the wheel",
     # mooncake.engine
     "mooncake.engine:InnerTransferEngine": "the C++ engine type; get_engine() returns ours",
@@ -85,6 +93,8 @@ NOT_PROVIDED: dict[str, str] = {
 }
 
 logger = logging.getLogger(__name__)
+
+_VLLM_CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake."
 
 # Values that are public by name but not API: loggers, ``from __future__`` flags,
 # typing helpers.
@@ -109,8 +119,11 @@ def _is_ours(value: Any, package: str) -> bool:
     mod = getattr(value, "__module__", None)
     if not isinstance(mod, str):
         return True
-    # the published extension modules report themselves as ``engine`` / ``store``
-    return mod.split(".")[0] in (package, "engine", "store", "mooncake_core")
+    # the published extension modules report themselves as ``engine`` / ``store``;
+    # mooncake.mooncake_connector_v1 re-exports vLLM's built-in Mooncake connector
+    return mod.split(".")[0] in (package, "engine", "store", "mooncake_core") or mod.startswith(
+        _VLLM_CONNECTOR
+    )
 
 
 def _from_import(mod: ModuleType, package: str) -> Surface:

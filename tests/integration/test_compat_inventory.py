@@ -171,7 +171,9 @@ def test_what_we_provide_has_the_published_parameters() -> None:
         ["value", False],
         ["config", True],
     ]
-    ours = _ours(sorted(theirs), "--signatures")
+    # modules the wheel cannot import here have no published signatures to compare; listing
+    # ours would only cost their imports (mooncake.mooncake_connector_v1: vLLM, ~15 s)
+    ours = _ours(sorted(m for m, sigs in theirs.items() if sigs), "--signatures")
     assert signature_differences(theirs, ours) == []
 
 
