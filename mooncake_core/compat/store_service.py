@@ -29,8 +29,8 @@ status codes on :class:`mooncake_core.compat.store.MooncakeDistributedStore`:
                                        (mounted first, then the old ones unmounted; a
                                        failed mount keeps them); ``{"mode": "prefill"}``
                                        unmounts them
-``POST /api/unmount_local_disk``       ``{"grace_period_seconds": 0..3600}``; 200 without
-                                       an SSD tier (as published), 501 with one
+``POST /api/unmount_local_disk``       ``{"grace_period_seconds": 0..3600}``; withdraws the
+                                       SSD tier (200 without one too, as published)
 =====================================  =====================================================
 
 Bad input never takes the service down: a body that is not JSON, or a field of the wrong
@@ -632,17 +632,8 @@ class MooncakeStoreService:
                 f" {_MAX_GRACE_S}",
             )
         store = self._store()
-        unmount = getattr(store, "unmount_local_disk_segment", None)
-        if unmount is not None:
-            ret = await asyncio.to_thread(unmount, grace)
-        elif self.config.enable_ssd_offload:
-            return _error(
-                501,
-                "this store's SSD tier cannot be deregistered here (mooncake-core has no"
-                " local-disk segment registration); stop the process instead",
-            )
-        else:
-            ret = 0  # no SSD tier: nothing to deregister, as the published answers
+        # 0 without an SSD tier (nothing to withdraw), as published
+        ret = await asyncio.to_thread(store.unmount_local_disk_segment, grace)
         if ret != 0:
             return _error(500, f"Unmount local disk failed, ret={ret}")
         return _json(200, {"status": "success"})
