@@ -25,6 +25,8 @@ the prefill engine id read from its bootstrap server (``GET /query``), prefill
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -60,12 +62,15 @@ class Servers:
     corrupt_bootstrap: str
 
 
-def _pd(role: str) -> dict[str, Any]:
-    return {
+def _pd(role: str, module_path: str | None = None) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
         "kv_connector": "MooncakeConnector",
         "kv_role": role,
         "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
     }
+    if module_path:  # the published wheel's spelling (mooncake.mooncake_connector_v1)
+        cfg["kv_connector_module_path"] = module_path
+    return cfg
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +115,8 @@ def servers(
             name="decode",
             log_path=base / "decode.log",
             block_size=BLOCK,
-            kv_transfer_config=_pd("kv_consumer"),
+            # loaded through the published module path: the same connector class
+            kv_transfer_config=_pd("kv_consumer", "mooncake.mooncake_connector_v1"),
             env=SHIM,
             args=DETAILS,
         ),
@@ -284,6 +290,39 @@ def test_builtin_pd_decode_really_uses_the_transferred_kv(servers: Servers) -> N
     assert _text(bad) != want_fresh, (
         "zeroing the transferred KV did not change the output: it was not used"
     )
+
+
+def test_builtin_pd_through_the_published_proxy_cli(servers: Servers) -> None:
+    """The published proxy's command line (``python -m mooncake.vllm_v1_proxy_server``, here
+    ``mooncake_core.compat.vllm_v1_proxy_server``) in front of the real prefill/decode pair.
+    Its flow (prefill with ``do_remote_decode`` and no ``transfer_id``, then decode with what
+    the prefill answered) moves no KV with vLLM's current connector: the prefill instance says
+    so and the decode instance recomputes, and the answer equals the monolithic one."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "mooncake_core.compat.vllm_v1_proxy_server", "--port", str(port)]
+    cmd += ["--prefiller-hosts", "127.0.0.1", "--prefiller-ports", str(servers.prefill.port)]
+    cmd += ["--decoder-hosts", "127.0.0.1", "--decoder-ports", str(servers.decode.port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def up() -> bool:
+            try:
+                return bool(http_json(url + "/healthcheck", timeout=5)["status"] == "ok")
+            except OSError:
+                return False
+
+        wait_for(up, 60, "the proxy")
+        prompt = token_prompt(3 * BLOCK + 1, salt=27)
+        want = _text(servers.mono.completion(prompt, MAX_TOKENS))
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS}
+        got = http_json(url + "/v1/completions", {**body, "temperature": 0, "ignore_eos": True})
+        assert _text(got) == want
+        assert "Missing transfer_id in kv_transfer_params" in servers.prefill.log_text()
+        assert _cached(got) < BLOCK  # computed by the decode instance itself
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def _objects(s: Servers) -> int:
