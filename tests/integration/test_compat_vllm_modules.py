@@ -357,6 +357,7 @@ def test_connector_module_is_vllms_builtin_connector() -> None:
     pytest.importorskip("vllm")
     import mooncake_core.compat
 
+    was_installed = mooncake_core.compat.installed()  # other tests may rely on it staying
     mooncake_core.compat.install(force=True)
     try:
         import importlib
@@ -413,4 +414,5 @@ def test_connector_module_is_vllms_builtin_connector() -> None:
             for m in members or []:
                 assert hasattr(getattr(mod, name), m) or inventory.is_exempt(f"{key}.{m}"), m
     finally:
-        mooncake_core.compat.uninstall()
+        if not was_installed:
+            mooncake_core.compat.uninstall()
