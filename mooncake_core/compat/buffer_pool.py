@@ -37,6 +37,8 @@ import threading
 import time
 from typing import Any
 
+from mooncake_core.transfer.memory import map_memory, unmap_memory
+
 __all__ = [
     "BufferPool",
     "RegisteredBufferPool",
@@ -56,32 +58,16 @@ _PAGE = mmap.PAGESIZE
 _NO_CTOR = object()
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_libc.munmap.restype = ctypes.c_int
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def _map(size: int, shared: bool) -> int:
     """An anonymous mapping of ``size`` bytes (OSError naming the size when it fails)."""
     flags = (mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE) | mmap.MAP_ANONYMOUS
-    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
-    if addr is None or addr == _MAP_FAILED:
-        err = ctypes.get_errno()
-        raise OSError(err, f"cannot map {size} bytes")
-    return int(addr)
+    return map_memory(size, flags)
 
 
 def _unmap(addr: int, size: int) -> None:
-    _libc.munmap(addr, size)
+    unmap_memory(addr, size)
 
 
 def _uint(name: str, value: Any) -> int:

@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import array
 import contextlib
-import ctypes
-import ctypes.util
 import json
 import logging
 import mmap
@@ -54,7 +52,7 @@ from mooncake_core.errors import (
 )
 from mooncake_core.store.client import StoreClient
 from mooncake_core.store.protocol import InvalidArgument, ObjectBusy
-from mooncake_core.transfer.memory import host_view
+from mooncake_core.transfer.memory import host_view, map_memory, unmap_memory
 
 __all__ = [
     "StandaloneClientService",
@@ -108,20 +106,6 @@ _CALLS: dict[str, frozenset[str]] = {
 }
 _PUT_KW = frozenset({"replica_num", "preferred_segment", "hard_pin", "soft_pin_ttl_s", "strategy"})
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_libc.munmap.restype = ctypes.c_int
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
 
 def ipc_address(port: int) -> str:
     """The abstract Unix socket name of the service listening on TCP ``port``."""
@@ -145,12 +129,12 @@ class SharedMemory:
                 os.ftruncate(self.fd, size)
             elif os.fstat(self.fd).st_size < size:
                 raise InvalidArgument(f"the shared memory passed is smaller than {size} bytes")
-            addr = _libc.mmap(
-                None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, self.fd, 0
-            )
-            if addr is None or addr == _MAP_FAILED:
-                err = ctypes.get_errno()
-                raise SegmentError(f"cannot map {size} bytes of shared memory: {os.strerror(err)}")
+            try:
+                addr = map_memory(size, mmap.MAP_SHARED, self.fd)
+            except OSError as exc:
+                raise SegmentError(
+                    f"cannot map {size} bytes of shared memory: {os.strerror(exc.errno or 0)}"
+                ) from None
         except BaseException:
             os.close(self.fd)
             self.fd = -1
@@ -163,7 +147,7 @@ class SharedMemory:
     def close(self) -> None:
         if self.fd < 0:
             return
-        _libc.munmap(self.addr, self.size)
+        unmap_memory(self.addr, self.size)
         os.close(self.fd)
         self.fd = -1
 

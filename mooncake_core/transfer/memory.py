@@ -34,6 +34,8 @@ __all__ = [
     "host_view",
     "view_address",
     "memmove",
+    "map_memory",
+    "unmap_memory",
 ]
 
 memmove = ctypes.memmove  # a ctypes foreign call: releases the GIL during the copy
@@ -326,3 +328,33 @@ class ManagedBuffer:
 
     def __len__(self) -> int:
         return self.length
+
+
+_libc = ctypes.CDLL(None, use_errno=True)  # the C library this process already has loaded
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def map_memory(size: int, flags: int, fd: int = -1) -> int:
+    """``mmap`` ``size`` readable and writable bytes (``flags``: ``mmap.MAP_*``; ``fd`` -1 for
+    anonymous memory) at an address Python does not own; OSError with errno when it fails."""
+    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot map {size} bytes: {os.strerror(err)}")
+    return int(addr)
+
+
+def unmap_memory(addr: int, size: int) -> None:
+    """``munmap`` what :func:`map_memory` returned."""
+    _libc.munmap(addr, size)
