@@ -324,31 +324,30 @@ class DummyClient:
         sizes: Sequence[int] | None = None,
         **kw: Any,
     ) -> list[BaseException | None]:
-        if sizes is None or not len(keys) == len(bufs) == len(sizes):
-            raise InvalidArgument("keys, buffers and sizes must have the same length")
         out: list[BaseException | None] = [None] * len(keys)
-        todo: list[int] = []
-        locs: list[list[int]] = []
-        for i, (b, n) in enumerate(zip(bufs, sizes, strict=True)):
-            try:
-                locs.append(self._locate(b, int(n)))
-                todo.append(i)
-            except InvalidArgument as exc:
-                out[i] = exc
-        if todo:
-            res = self._request(
-                {"op": "batch_put_from", "keys": [keys[i] for i in todo], "bufs": locs, "kw": kw}
-            )
-            for i, r in zip(todo, res, strict=True):
-                out[i] = r
+        self._batch("batch_put_from", keys, bufs, sizes, out, {"kw": kw})
         return out
 
     def batch_get_into(
         self, keys: Sequence[str], bufs: Sequence[Any], sizes: Sequence[int] | None = None
     ) -> list[int | BaseException]:
+        out: list[int | BaseException] = [0] * len(keys)
+        self._batch("batch_get_into", keys, bufs, sizes, out, {})
+        return out
+
+    def _batch(
+        self,
+        op: str,
+        keys: Sequence[str],
+        bufs: Sequence[Any],
+        sizes: Sequence[int] | None,
+        out: list[Any],
+        extra: dict[str, Any],
+    ) -> None:
+        """One ``op`` request for the keys whose buffers lie in registered pool memory; a
+        buffer outside it gets its InvalidArgument in ``out`` and is not sent."""
         if sizes is None or not len(keys) == len(bufs) == len(sizes):
             raise InvalidArgument("keys, buffers and sizes must have the same length")
-        out: list[int | BaseException] = [0] * len(keys)
         todo: list[int] = []
         locs: list[list[int]] = []
         for i, (b, n) in enumerate(zip(bufs, sizes, strict=True)):
@@ -358,12 +357,9 @@ class DummyClient:
             except InvalidArgument as exc:
                 out[i] = exc
         if todo:
-            res = self._request(
-                {"op": "batch_get_into", "keys": [keys[i] for i in todo], "bufs": locs}
-            )
+            res = self._request({"op": op, "keys": [keys[i] for i in todo], "bufs": locs, **extra})
             for i, r in zip(todo, res, strict=True):
                 out[i] = r
-        return out
 
     # ------------------------------------------------------------------ metadata
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
