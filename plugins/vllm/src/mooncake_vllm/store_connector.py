@@ -327,16 +327,15 @@ def _io_cpus(extra: dict[str, Any]) -> str:
     return how
 
 
-def _resolve_io_cpus(how: str) -> set[int] | None:
-    """The CPU set of ``how`` for threads started now (None: keep the inherited binding).
-    Called on vLLM's main thread after vLLM bound it to its compute cores."""
-    if how == "engine" or not hasattr(os, "sched_setaffinity"):
+def _resolve_io_cpus(how: str, engine: set[int] | None) -> set[int] | None:
+    """The CPU set of ``how`` for the I/O threads, given the forward thread's CPUs ``engine``
+    (:func:`_binding`; None: the platform cannot bind). None: keep the inherited binding."""
+    if how == "engine" or engine is None:
         return None
     every = set(range(os.cpu_count() or 1))  # the kernel keeps them inside the cgroup's cpuset
     if how == "any":
         return every
-    spare = every - os.sched_getaffinity(0)
-    return spare or None
+    return (every - engine) or None
 
 
 def _binding() -> set[int] | None:
@@ -426,8 +425,8 @@ class _StoreWorker:
         cfg = config_from_engine(self.extra)
         seg = self.extra.get("segment_size")
         size = int(cfg.global_segment_size) if seg is None else int(parse_size(seg))
-        self.io_cpus = _resolve_io_cpus(self.io_cpu_mode)
-        self._engine_cpus = _binding()
+        self._engine_cpus = _binding()  # vLLM's main thread, bound to its compute cores by now
+        self.io_cpus = _resolve_io_cpus(self.io_cpu_mode, self._engine_cpus)
         try:
             self.client = StoreClient(
                 cfg, segment_size=size, failover_timeout_s=self.retry_timeout_s, tenant=self.tenant
@@ -469,7 +468,7 @@ class _StoreWorker:
         if now == self._engine_cpus:
             return
         self._engine_cpus = now
-        self.io_cpus = _resolve_io_cpus(self.io_cpu_mode)
+        self.io_cpus = _resolve_io_cpus(self.io_cpu_mode, now)
         logger.info(
             "mooncake_vllm: the engine now runs on CPUs %s; I/O threads move to %s",
             sorted(now or ()),
