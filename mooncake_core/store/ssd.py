@@ -26,6 +26,7 @@ class SsdTier:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
+        self.cleared = False  # set by clear(): a write finishing later removes its own file
 
     def _file(self, key: str) -> Path:
         return self.path / (hashlib.sha256(key.encode()).hexdigest() + ".obj")
@@ -36,6 +37,8 @@ class SsdTier:
         with open(tmp, "wb") as fh:
             fh.write(data)
         os.replace(tmp, f)
+        if self.cleared:  # the tier was withdrawn while this write ran (clear() may have missed it)
+            f.unlink(missing_ok=True)
 
     def read_into(self, key: str, view: memoryview) -> bool:
         f = self._file(key)
@@ -59,5 +62,6 @@ class SsdTier:
         return self._file(key).exists()
 
     def clear(self) -> None:
+        self.cleared = True  # before listing: a write that replaces its file after that sees it
         for f in self.path.glob("*.obj"):
             f.unlink(missing_ok=True)
