@@ -28,6 +28,15 @@ the same way, with our own protocol over its Unix socket:
   ``""``, as published.
 - When the service is gone every call answers -900 (``get`` ``b""``, ``health_check``
   2) at once; nothing waits. A call gives up after :data:`CALL_TIMEOUT_S` seconds.
+- When the service comes back (restarted at the same address), the next call re-attaches
+  before it runs: it connects, passes the local buffer and every registered
+  ``alloc_from_mem_pool`` buffer again (same addresses here), then sends the call. Each
+  call makes at most one attempt, bounded by :data:`REATTACH_WAIT_S`; while nothing
+  listens it costs one refused connect and answers -900. A call is never sent twice: one
+  that was in flight when the service died answers -900. Objects the old service held
+  in its segment are gone with it. (The published dummy pings its service from a thread
+  and re-registers its memory the same way; right after a restart its calls answer -600
+  until that thread has reconnected, ours re-attach on the call itself.)
 """
 
 from __future__ import annotations
@@ -35,13 +44,15 @@ from __future__ import annotations
 import errno
 import logging
 import mmap
+import os
+import select
 import socket
 import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-from mooncake_core.errors import MasterUnavailable, StoreError
+from mooncake_core.errors import MasterUnavailable, MooncakeError, StoreError
 from mooncake_core.store.protocol import InvalidArgument
 from mooncake_core.store.standalone_client import (
     PROTOCOL_VERSION,
@@ -56,7 +67,7 @@ from mooncake_core.store.standalone_client import (
 if TYPE_CHECKING:
     from mooncake_core.store import StoreClient
 
-__all__ = ["DummyMethods", "DummyClient", "CONNECT_WAIT_S", "CALL_TIMEOUT_S"]
+__all__ = ["DummyMethods", "DummyClient", "CONNECT_WAIT_S", "CALL_TIMEOUT_S", "REATTACH_WAIT_S"]
 
 logger = logging.getLogger("mooncake_core.compat.store")
 
@@ -64,6 +75,8 @@ logger = logging.getLogger("mooncake_core.compat.store")
 CONNECT_WAIT_S = 4.0
 #: The longest one call through the service may take before it fails (-900).
 CALL_TIMEOUT_S = 120.0
+#: The longest a call may spend re-attaching to a restarted service (hello, memory).
+REATTACH_WAIT_S = 5.0
 _STAGING = 0  # the id of the local buffer's shared memory
 _ALIGN = 64
 
@@ -111,28 +124,28 @@ class DummyClient:
 
     hostname = ""  # as published: a dummy has no segment of its own
 
-    def __init__(self, sock: socket.socket, where: str, local_buffer_size: int) -> None:
-        self._sock: socket.socket | None = sock
+    def __init__(self, sock: socket.socket, where: str, port: int, local_buffer_size: int) -> None:
+        self._sock: socket.socket | None = None
         self._where = where
+        self._port = port
+        self._closed = False
         self._lock = threading.RLock()
         self._mem: dict[int, SharedMemory] = {}  # id -> shared memory (0: the local buffer)
         self._registered: set[int] = set()
         self._next = 1
         self.engine = _PoolEngine(self)
-        hello = self._request({"op": "hello", "version": PROTOCOL_VERSION})
-        self.tenant: str | None = hello.get("tenant") or None
-        self.service_pid = int(hello.get("pid") or 0)
-        if local_buffer_size:
-            staging = SharedMemory(local_buffer_size, name="mooncake-core-staging")
-            try:
-                self._request(
-                    {"op": "map", "id": _STAGING, "size": local_buffer_size}, [staging.fd]
-                )
-            except BaseException:
-                staging.close()
-                raise
-            self._mem[_STAGING] = staging
-            self._registered.add(_STAGING)
+        self.tenant: str | None = None
+        self.service_pid = 0
+        try:
+            if local_buffer_size:
+                staging = SharedMemory(local_buffer_size, name="mooncake-core-staging")
+                self._mem[_STAGING] = staging
+                self._registered.add(_STAGING)
+            self._attach(sock)
+        except BaseException:
+            sock.close()
+            self.close()
+            raise
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
@@ -145,23 +158,62 @@ class DummyClient:
     # ------------------------------------------------------------------ transport
     def _request(self, req: dict[str, Any], fds: Sequence[int] = ()) -> Any:
         with self._lock:
-            sock = self._sock
-            if sock is None:
-                raise MasterUnavailable(f"the standalone client service at {self._where} is gone")
+            sock = self._live()
             try:
-                send_msg(sock, req, fds)
-                answer, extra = recv_msg(sock)
+                answer = _exchange(sock, req, fds)
             except (OSError, EOFError, ValueError) as exc:
                 self._drop(exc)
                 raise MasterUnavailable(
                     f"the standalone client service at {self._where} is gone ({exc})"
                 ) from None
-        if not isinstance(answer, dict):
-            raise StoreError(f"unexpected answer from the service: {answer!r}")
-        if not answer.get("ok"):
-            name, message = answer.get("error") or ["StoreError", "?"]
-            raise make_error(str(name), str(message))
-        return decode_result(answer.get("value"))
+        return _value(answer)
+
+    def _attach(self, sock: socket.socket) -> None:
+        """Say hello on ``sock`` and pass every registered shared memory; then use it.
+
+        Raises what the service answers (an error class), or OSError / EOFError /
+        ValueError when the connection fails or :data:`REATTACH_WAIT_S` passes.
+        """
+        sock.settimeout(REATTACH_WAIT_S)
+        hello = _value(_exchange(sock, {"op": "hello", "version": PROTOCOL_VERSION}))
+        for ident in sorted(self._registered):
+            shm = self._mem[ident]
+            _value(_exchange(sock, {"op": "map", "id": ident, "size": shm.size}, [shm.fd]))
+        sock.settimeout(CALL_TIMEOUT_S)
+        self._sock = sock
+        self.tenant = hello.get("tenant") or None
+        self.service_pid = int(hello.get("pid") or 0)
+
+    def _live(self) -> socket.socket:
+        """The connection to the service; re-attached first when the service closed it
+        (it exited, or was restarted). MasterUnavailable (-900) when none answers."""
+        sock = self._sock
+        if sock is not None and _hung_up(sock):
+            self._drop(EOFError("the service closed the connection"))
+            sock = None
+        if sock is not None:
+            return sock
+        gone = f"the standalone client service at {self._where} is gone"
+        if self._closed:
+            raise MasterUnavailable(f"{gone} (the store is closed)")
+        try:
+            sock = _dial(self._port)
+        except OSError as exc:
+            raise MasterUnavailable(f"{gone} ({exc})") from None
+        if sock is None:
+            raise MasterUnavailable(f"{gone} (nothing listens there)")
+        try:
+            self._attach(sock)
+        except (MooncakeError, OSError, EOFError, ValueError) as exc:
+            sock.close()
+            raise MasterUnavailable(f"{gone}: re-attaching failed ({exc})") from None
+        logger.warning(
+            "re-attached to the client service at %s (pid %d; %d shared buffers passed again)",
+            self._where,
+            self.service_pid,
+            len(self._registered),
+        )
+        return sock
 
     def _drop(self, why: BaseException) -> None:
         sock, self._sock = self._sock, None
@@ -175,6 +227,7 @@ class DummyClient:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             sock, self._sock = self._sock, None
             if sock is not None:
                 sock.close()
@@ -222,6 +275,7 @@ class DummyClient:
         with self._lock:
             if ident is None or ident not in self._registered:
                 raise StoreError(f"unregister_buffer: {buf!r} is not registered")
+            self._live()  # a re-attach passes it again; then unmap it there
             self._registered.discard(ident)
             self._request({"op": "unmap", "id": ident})
 
@@ -400,19 +454,57 @@ class DummyClient:
         return dict(self._call("stats"))
 
 
+def _exchange(sock: socket.socket, req: dict[str, Any], fds: Sequence[int] = ()) -> Any:
+    """Send one request and return the service's answer (the raw message)."""
+    send_msg(sock, req, fds)
+    answer, extra = recv_msg(sock)
+    for fd in extra:  # the service passes none; never leak one
+        os.close(fd)
+    return answer
+
+
+def _value(answer: Any) -> Any:
+    """The value of an answer, or its error raised."""
+    if not isinstance(answer, dict):
+        raise StoreError(f"unexpected answer from the service: {answer!r}")
+    if not answer.get("ok"):
+        name, message = answer.get("error") or ["StoreError", "?"]
+        raise make_error(str(name), str(message))
+    return decode_result(answer.get("value"))
+
+
+def _hung_up(sock: socket.socket) -> bool:
+    """Whether the service closed this idle connection (it never writes unasked, so
+    anything to read between calls is its end of file)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR | select.POLLRDHUP)
+    return bool(poller.poll(0))
+
+
+def _dial(port: int) -> socket.socket | None:
+    """One connect to the service's socket: None when nothing listens there."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(ipc_address(port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno in (errno.ECONNREFUSED, errno.ENOENT, errno.EAGAIN):
+            return None
+        raise
+    return sock
+
+
 def _connect(where: str, port: int, wait_s: float) -> socket.socket | None:
     deadline = time.monotonic() + wait_s
     while True:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.connect(ipc_address(port))
+            sock = _dial(port)
+        except OSError as exc:
+            logger.error("setup_dummy: cannot reach the client service at %s: %s", where, exc)
+            return None
+        if sock is not None:
             sock.settimeout(CALL_TIMEOUT_S)
             return sock
-        except OSError as exc:
-            sock.close()
-            if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT, errno.EAGAIN):
-                logger.error("setup_dummy: cannot reach the client service at %s: %s", where, exc)
-                return None
         if time.monotonic() >= deadline:
             return None
         time.sleep(0.1)
@@ -465,8 +557,8 @@ class DummyMethods:
             )
             return -1
         try:
-            dummy = DummyClient(sock, server_address, local_buffer_size)
-        except (StoreError, InvalidArgument, OSError) as exc:
+            dummy = DummyClient(sock, server_address, int(port), local_buffer_size)
+        except (MooncakeError, OSError, EOFError, ValueError) as exc:
             sock.close()
             logger.error("setup_dummy: attaching to %s failed: %s", server_address, exc)
             return -1

@@ -439,7 +439,6 @@ class StandaloneClientService:
             self._unix.close()
             self._tcp.close()
             raise
-        self._unix.listen(64)
         self._sessions: set[_Session] = set()
         self._lock = threading.Lock()
         self._stopped = threading.Event()
@@ -447,6 +446,9 @@ class StandaloneClientService:
 
     def start(self, client: StoreClient) -> StandaloneClientService:
         self.client = client
+        # listen only now: until then a dummy's (re-)attach is refused at once, not left
+        # waiting while the client starts
+        self._unix.listen(64)
         for target, name in ((self._accept_unix, "ipc"), (self._accept_tcp, "tcp")):
             t = threading.Thread(target=target, name=f"mc-client-{name}", daemon=True)
             t.start()

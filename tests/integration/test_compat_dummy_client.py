@@ -13,6 +13,7 @@ the return codes.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -46,10 +47,11 @@ _START = (
 )
 
 
-class Service:
-    """The standalone client, started as ``python -m mooncake.cli_client FLAGS``."""
+class Service(Master):
+    """The standalone client, started as ``python -m mooncake.cli_client FLAGS`` (on
+    ``port``, 0: a free one). Stopped like the master helper it reuses (``stop``)."""
 
-    def __init__(self, tmp: Path, master: str, name: str) -> None:
+    def __init__(self, tmp: Path, master: str, name: str, port: int = 0) -> None:
         self.ready = tmp / f"{name}-{time.monotonic_ns()}.json"
         self.log = open(tmp / f"{name}.log", "ab")  # noqa: SIM115
         cmd = [
@@ -58,7 +60,7 @@ class Service:
             _START,
             f"--master_server_address={master}",
             "--port",
-            "0",
+            str(port),
             "--global_segment_size",
             "64 MB",
             "--local_buffer_size=16MB",
@@ -87,16 +89,6 @@ class Service:
     def shared_mappings(self) -> int:
         maps = Path(f"/proc/{self.proc.pid}/maps").read_text()
         return sum("memfd:mooncake-core-" in line for line in maps.splitlines())
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
 
 @pytest.fixture(scope="module")
@@ -267,15 +259,13 @@ def test_killed_dummy_frees_its_memory_and_service_keeps_serving(
         a = s.alloc_from_mem_pool(n)
         assert s.register_buffer(a, n) == 0
         assert s.get_into("dummy/held", a, n) == n
-        import ctypes
-
         # the service wrote straight into this process's shared memory
         assert ctypes.string_at(a, n) == random.Random(1).randbytes((3 << 20) + 5)[:n]
     finally:
         assert s.close() == 0
 
 
-def test_service_absent_bad_address_and_service_death(
+def test_service_absent_bad_address_death_and_restart(
     master: Master,
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
@@ -313,7 +303,24 @@ def test_service_absent_bad_address_and_service_death(
         assert s.health_check() == 2
         assert s.alloc_from_mem_pool(4096) != 0  # local memory, as published
         assert time.monotonic() - t0 < 2.0
+        # the service comes back at the same address: the same store re-attaches on its
+        # next call (local buffer and registered buffer passed again) and moves exact bytes
+        svc.stop()
+        svc = Service(tmp_path, master.address, "svc-back", port=svc.port)
+        value = random.Random(5).randbytes(300_000)
+        assert s.put("back/k", value) == 0  # the first call after the restart
+        assert s.get("back/k") == value and s.health_check() == 0
+        assert svc.shared_mappings() == 2
+        pattern = random.Random(6).randbytes(4096)
+        ctypes.memmove(a, pattern, 4096)
+        assert s.put_from("back/zc", a, 4096) == 0
+        ctypes.memset(a, 0, 4096)
+        assert s.get_into("back/zc", a, 4096) == 4096 and ctypes.string_at(a, 4096) == pattern
+        assert s.unregister_buffer(a) == 0
+        _wait(lambda: svc.shared_mappings() == 1, "the unregistered buffer to go")
         assert s.close() == 0
+        assert s.put("back/k2", b"v") != 0  # closed: no re-attach
+        _wait(lambda: svc.shared_mappings() == 0, "the closed dummy's mappings to go")
     finally:
         svc.stop()
 
