@@ -45,19 +45,26 @@ _START = (
     "import sys, mooncake_core.compat as c; c.install(force=True); "
     "import mooncake.cli_client as m; sys.exit(m.main())"
 )
+# the opt-in `mooncake_client` console script (extras/mooncake-client)
+_SCRIPT = (
+    "import sys; from mooncake_core.cli.standalone_client import published_main as m; sys.exit(m())"
+)
 
 
 class Service(Master):
-    """The standalone client, started as ``python -m mooncake.cli_client FLAGS`` (on
-    ``port``, 0: a free one). Stopped like the master helper it reuses (``stop``)."""
+    """The standalone client, started as ``python -m mooncake.cli_client FLAGS`` (or
+    ``start``: the console script's code) on ``port`` (0: a free one). Stopped like the
+    master helper it reuses (``stop``)."""
 
-    def __init__(self, tmp: Path, master: str, name: str, port: int = 0) -> None:
+    def __init__(
+        self, tmp: Path, master: str, name: str, port: int = 0, start: str = _START
+    ) -> None:
         self.ready = tmp / f"{name}-{time.monotonic_ns()}.json"
         self.log = open(tmp / f"{name}.log", "ab")  # noqa: SIM115
         cmd = [
             PY,
             "-c",
-            _START,
+            start,
             f"--master_server_address={master}",
             "--port",
             str(port),
@@ -303,10 +310,11 @@ def test_service_absent_bad_address_death_and_restart(
         assert s.health_check() == 2
         assert s.alloc_from_mem_pool(4096) != 0  # local memory, as published
         assert time.monotonic() - t0 < 2.0
-        # the service comes back at the same address: the same store re-attaches on its
-        # next call (local buffer and registered buffer passed again) and moves exact bytes
+        # the service comes back at the same address (started by the mooncake_client console
+        # script's code): the same store re-attaches on its next call (local buffer and
+        # registered buffer passed again) and moves exact bytes
         svc.stop()
-        svc = Service(tmp_path, master.address, "svc-back", port=svc.port)
+        svc = Service(tmp_path, master.address, "svc-back", port=svc.port, start=_SCRIPT)
         value = random.Random(5).randbytes(300_000)
         assert s.put("back/k", value) == 0  # the first call after the restart
         assert s.get("back/k") == value and s.health_check() == 0
