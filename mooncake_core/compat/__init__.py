@@ -76,6 +76,7 @@ LAZY_MODULES: dict[str, str] = {
     "mooncake.transfer_engine_topology_dump": "mooncake_core.compat.transfer_engine_topology_dump",
     "mooncake.mooncake_connector_v1": "mooncake_core.compat.mooncake_connector_v1",
     "mooncake.vllm_v1_proxy_server": "mooncake_core.compat.vllm_v1_proxy_server",
+    "mooncake.pg": "mooncake_core.compat.pg",
 }
 
 
