@@ -77,6 +77,7 @@ LAZY_MODULES: dict[str, str] = {
     "mooncake.mooncake_connector_v1": "mooncake_core.compat.mooncake_connector_v1",
     "mooncake.vllm_v1_proxy_server": "mooncake_core.compat.vllm_v1_proxy_server",
     "mooncake.pg": "mooncake_core.compat.pg",
+    "mooncake.fabric_allocator_utils": "mooncake_core.compat.fabric_allocator_utils",
 }
 
 

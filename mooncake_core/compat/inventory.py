@@ -52,7 +52,6 @@ _NOF = "NVMe-over-Fabrics segments: needs NoF hardware and the published master'
 _CUDA_T = "CUDA tensors; the non-CUDA wheel refuses them too"
 _ENGRAM = "Engram embedding tables (a research feature of the wheel): out of scope"
 _CLI = "the published command-line tools; ours is `mooncake-core` (docs/store.md)"
-_FABRIC = "probes the wheel's .so for fabric allocators (CUDA/NVLink): out of scope"
 _VLLM = (
     "the wheel's vendored (older vLLM) connector has it; mooncake.mooncake_connector_v1"
     " re-exports the installed vLLM's built-in MooncakeConnector, which has none"
@@ -66,7 +65,6 @@ NOT_PROVIDED: dict[str, str] = {
     "mooncake.mooncake_ep_buffer": _CUDA,
     "mooncake.mooncake_elastic_buffer": _CUDA,
     "mooncake.shared_segment": _CUDA,
-    "mooncake.fabric_allocator_utils": _FABRIC,
     "mooncake.mooncake_ssd_register": _SSD,
     "mooncake.mooncake_ssd_unregister": _SSD,
     "mooncake.spdk_tgt_create": _SSD,
