@@ -20,6 +20,7 @@ import __future__
 import ast
 import fnmatch
 import importlib
+import importlib.util
 import inspect
 import json
 import logging
@@ -36,6 +37,8 @@ __all__ = [
     "NOT_PROVIDED",
     "Surface",
     "is_exempt",
+    "LISTED_FROM_SOURCE",
+    "surface_from_source",
     "parameters",
     "published_modules",
     "signatures",
@@ -226,6 +229,81 @@ def published_modules(package: str = "mooncake") -> list[str]:
         names.append(f"{package}.{info.name}")
         names += _public_submodules(names[-1]) if info.ispkg else []
     return sorted(names)
+
+
+#: Our modules whose surface is read from source, not imported (importing costs seconds):
+#: ``mooncake.X`` -> our file next to this one. mooncake.mooncake_connector_v1 re-exports
+#: vLLM's connector; importing it imports vLLM (~16 s).
+LISTED_FROM_SOURCE: dict[str, str] = {
+    "mooncake.mooncake_connector_v1": "mooncake_connector_v1.py",
+}
+
+
+def _module_source(dotted: str) -> Path | None:
+    """The source file of module ``dotted``, found without importing it or its parents."""
+    top, _, rest = dotted.partition(".")
+    spec = importlib.util.find_spec(top)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for base in spec.submodule_search_locations:
+        path = Path(base, *rest.split("."))
+        for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def _with_bases(src: Path, depth: int = 0) -> Surface:
+    """:func:`_from_source` of ``src``, each class with the public members of its bases
+    (found by source too: in the same file, or imported by ``from M import Base``)."""
+    out = _from_source(src)
+    tree = ast.parse(src.read_text())
+    imported = {
+        a.asname or a.name: (node.module, a.name)
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level
+        for a in node.names
+    }
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef) or out.get(node.name) is None or depth > 4:
+            continue
+        members = set(out[node.name] or [])
+        for base in node.bases:
+            if not isinstance(base, ast.Name):
+                continue
+            if base.id in out and base.id != node.name:
+                members |= set(out[base.id] or [])
+            elif base.id in imported:
+                where, name = imported[base.id]
+                found = _module_source(where)
+                if found is not None:
+                    members |= set(_with_bases(found, depth + 1).get(name) or [])
+        out[node.name] = sorted(members)
+    return out
+
+
+def surface_from_source(module: str) -> Surface | str:
+    """Ours of a :data:`LISTED_FROM_SOURCE` module without importing it: the names its
+    ``__all__`` lists, from its own source or, for the names it re-exports, from the source
+    of the module its ``BUILTIN_MODULE`` names (classes with their bases' members). A
+    listed name found in neither is left out (so the comparison reports it missing)."""
+    ours = Path(__file__).with_name(LISTED_FROM_SOURCE[module])
+    tree = ast.parse(ours.read_text())
+    consts: dict[str, Any] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            try:
+                consts[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError:
+                continue
+    builtin = consts.get("BUILTIN_MODULE")
+    src = _module_source(builtin) if isinstance(builtin, str) else None
+    if src is None:
+        return f"ModuleNotFoundError: no source of {builtin!r} (the module {module} re-exports)"
+    own, theirs = _from_source(ours), _with_bases(src)
+    return {
+        n: own[n] if n in own else theirs[n] for n in consts["__all__"] if n in own or n in theirs
+    }
 
 
 def surface(module: str) -> Surface | str:
