@@ -7,7 +7,8 @@ order; random floats are compared with a tolerance). Bad input gets one line. Th
 is SIGKILLed between collectives: the survivors' next allreduce completes without it and
 ``get_active_ranks`` shows it deactivated; a replacement process on seat 2
 (``is_extension=True``) calls ``join_group()``, the survivors call ``activate_ranks``, and
-a three-rank allreduce is right again on all three.
+a three-rank allreduce is right again on all three. Last, the replacement dies part way
+through an allreduce (its data reaches rank 0 only): both survivors leave it out.
 
 The published wheel cannot run ``mooncake.pg`` (its non-CUDA build lacks the compiled
 module), so there is no published side here; behaviour follows the design documents.
@@ -257,6 +258,32 @@ def rank_main(rank: int, port: int, tmp: str, role: str) -> None:
     dist.all_reduce(t)
     assert t.tolist() == [6.0] * 5, t
     (done / f"rejoined.{rank}").touch()
+    # Rank 2 dies part way through an allreduce: its data reaches rank 0, not rank 1. The
+    # members' masks make both survivors leave it out (rank 0 alone would have summed 6).
+    if role == "replacement":
+        _die_after_sending_to_rank_0(dist)
+    t = torch.full((5,), float(rank + 1))
+    dist.all_reduce(t)
+    assert t.tolist() == [3.0] * 5, t
+    assert pg.get_active_ranks().tolist() == [1, 1, 0]
+
+
+def _die_after_sending_to_rank_0(dist: Any) -> None:
+    seats = dist.group.WORLD.seats
+    send = seats.engine.put_tensor_async
+
+    def partial(tensor: Any, peer: str, key: str) -> Any:
+        if peer == seats.peers[0]:
+            fut = send(tensor, peer, key)
+            fut.result()  # delivered to rank 0
+            return fut
+        # die once both survivors' data is here (their sends to rank 2 succeeded), before
+        # anything reaches rank 1: only the masks tell rank 0 that rank 1 lacks it
+        for src in (0, 1):
+            seats.engine.get_tensor(f"{key.rsplit('/', 1)[0]}/{src}", timeout=30)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    seats.engine.put_tensor_async = partial
 
 
 def _spawn(rank: int, port: int, tmp: Path, role: str) -> subprocess.Popen[str]:
@@ -291,7 +318,7 @@ def test_mooncake_cpu_matches_gloo_survives_a_killed_rank_and_readmits_a_replace
         extra.append(_spawn(2, port, tmp_path, "replacement"))
         for p in [procs[0], procs[1], *extra]:
             out, _ = p.communicate(timeout=90)
-            assert p.returncode == 0, out[-4000:]
+            assert p.returncode == (-signal.SIGKILL if p in extra else 0), out[-4000:]
         assert sorted(f.name for f in tmp_path.glob("rejoined.*")) == [
             "rejoined.0",
             "rejoined.1",
