@@ -144,9 +144,15 @@ class MooncakeBackendOptions:
 # ---------------------------------------------------------------------- engine set-up
 def set_host_ip(host_ip: str) -> None:
     """The address this process's transfer engine listens on and advertises (loopback by
-    default); takes effect for the engine created by the next group."""
+    default). Call it before the first group: the process's engine starts with it."""
     if not isinstance(host_ip, str) or not host_ip.strip():
         raise ValueError(f"set_host_ip: a host address is needed, got {host_ip!r}")
+    if _state["engine"] is not None:
+        logger.warning(
+            "set_host_ip(%r): the transfer engine already runs as %s; it stays there",
+            host_ip,
+            _state["engine"].name,
+        )
     _state["host"] = host_ip.strip()
 
 
