@@ -70,7 +70,7 @@ __all__ = ["MooncakeCoreStoreConnector", "page_chain", "scheme_of"]
 logger = logging.getLogger(__name__)
 
 _WARM_PREFIX = "mcv-warm-up"  # keys of the start-up probe (never a KV page: no "mcv/")
-_LOAD_THREADS = 4  # batches read from the store at once
+_LOAD_THREADS = 4  # load threads (batches read at once: see _StoreWorker._load_streams)
 _LOAD_BATCHES = 0  # default of the load_batches option (0: one batch per layer)
 _IO_CPUS = "spare"  # default of the io_cpus option
 _SAVE_NICE = 10  # niceness of the save thread
@@ -553,7 +553,13 @@ class _StoreWorker:
 
     def start_load(self, meta: StoreMetadata) -> None:
         """Start this step's loads: one ``batch_get_into`` per group of layers, in layer order,
-        on the load threads; :meth:`wait_for_layer_load` waits for a layer's group."""
+        on the load threads; :meth:`wait_for_layer_load` waits for a layer's group.
+
+        The forward's thread only plans (which layer's pages lie where in which batch); the
+        keys and addresses are built on the load threads. The groups are read in
+        :meth:`_load_streams` chains at once, each in layer order: where the I/O threads have
+        one spare CPU, four batches at once would share it and the first layer, which the
+        forward needs first, would arrive only with the fourth."""
         if not meta.loads or self.client is None:
             return
         self._follow_binding()
@@ -562,20 +568,21 @@ class _StoreWorker:
         self._load_waited = 0.0
         self._load_secs = 0.0
         pages = sum(len(j.pages) for j in meta.loads)
+        plan: list[tuple[list[int], Future[list[Any]]]] = []
         for group in self._layer_groups():
-            keys: list[str] = []
-            addrs: list[int] = []
-            parts: list[tuple[str, int, int, list[int]]] = []
+            fut: Future[list[Any]] = Future()
+            off = 0
             for li in group:
-                name, t = self.layers[li]
-                base = int(t.data_ptr())
+                name = self.layers[li][0]
                 for job in meta.loads:
-                    parts.append((name, len(keys), len(job.pages), list(job.block_ids)))
-                    keys += self._keys(job.pages, li)
-                    addrs += [base + b * bb for b in job.block_ids]
-            fut = self._save_pool_free_load(keys, addrs)
-            for name, off, n, blocks in parts:
-                self._loading.setdefault(name, []).append((fut, off, n, blocks))
+                    self._loading.setdefault(name, []).append(
+                        (fut, off, len(job.pages), job.block_ids)
+                    )
+                    off += len(job.pages)
+            plan.append((group, fut))
+        streams = self._load_streams()
+        for k in range(streams):
+            self._load_pool.submit(self._load_chain, plan[k::streams], meta.loads)
         # counted with the waits when the last layer is in (one counters write per load)
         self._load_meta = {
             "load_requests": len(meta.loads),
@@ -583,21 +590,47 @@ class _StoreWorker:
             "load_bytes": pages * bb * len(self.layers),
         }
 
+    def _load_streams(self) -> int:
+        """How many batches are read at once: one per CPU the I/O threads have besides the
+        forward's (at most the load threads); all the load threads where nothing is bound."""
+        if self.io_cpus is None:
+            return _LOAD_THREADS
+        spare = self.io_cpus - (self._engine_cpus or set())
+        return max(1, min(_LOAD_THREADS, len(spare)))
+
+    def _load_chain(
+        self, chain: list[tuple[list[int], Future[list[Any]]]], jobs: list[PageJob]
+    ) -> None:
+        """Read the groups of ``chain`` one after the other (a load thread)."""
+        bb = self.block_bytes
+        for group, fut in chain:
+            keys: list[str] = []
+            addrs: list[int] = []
+            try:
+                for li in group:
+                    base = int(self.layers[li][1].data_ptr())
+                    for job in jobs:
+                        keys += self._keys(job.pages, li)
+                        addrs += [base + b * bb for b in job.block_ids]
+            except BaseException as exc:  # the forward must not wait for it forever
+                fut.set_exception(exc)
+                continue
+            self._read(keys, addrs, fut)
+
+    def _read(self, keys: list[str], addrs: list[int], fut: Future[list[Any]]) -> None:
+        try:
+            t0 = time.monotonic()
+            res = self.client.batch_get_into(keys, addrs, [self.block_bytes] * len(keys))
+            with self._lock:
+                self._load_secs += time.monotonic() - t0
+            fut.set_result(res)
+        except BaseException as exc:
+            fut.set_exception(exc)
+
     def _save_pool_free_load(self, keys: list[str], addrs: list[int]) -> Future[list[Any]]:
         """Start one batch of reads on the load threads (the save thread may be busy)."""
         fut: Future[list[Any]] = Future()
-
-        def run() -> None:
-            try:
-                t0 = time.monotonic()
-                res = self.client.batch_get_into(keys, addrs, [self.block_bytes] * len(keys))
-                with self._lock:
-                    self._load_secs += time.monotonic() - t0
-                fut.set_result(res)
-            except BaseException as exc:
-                fut.set_exception(exc)
-
-        self._load_pool.submit(run)
+        self._load_pool.submit(self._read, keys, addrs, fut)
         return fut
 
     def wait_for_layer_load(self, layer_name: str) -> None:

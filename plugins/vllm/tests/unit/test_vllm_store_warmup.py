@@ -176,6 +176,69 @@ def test_loads_in_groups_of_layers_land_in_the_right_blocks(master: Any, batches
         worker.close()
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_loads_on_spare_cpus_read_one_batch_per_spare_cpu_in_layer_order(master: Any) -> None:
+    """With the forward bound to one core and one spare CPU for the I/O threads, a hit's
+    layers are read one batch at a time in layer order (four at once on one CPU made the
+    first layer, which the forward needs first, arrive with the fourth: bench vllm traces,
+    docs/vllm.md); an unbound engine still reads four at once."""
+    import torch
+    from mooncake_vllm.store_connector import PageJob, StoreMetadata, _StoreWorker
+
+    cpus = os.sched_getaffinity(0)
+    engine_core = {min(cpus)}
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(6)]
+    kv = {n: torch.zeros(6, 2, 32, 16) for n in names}
+    seen: dict[str, Any] = {"order": [], "now": 0, "most": 0}
+    lock = threading.Lock()
+
+    def run() -> None:  # as vLLM's forward thread, bound to its core
+        os.sched_setaffinity(0, engine_core)
+        w = _StoreWorker(_vc(), _extra(master, segment_size="4MiB", io_cpus="spare"), "o", 0)
+        seen["w"] = w
+        w.register_kv_caches(kv)
+        bb = w.block_bytes
+        for li, n in enumerate(names):
+            kv[n][0].fill_(li + 1)
+            keys = w._keys(["po"], li)
+            assert w.client.batch_put_from(keys, [kv[n].data_ptr()], [bb]) == [None]
+        read = w.client.batch_get_into
+
+        def traced(keys: list[str], *a: Any) -> Any:
+            with lock:
+                seen["order"].append(keys[0].rsplit("/L", 1)[1])
+                seen["now"] += 1
+                seen["most"] = max(seen["most"], seen["now"])
+            try:
+                return read(keys, *a)
+            finally:
+                with lock:
+                    seen["now"] -= 1
+
+        w.client.batch_get_into = traced
+        seen["streams"] = w._load_streams()
+        w.start_load(StoreMetadata(loads=[PageJob("r", ["po"], [5])]))
+        for n in names:
+            w.wait_for_layer_load(n)
+        seen["errors"] = w.load_errors()
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(60)
+    w = seen["w"]
+    try:
+        spare = len(cpus - engine_core)
+        assert seen["streams"] == min(4, spare) and not seen["errors"]
+        if spare == 1:
+            assert seen["most"] == 1 and seen["order"] == [str(i) for i in range(len(names))]
+        for n in names:
+            assert torch.equal(kv[n][5], kv[n][0]), n
+        w._follow_binding()  # an engine bound to every CPU: the I/O threads share them
+        assert w.io_cpus is None and w._load_streams() == 4
+    finally:
+        w.close()
+
+
 def test_bad_load_options_are_one_clear_error() -> None:
     from mooncake_vllm.store_connector import _StoreWorker
 
