@@ -252,6 +252,7 @@ def turn_split(
     return {
         "first_turns_mean_ttft_s": round(statistics.fmean(a), 4) if a else None,
         "later_turns_mean_ttft_s": round(statistics.fmean(b), 4) if b else None,
+        "first_turns_ttft_sum_s": round(sum(a), 4),
     }
 
 
@@ -460,6 +461,12 @@ def summarize(results: dict[str, PhaseResult]) -> dict[str, Any]:
     ll = out.get("live_later_turns_mean_ttft_s_least_load")
     if gl and ll:  # the turns with a prefix to reuse: where the policies can differ
         out["live_later_turns_ttft_ratio_global_vs_least"] = round(gl / ll, 3)
+    lr = results.get("least-load")
+    first = out.get("live_first_turns_ttft_sum_s_least_load")
+    if lr is not None and lr.ttft_s and first is not None:
+        # the mean ratio global-cache would reach were its later turns free and its first
+        # turns as fast as least-load's: no routing can go below this on this slice
+        out["live_mean_ttft_ratio_floor"] = round(first / sum(lr.ttft_s), 3)
     return out
 
 
@@ -498,6 +505,11 @@ def _table(results: dict[str, PhaseResult], fig: dict[str, Any]) -> None:
         f"\nlive_mean_ttft_ratio_global_vs_least = {fig['live_mean_ttft_ratio_global_vs_least']}"
         " (target <= 0.8)"
     )
+    if fig.get("live_mean_ttft_ratio_floor") is not None:
+        print(
+            f"live_mean_ttft_ratio_floor = {fig['live_mean_ttft_ratio_floor']} (later turns free, "
+            "first turns as least-load's: the lowest ratio routing can reach on this slice)"
+        )
 
 
 def run_live(args: argparse.Namespace, trace_path: Path) -> int:

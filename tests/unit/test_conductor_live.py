@@ -115,6 +115,10 @@ def test_summarize_gives_the_ratio_and_hit_rates() -> None:
     assert fig["live_store_hit_rate_global_cache"] == pytest.approx(0.1)
     assert fig["live_store_hit_rate_least_load"] == pytest.approx(0.3)
     assert fig["live_errors_least_load"] == 1
+    assert "live_mean_ttft_ratio_floor" not in fig  # no turn split: no floor
+    # first turns 0.2 + 0.4 of least-load's 2.0 s: no routing can go below 0.3
+    res["least-load"].notes["first_turns_ttft_sum_s"] = 0.6
+    assert summarize(res)["live_mean_ttft_ratio_floor"] == pytest.approx(0.3)
     # a phase with no answer has no TTFT and no ratio (never a division by zero)
     fig = summarize({"global-cache": PhaseResult(), "least-load": PhaseResult(ttft_s=[1.0])})
     assert fig["live_mean_ttft_ratio_global_vs_least"] is None
@@ -230,7 +234,11 @@ def test_routing_summary_turns_and_phases_from_decision_records() -> None:
     t = conductor_live.turn_split(
         reqs, [(tag(reqs[0]), 2.0), (tag(reqs[1]), 4.0), (tag(reqs[2]), 0.5)]
     )
-    assert t == {"first_turns_mean_ttft_s": 3.0, "later_turns_mean_ttft_s": 0.5}
+    assert t == {
+        "first_turns_mean_ttft_s": 3.0,
+        "later_turns_mean_ttft_s": 0.5,
+        "first_turns_ttft_sum_s": 6.0,
+    }
     assert conductor_live.phase_order(["a", "b"], 3) == ("a", "b", "b", "a", "a", "b")
     m = conductor_live.merge_phases(
         [
