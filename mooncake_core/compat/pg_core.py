@@ -17,7 +17,10 @@ Contract:
   failure detector that never suspects a live peer, every survivor computes the same
   members: a peer that died part way through phase 1 is missing from the mask of a
   survivor, and that mask reaches every survivor. Reductions then run over the members in
-  rank order, so every member gets bit-identical results.
+  rank order, so every member gets bit-identical results. Only agreed facts change the
+  mask (participants that are not members leave; a peer that dies after its data went out
+  leaves at the next collective; a failed send/recv raises without deactivating), so every
+  rank keeps the same view and the same collective sequence.
 - Failure detection: while a payload is awaited, the peer is pinged every ``PROBE_S``; a
   peer that refuses (its process is gone: loopback refuses at once) ``PING_FAILS`` times in
   a row, or whose delivery fails, has failed. A live peer that never shows up ends the
@@ -208,15 +211,16 @@ class Seats:
         :class:`RankFailure` raised, with ``auto_deactivate_on_failure`` off)."""
         with self._lock:
             parts = self.participants()
-            received, members, late = self._exchange(parts, payloads)
+            received, members = self._exchange(parts, payloads)
+            # only what every member agrees on changes the mask, so the views stay equal
+            # (a rank that died after its data went out leaves at the next collective)
             lost = [r for r in parts if r not in members]
-            failed = sorted(set(lost) | late)
-            if failed and not self.auto_deactivate:
+            if lost and not self.auto_deactivate:
                 raise RankFailure(
-                    f"mooncake.pg collective #{self.seq}: ranks {failed} failed "
+                    f"mooncake.pg collective #{self.seq}: ranks {lost} failed "
                     "(auto_deactivate_on_failure=False: active ranks unchanged)"
                 )
-            for r in failed:
+            for r in lost:
                 self.active[r] = 0
             if lost:
                 logger.warning(
@@ -236,7 +240,7 @@ class Seats:
 
     def _exchange(
         self, parts: list[int], payloads: Mapping[int, torch.Tensor]
-    ) -> tuple[dict[int, torch.Tensor], list[int], set[int]]:
+    ) -> tuple[dict[int, torch.Tensor], list[int]]:
         self.seq += 1
         me, eng = self.rank, self.engine
         others = [r for r in parts if r != me]
@@ -259,16 +263,14 @@ class Seats:
         alive = [r for r in others if r not in failed]
         puts = {r: eng.put_tensor_async(mask, self.peers[r], k2 + str(me)) for r in alive}
         agreed = mask.clone()
-        late: set[int] = set()
         for r in alive:
             theirs = self._wait(k2 + str(r), r, deadline)
-            if theirs is None:
-                late.add(r)
-            else:
+            if theirs is not None:  # None: it died after its data went out
                 agreed &= theirs
-        late |= {r for r, fut in puts.items() if not self._delivered(fut, deadline)}
+        for fut in puts.values():
+            self._delivered(fut, deadline)
         members = [r for r in parts if int(agreed[r])]
-        return {r: received[r] for r in members if r in received}, members, late
+        return {r: received[r] for r in members if r in received}, members
 
     # ------------------------------------------------------------------ membership
     def sync(self) -> int:
@@ -281,7 +283,7 @@ class Seats:
     def _sync(self) -> int:
         parts = self.participants()
         mine = self.active.to(torch.uint8)
-        received, members, _ = self._exchange(parts, {r: mine for r in parts})
+        received, members = self._exchange(parts, {r: mine for r in parts})
         agreed = torch.zeros(self.size, dtype=torch.uint8)
         for r in members:
             agreed[r] = 1
@@ -390,9 +392,6 @@ class Seats:
         return got
 
     def _failed_peer(self, r: int, what: str) -> None:
-        if self.auto_deactivate:
-            self.active[r] = 0
-        raise RankFailure(
-            f"mooncake.pg {what}: rank {r} failed"
-            + (" and was deactivated" if self.auto_deactivate else "")
-        )
+        # not deactivated here, where the other ranks cannot see it: the next collective
+        # finds it failed on every rank alike
+        raise RankFailure(f"mooncake.pg {what}: rank {r} failed")
