@@ -8,7 +8,8 @@ the two cores:
    vLLM P (no connector) on B's core. Per repeat: A serves ``prefix + suffix1``; P serves
    the same (cold, plain) and then ``prefix + suffix2`` (vLLM's own prefix-cache hit: the
    physical limit); B serves ``prefix + suffix2`` (pool hit on the shared prefix, only the
-   suffix computed), ``prefix + suffix3`` (its own prefix cache now) and
+   suffix computed), ``prefix + suffix2`` again (its own prefix cache now: the same pages
+   cached, the same tail computed, the same first token) and
    ``other_prefix + suffix`` (miss: recompute, with the connector looking up and saving).
    B's hit in the first repeat is its first request with a long prompt at all, reported
    apart as ``ttft_store_first_hit_ms``.
@@ -22,7 +23,7 @@ JSON keys: ``ttft_recompute_ms``, ``ttft_store_hit_ms`` (repeats after the first
 ``store_first_hit_connector_ms`` and ``store_hit_connector_ms`` (of a hit's TTFT, the time
 B's connector spent: the lookup plus the forward's waits for loads),
 ``store_hit_load_thread_ms`` (the load threads' time per hit, summed over threads; it overlaps
-the forward), ``ttft_store_instance_local_hit_ms`` (B asked again with the same prefix: vLLM's
+the forward), ``ttft_store_instance_local_hit_ms`` (B asked the hit's prompt again: vLLM's
 own prefix cache with the connector present; against ``ttft_local_prefix_hit_ms`` it shows
 what the connector costs a step that loads nothing),
 ``ttft_plain_cold_ms``, ``ttft_cold_overhead_pct`` (B's recompute against P's cold prefill of
@@ -377,7 +378,9 @@ def _store_phase(
                 **read_counters(bstats, "store-sched-"),
             }
             parts.append({k: (after.get(k, 0) - before.get(k, 0)) * 1e3 for k in _HIT_PARTS})
-            own = stream(b.url + url, {**body, "prompt": prefix + _prompt(args.suffix_tokens, 62)})
+            # the hit's prompt again: a TTFT is the first chunk with text, and a first token
+            # that decodes to no text (another suffix: another token) moves it a step later
+            own = stream(b.url + url, {**body, "prompt": prefix + _prompt(args.suffix_tokens, 60)})
             own_t.append(own.ttft)
             tc, _ = stream_ttft(
                 plain.url + url, {**body, "prompt": prefix + _prompt(args.suffix_tokens, 50)}
