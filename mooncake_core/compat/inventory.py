@@ -53,7 +53,6 @@ _CUDA = "needs CUDA / torch.distributed GPU kernels; the non-CUDA wheel cannot r
 _SSD = "remote SSD provisioning over SSH (paramiko, SPDK targets): an operator tool, out of scope"
 _NOF = "NVMe-over-Fabrics segments: needs NoF hardware and the published master's NoF RPCs"
 _CUDA_T = "CUDA tensors; the non-CUDA wheel refuses them too"
-_ENGRAM = "Engram embedding tables (a research feature of the wheel): out of scope"
 _CLI = "the published command-line tools; ours is `mooncake-core` (docs/store.md)"
 _VLLM = (
     "the wheel's vendored (older vLLM) connector has it; mooncake.mooncake_connector_v1"
@@ -82,8 +81,6 @@ NOT_PROVIDED: dict[str, str] = {
     "mooncake.engine:InnerTransferEngine": "the C++ engine type; get_engine() returns ours",
     "mooncake.engine:SharedSegment": _CUDA,
     # mooncake.store: types
-    "mooncake.store:EngramStore": _ENGRAM,
-    "mooncake.store:EngramStoreConfig": _ENGRAM,
     "mooncake.store:MooncakeDistributedNoFRegister": _NOF,
     # mooncake.store: MooncakeDistributedStore members
     "mooncake.*store*:MooncakeDistributedStore*.init_all": "crashes (SIGSEGV) in the"

@@ -43,6 +43,7 @@ from mooncake_core.compat.buffer_pool import (  # the published names, re-export
     get_free_func_addr,
 )
 from mooncake_core.compat.store_dummy import DummyMethods
+from mooncake_core.compat.store_engram import EngramStore, EngramStoreConfig  # published names
 from mooncake_core.compat.store_numa import bind_to_numa_node
 from mooncake_core.compat.store_parallel import (  # the published names, re-exported
     ParallelAxis,
@@ -174,6 +175,8 @@ __all__ = [
     "MooncakeHostMemAllocator",
     "get_alloc_func_addr",
     "get_free_func_addr",
+    "EngramStore",
+    "EngramStoreConfig",
 ]
 
 logger = logging.getLogger(__name__)
