@@ -4,7 +4,8 @@
 module (run by the wheel's python), ``ours`` installs our compat layer first. ``dict`` is a
 dict-backed BundleStore; ``compat`` (ours only) the same four calls on our
 ``MooncakeDistributedStore`` connected to an in-process master of ours, plus a round trip
-through that whole store (its ``put_tensor`` path). UUIDs are made deterministic so that
+through that whole store (its ``put_tensor`` path). Where the python has Pillow, PIL images
+in object columns too (``out["pil"]`` says whether). UUIDs are made deterministic so that
 both sides write the same keys. Prints one JSON line: per call its result (or error type
 and message), and every stored key with its bytes' sha256 (manifest and meta in full).
 """
@@ -21,6 +22,11 @@ from typing import Any
 
 import numpy as np
 import torch
+
+try:
+    from PIL import Image
+except ImportError:  # the wheel's scratch venv without Pillow: the image cases are left out
+    Image = None  # type: ignore[assignment]
 
 SIDE, STORE = sys.argv[1], sys.argv[2]
 
@@ -138,6 +144,11 @@ def describe(value: Any) -> Any:
         return [describe(v) for v in value]
     if isinstance(value, (int, float, str, bool)) or value is None:
         return value
+    if Image is not None and isinstance(value, Image.Image):
+        palette = value.getpalette()
+        pal = None if palette is None else sha(bytes(palette))
+        pixels = sha(value.tobytes())
+        return ["image", value.mode, list(value.size), pixels, value.format, pal, value.readonly]
     name = type(value).__name__
     return "tensor_object_buffer" if "TensorObjectBuffer" in name else name
 
@@ -516,6 +527,110 @@ for label, col in [
     ("err_obj_objarr", [np.array(["a"], dtype=object), np.array(["b"], dtype=object)]),
 ]:
     call(label, t.put, {"x": ints[:2], "c": col}, type="dict")
+
+
+def image(mode: str, size: tuple[int, int], seed: int) -> Any:
+    """An image of ``mode`` with random pixels (any mode: its raw bytes are random)."""
+    assert Image is not None
+    nbytes = len(Image.new(mode, size).tobytes())
+    return Image.frombytes(mode, size, np.random.default_rng(seed).bytes(nbytes))
+
+
+def image_cases() -> None:
+    """PIL images in object columns: ``media_bytes`` (all rows images) and
+    ``media_list_ragged`` (lists of images and bytes), inferred and by FieldSchema, in
+    many modes and odd sizes; whole reads, row slices, field selections; wrong types."""
+    assert Image is not None
+    import io
+
+    pal = image("P", (5, 3), 3)
+    pal.putpalette([(i * 37) % 256 for i in range(48)])
+    png_buf = io.BytesIO()
+    image("RGB", (4, 4), 4).save(png_buf, "PNG")
+    png = Image.open(io.BytesIO(png_buf.getvalue()))  # lazy, format "PNG"
+    ro = Image.frombuffer("L", (3, 2), b"abcdef", "raw", "L", 0, 1)  # readonly
+    cols: dict[str, Any] = {
+        "x": ints[:4],
+        "rgb": [image("RGB", (7, 5), 1), None, image("RGBA", (1, 1), 2), image("L", (13, 3), 5)],
+        "modes": [pal, image("I;16", (3, 3), 6), image("F", (2, 2), 7), image("1", (9, 2), 8)],
+        "more": [png, ro, image("CMYK", (2, 3), 9), image("I", (2, 1), 10)],
+        "odd": [
+            Image.new("RGB", (0, 0)),
+            image("LA", (1, 7), 11),
+            None,
+            image("YCbCr", (3, 1), 12),
+        ],
+        "mlist": [[image("RGB", (2, 2), 13), b"raw"], [], None, [pal, bytearray(b"x"), ro]],
+        "empties": [[], [], None, []],
+        "pics": [{"p": image("L", (2, 2), 14), "t": "a"}, {"p": pal}, None, {"t": "c"}],
+    }
+    out["img_in"] = describe(cols)
+    img = call("img_put", t.put, cols, type="dict", partition="imgp", stage="i1")
+    if img is not None:
+        out["img_handle"] = sos.export_dataproto_ref(img)
+        out["img_objects"] = stored("pfx/imgp/")
+        call("img_get", t.get, img, type="dict")
+        call("img_rows", t.get, img, type="dict", rows=slice(1, 4))
+        call("img_fields", t.get_dataproto, img, non_tensor_fields=["mlist", "modes"])
+        call("img_member_rows", t.get, img, rows=sos.StructuredMemberSlice(0, 1, 3, 1))
+        call("img_cleanup", t.cleanup_dataproto, img)
+    schemas = {
+        "mb": sos.FieldSchema("media_bytes"),
+        "ml": sos.FieldSchema("media_list_ragged"),
+        "by": sos.FieldSchema("bytes_ragged"),
+    }
+    schema_cols = {
+        "mb": [image("RGB", (3, 2), 15), b"raw", None],
+        "ml": [(image("L", (1, 1), 16),), None, [b"a", np.arange(2, dtype=np.uint8)]],
+        "by": [image("RGB", (2, 1), 17), None, b"z"],
+    }
+    out["img_schema_in"] = describe(schema_cols)
+    sd = call(
+        "img_schema_put",
+        t.put_dataproto,
+        {"batch": {"x": torch.zeros(3)}, "non_tensor_batch": schema_cols},
+        field_schemas=schemas,
+        partition="imgs",
+    )
+    if sd is not None:
+        out["img_schema_handle"] = sos.export_dataproto_ref(sd)
+        out["img_schema_objects"] = stored("pfx/imgs/")
+        call("img_schema_get", t.get_dataproto, sd)
+        call("img_schema_cleanup", t.cleanup_dataproto, sd)
+    base = {"batch": {"x": torch.zeros(2)}}
+    one = image("RGB", (2, 2), 18)
+    for label, col, schema in [
+        ("err_img_str", ["abc", None], sos.FieldSchema("media_bytes")),
+        ("img_int", [3, None], sos.FieldSchema("media_bytes")),
+        ("err_img_list_int", [5, None], sos.FieldSchema("media_list_ragged")),
+        ("err_img_list_str", ["ab", None], sos.FieldSchema("media_list_ragged")),
+        ("img_list_int_item", [[one, 3], None], sos.FieldSchema("media_list_ragged")),
+    ]:
+        r = call(
+            label,
+            t.put_dataproto,
+            {**base, "non_tensor_batch": {"c": col}},
+            field_schemas={"c": schema},
+            partition="imge",
+        )
+        if r is not None:
+            call(label + "_get", t.get_dataproto, r)
+            call(label + "_cleanup", t.cleanup_dataproto, r)
+    for label, col in [
+        ("err_img_int", [one, 5]),
+        ("err_img_str_mix", [one, "a"]),
+        ("err_img_list_mix", [[one, 3], [b"a"]]),
+        ("err_img_arr", [one, np.zeros((2, 2), np.uint8)]),
+    ]:
+        r = call(label, t.put, {"x": ints[:2], "c": col}, type="dict", partition="imge")
+        if r is not None:
+            call(label + "_get", t.get, r, type="dict")
+            call(label + "_cleanup", t.cleanup_dataproto, r)
+
+
+out["pil"] = Image is not None
+if Image is not None:
+    image_cases()
 
 
 def inferred(values: list[Any]) -> Any:

@@ -2,8 +2,9 @@
 
 ``structured_calls.py`` makes the same calls (bundles, structured objects with ndarray,
 bytes, tensor, bf16, 0-d and jagged nested tensor members, sliced and selected reads,
-reads into caller memory, the DataProto paths for dense fields, and ~30 bad inputs) and
-prints every result plus every stored key's bytes. Three runs, started together:
+reads into caller memory, the DataProto paths for dense fields, and ~30 bad inputs; PIL
+images in object columns where Pillow is installed) and prints every result plus every
+stored key's bytes. Three runs, started together:
 
 - the published module in the wheel's python over a dict-backed BundleStore (skipped,
   saying how to enable it, when the scratch venv lacks torch);
@@ -37,6 +38,16 @@ SCRIPT = Path(__file__).with_name("structured_calls.py")
 #: registered-memory reads (ValueError); ``raw_destination()`` builds a class that takes
 #: no arguments (TypeError), so nothing can be read into one
 PUBLISHED_FAILS = {"get_indices", "obj_idx", "schema_rows", "raw_dest", "raw_into", "raw_after"}
+#: the PIL image cases' labels (run where the side's python has Pillow)
+IMAGE_LABELS = ("img_", "err_img_")
+NO_PILLOW = (
+    "the published wheel's scratch venv has no PIL (Pillow); run "
+    "scripts/setup_mooncake_peer.sh --torch"
+)
+
+
+def _image_labels(result: dict[str, Any]) -> set[str]:
+    return {k for k in result if k.startswith(IMAGE_LABELS)}
 
 
 def _start(python: str, side: str, store: str) -> subprocess.Popen[str]:
@@ -97,7 +108,9 @@ def test_ours_writes_and_answers_as_the_published_module_over_a_dict_store(
     assert ours["groups"] and not set(ours["groups"]) & set(ours["left"])  # cleanup_dataproto
     assert ours["get_object"]["t"][0] == "tensor" and ours["get_object"]["nested"][0] == "nested"
     assert theirs["err_partition"] == ["error", "ValueError", "invalid bundle partition: 'a/b'"]
-    assert _differences(theirs, ours, PUBLISHED_FAILS) == {}
+    # the image cases are compared below (they need Pillow on both sides)
+    skip = PUBLISHED_FAILS | _image_labels(ours) | _image_labels(theirs) | {"pil"}
+    assert _differences(theirs, ours, skip) == {}
     # the stored bytes: the same keys, manifests and meta in full, chunks by sha256
     assert theirs["objects"] == ours["objects"]
     assert theirs["get_indices"][:2] == ["error", "ValueError"]
@@ -155,6 +168,77 @@ def test_object_columns_round_trip_on_ours(runs: dict[str, Any]) -> None:
     assert len(ours["obj_objects"]) > 40 and len(ours["schema_objects"]) > 20
     assert not any(k.startswith(("pfx/objp/", "pfx/schp/")) for k in ours["left"])
     assert ours["schema_rows"]["non_tensor_batch"]["u"] == ["objects", [2], ["yz", None]]
+
+
+def test_images_are_stored_and_decoded_as_by_the_published_module(runs: dict[str, Any]) -> None:
+    """PIL images (``media_bytes`` and ``media_list_ragged`` columns, nested in dicts, by
+    FieldSchema; many modes, odd sizes; wrong types): the same stored bytes, the same
+    decoded images (mode, size, pixels, format, palette, readonly) and the same errors."""
+    theirs, ours = runs["theirs_dict"], runs["ours_dict"]
+    if isinstance(theirs, str):
+        pytest.skip(theirs)
+    if not theirs["pil"]:
+        pytest.skip(NO_PILLOW)
+    assert ours["pil"], "Pillow is missing in .venv (scripts/setup.sh installs it)"
+    labels = _image_labels(ours)
+    assert len(labels) > 25 and labels == _image_labels(theirs)
+    assert _differences(theirs, ours, set(ours) - labels) == {}
+    assert theirs["img_objects"] == ours["img_objects"]  # every stored key, byte for byte
+    assert len(ours["img_objects"]) > 20 and len(ours["img_schema_objects"]) > 5
+    assert theirs["img_schema_objects"] == ours["img_schema_objects"]
+    assert theirs["img_get"] == ours["img_get"] and theirs["img_rows"] == ours["img_rows"]
+
+
+def test_images_round_trip_on_ours(runs: dict[str, Any]) -> None:
+    """PIL images on ours alone (runs where the wheel's venv lacks Pillow): every decoded
+    image equals its original pixel for pixel, in mode and size (a lazy PNG keeps its
+    format); a ``P`` image keeps its indices but not its palette, as in the wheel."""
+    ours = runs["ours_dict"]
+    if not ours["pil"]:
+        pytest.skip("Pillow is not installed in this python (scripts/setup.sh installs it)")
+    codecs = {n: e["codec"] for n, e in ours["img_handle"]["encoded_non_tensor"].items()}
+    assert codecs == {
+        "rgb": "media_bytes", "modes": "media_bytes", "more": "media_bytes",
+        "odd": "media_bytes", "mlist": "media_list_ragged", "empties": "media_list_ragged",
+        "pics": "structured_recursive",
+    }  # fmt: skip
+    sent, got = ours["img_in"], ours["img_get"]
+
+    def pixels(value: Any) -> Any:
+        """An image's mode, size, pixel digest and format (palette and readonly apart)."""
+        if isinstance(value, list) and value[:1] == ["image"]:
+            return value[:5]
+        if isinstance(value, list):
+            return [pixels(v) for v in value]
+        if isinstance(value, dict):
+            return {k: pixels(v) for k, v in value.items()}
+        return value
+
+    assert set(got) == set(sent)
+    for name in sent:
+        assert pixels(got[name]) == pixels(sent[name]), name
+    modes = [img[1] for img in got["modes"] + got["more"] + got["odd"] + got["rgb"] if img]
+    assert modes == [
+        "P", "I;16", "F", "1", "RGB", "L", "CMYK", "I", "RGB", "LA", "YCbCr", "RGB", "RGBA", "L",
+    ]  # fmt: skip
+    assert got["more"][0][4] == "PNG" and got["odd"][0][2] == [0, 0]
+    empty_palette = "e3b0c44298fc1c14"  # sha256(b"")
+    assert sent["modes"][0][5] != empty_palette and got["modes"][0][5] == empty_palette
+    assert got["mlist"][3][1] == sent["mlist"][3][1] and got["mlist"][3][1][0] == "bytes"
+    assert ours["img_rows"]["rgb"] == got["rgb"][1:]
+    fields = ours["img_fields"]["non_tensor_batch"]
+    assert fields["modes"] == ["objects", [4], got["modes"]]
+    member = ours["img_member_rows"]["non_tensor_batch"]  # rows 1..2
+    assert member["mlist"] == ["objects", [2], got["mlist"][1:3]]
+    schema = ours["img_schema_get"]["non_tensor_batch"]
+    assert pixels(schema["mb"][2][0]) == pixels(ours["img_schema_in"]["mb"][0])
+    assert schema["mb"][2][1:] == [["bytes", ours["img_schema_in"]["mb"][1][1]], None]
+    assert schema["by"][2][0][0] == "bytes"  # bytes_ragged: an image's raw pixels, as bytes
+    for label in ("err_img_str", "err_img_list_int", "err_img_list_str", "err_img_int"):
+        assert ours[label][0] == "error", label
+    assert ours["err_img_str_mix"][:2] == ["error", "ValueError"]
+    assert ours["img_int"] == "MooncakeDataProtoRef"  # bytes(3): three zero bytes, as published
+    assert not any(k.startswith(("pfx/imgp/", "pfx/imgs/", "pfx/imge/")) for k in ours["left"])
 
 
 @pytest.mark.timeout(200)
