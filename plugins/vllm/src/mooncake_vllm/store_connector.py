@@ -21,7 +21,9 @@ Scheduler side (EngineCore process):
 - ``request_finished``: keeps the blocks while the request's saves are in flight.
 
 Worker side (worker process): ``start_load_kv`` submits one batch per layer in layer
-order; ``wait_for_layer_load`` waits for that layer only (the forward overlaps the rest);
+order, read one at a time per CPU the I/O threads have besides the forward's (four at once
+where nothing is bound); ``wait_for_layer_load`` waits for that layer only (the forward
+overlaps the rest);
 ``wait_for_save`` hands this step's saves to a background thread (zero-copy from the KV
 cache into the pool); ``get_transfer_results`` reports requests whose saves finished;
 ``get_block_ids_with_load_errors`` reports pages that failed to load (vLLM's
