@@ -3,9 +3,10 @@
 # API-shape test can run the real thing next to ours.
 #
 # Usage: scripts/setup_mooncake_peer.sh [--torch] [--sglang] [VENV_DIR]
-#   --torch (or MOONCAKE_PEER_TORCH=1) also installs the CPU torch from this machine's disk and
-#   safetensors, for the published tensor methods (tests/integration/test_compat_tensors.py
-#   compares them with ours; without torch that comparison skips, saying so). Opt-in: it
+#   --torch (or MOONCAKE_PEER_TORCH=1) also installs the CPU torch from this machine's disk,
+#   safetensors and pillow, for the published tensor methods and structured object store
+#   (tests/integration/test_compat_tensors.py / test_compat_structured.py compare them with
+#   ours; without torch or Pillow those comparisons skip, saying so). Opt-in: it
 #   takes about 2 minutes and 1 GB in a fresh venv, too much for every CI run.
 #   --sglang (or MOONCAKE_PEER_SGLANG=1) also installs SGLang's classes into that venv, for
 #   `mooncake-core bench sglang --compare-mooncake PY` (SGLang's built-in MooncakeStore
@@ -67,10 +68,10 @@ fi
   || { log "error: mooncake still fails to import in $VENV"; exit 1; }
 
 # --- optional: torch for the published tensor methods (--torch) -----------------------
-if [ "$WITH_TORCH" = 1 ] && ! "$VENV/bin/python" -c 'import torch, safetensors' >/dev/null 2>&1; then
-  log "installing torch==2.13.0 (CPU) and safetensors into $VENV (--torch; about 2 minutes)"
-  "$VENV/bin/python" -m pip install -q "torch==2.13.0" safetensors \
-    || { log "error: cannot install torch==2.13.0 (CPU) and safetensors into $VENV"; exit 1; }
+if [ "$WITH_TORCH" = 1 ] && ! "$VENV/bin/python" -c 'import torch, safetensors, PIL' >/dev/null 2>&1; then
+  log "installing torch==2.13.0 (CPU), safetensors and pillow into $VENV (--torch; about 2 minutes)"
+  "$VENV/bin/python" -m pip install -q "torch==2.13.0" safetensors pillow \
+    || { log "error: cannot install torch==2.13.0 (CPU), safetensors and pillow into $VENV"; exit 1; }
 fi
 
 # --- optional: SGLang's classes next to the published wheel (--sglang) ---------------
