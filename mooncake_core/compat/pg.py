@@ -43,7 +43,7 @@ from torch.futures import Future
 
 from mooncake_core.compat import engine as compat_engine
 from mooncake_core.compat.pg_core import PGError, PGTimeout, RankFailure, Seats
-from mooncake_core.compat.pg_ops import check_tensors, reduce_op, reduce_tensors
+from mooncake_core.compat.pg_ops import assign, check_tensors, reduce_op, reduce_tensors
 from mooncake_core.transfer import TransferEngine
 
 __all__ = [
@@ -68,6 +68,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _state: dict[str, Any] = {"host": "127.0.0.1", "engine": None, "filters": []}
+#: an all_reduce of at least this many bytes among 3+ ranks runs as reduce-scatter then
+#: all-gather (each rank sends 2(n-1)/n of the tensor instead of n-1 times it, in two
+#: exchanges instead of one; on 2 loaded cores with 3 ranks it breaks even at 8 MiB)
+SPLIT_BYTES = 4 << 20
 _engine_lock = threading.Lock()
 
 
@@ -239,11 +243,37 @@ class MooncakeProcessGroup(_ProcessGroup):  # type: ignore[misc]
         op = reduce_op(opts, "allreduce")
         check_tensors(tensors, "allreduce", op)
         for t in tensors:
+            parts = self.seats.participants()
+            big = t.numel() * t.element_size() >= SPLIT_BYTES and t.is_contiguous()
+            if big and len(parts) > 2 and self._allreduce_split(t.detach().view(-1), parts, op):
+                continue
             got, members = self._all(t.detach().contiguous())
             for r in members:
                 self._check_peer(got[r], t, r, "allreduce")
-            t.copy_(reduce_tensors([got[r] for r in members], op))
+            assign(t, reduce_tensors([got[r] for r in members], op))
         return _done(tensors)
+
+    def _allreduce_split(self, flat: torch.Tensor, parts: list[int], op: str) -> bool:
+        """Reduce-scatter, then all-gather, the result written into ``flat`` (a view of the
+        caller's tensor): each participant reduces one chunk (in rank order, so the result
+        is the same as the whole-tensor path's). False when a rank failed in either step
+        (every rank sees it alike): ``flat`` is untouched and the caller runs the
+        whole-tensor path among the survivors."""
+        chunks = list(torch.tensor_split(flat, len(parts)))
+        mine = chunks[parts.index(self.seats.rank)]
+        got, members = self.seats.exchange(dict(zip(parts, chunks, strict=True)))
+        if members != parts:
+            return False
+        for r in members:
+            self._check_peer(got[r], mine, r, "allreduce")
+        reduced = reduce_tensors([got[r] for r in members], op)
+        got, members = self.seats.exchange({r: reduced for r in parts})
+        if members != parts:
+            return False
+        for i, r in enumerate(parts):
+            self._check_peer(got[r], chunks[i], r, "allreduce")
+            assign(chunks[i], got[r])
+        return True
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         return self.allreduce(tensors, opts)
@@ -258,7 +288,7 @@ class MooncakeProcessGroup(_ProcessGroup):  # type: ignore[misc]
             self._root(root, members, "broadcast")
             if self.seats.rank != root:
                 self._check_peer(got[root], t, root, "broadcast")
-                t.copy_(got[root])
+                assign(t, got[root])
         return _done(tensors)
 
     def allgather(
@@ -273,7 +303,7 @@ class MooncakeProcessGroup(_ProcessGroup):  # type: ignore[misc]
             got, members = self._all(inp.detach().contiguous())
             for r in members:
                 self._check_peer(got[r], inp, r, "allgather")
-                outs[r].copy_(got[r])
+                assign(outs[r], got[r])
         return _done(output_tensors)
 
     def _check_list(self, outs: list[torch.Tensor], like: torch.Tensor, what: str) -> None:
@@ -308,7 +338,7 @@ class MooncakeProcessGroup(_ProcessGroup):  # type: ignore[misc]
         got, members = self._all(input.detach().contiguous())
         for r in members:
             self._check_peer(got[r], input, r, "all_gather_into_tensor")
-            chunks[r].copy_(got[r])
+            assign(chunks[r], got[r])
         return _done([output])
 
     _allgather_base = all_gather_single
@@ -332,7 +362,7 @@ class MooncakeProcessGroup(_ProcessGroup):  # type: ignore[misc]
         got, members = self.seats.exchange({r: ins[r] for r in self.seats.members_view()})
         for r in members:
             self._check_peer(got[r], out, r, what)
-        out.copy_(reduce_tensors([got[r] for r in members], op))
+        assign(out, reduce_tensors([got[r] for r in members], op))
 
     def reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
@@ -369,7 +399,7 @@ class MooncakeProcessGroup(_ProcessGroup):  # type: ignore[misc]
         got, members = self.seats.exchange({r: ins[r] for r in self.seats.members_view()})
         for r in members:
             self._check_peer(got[r], outs[r], r, what)
-            outs[r].copy_(got[r])
+            assign(outs[r], got[r])
 
     def all_to_all_single(
         self,
@@ -426,7 +456,7 @@ class MooncakeProcessGroup(_ProcessGroup):  # type: ignore[misc]
             if self.seats.rank == root:
                 for r in members:
                     self._check_peer(got[r], t, r, "reduce")
-                t.copy_(reduce_tensors([got[r] for r in members], op))
+                assign(t, reduce_tensors([got[r] for r in members], op))
         return _done(tensors)
 
     def gather(
@@ -449,7 +479,7 @@ class MooncakeProcessGroup(_ProcessGroup):  # type: ignore[misc]
         if me == root:
             for r in members:
                 self._check_peer(got[r], inp, r, "gather")
-                output_tensors[0][r].copy_(got[r])
+                assign(output_tensors[0][r], got[r])
         return _done(output_tensors)
 
     def scatter(
@@ -471,7 +501,7 @@ class MooncakeProcessGroup(_ProcessGroup):  # type: ignore[misc]
         got, members = self.seats.exchange(payloads)
         self._root(root, members, "scatter")
         self._check_peer(got[root], out, root, "scatter")
-        out.copy_(got[root])
+        assign(out, got[root])
         return _done(output_tensors)
 
     # ------------------------------------------------------------------ point to point
@@ -486,7 +516,7 @@ class MooncakeProcessGroup(_ProcessGroup):  # type: ignore[misc]
         for t in tensors:
             got = self.seats.recv(int(srcRank), int(tag))
             self._check_peer(got, t, int(srcRank), "recv")
-            t.copy_(got)
+            assign(t, got)
         return _done(tensors)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> dist.Work:

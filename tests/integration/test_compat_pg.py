@@ -75,6 +75,17 @@ def _check_collectives(dist: Any, torch: Any, pg: Any, rank: int, gloo: Any) -> 
                 return t
 
             same(*both(allreduce), f"all_reduce {dt} {op}")
+    # 360 KB: the reduce-scatter + all-gather path (rank_main lowers pg.SPLIT_BYTES)
+    big = (torch.arange(300 * 300) % 97 + rank).float().reshape(300, 300)
+    assert big.numel() * 4 >= pg.SPLIT_BYTES
+    for op in ("SUM", "MAX", "AVG"):
+
+        def allreduce_big(g: Any, op: str = op) -> Any:
+            t = big.clone()
+            dist.all_reduce(t, op=getattr(R, op), group=g)
+            return t
+
+        same(*both(allreduce_big), f"all_reduce 360 KB {op}")
     x = data["f32"]
 
     def broadcast(g: Any) -> Any:
@@ -225,6 +236,7 @@ def rank_main(rank: int, port: int, tmp: str, role: str) -> None:
 
     done = Path(tmp)
     init = f"tcp://127.0.0.1:{port}"
+    pg.SPLIT_BYTES = 256 << 10  # so that 360-400 KB tensors take the split all_reduce path
     if role == "replacement":
         opts = pg.MooncakeBackendOptions(3, is_extension=True)
         dist.init_process_group(
@@ -254,17 +266,18 @@ def rank_main(rank: int, port: int, tmp: str, role: str) -> None:
         assert pg.get_peer_state(None, [0, 1, 2]) == [True, True, False]
         pg.activate_ranks(None, [2])  # blocks until the replacement asked to join
     assert pg.get_active_ranks().tolist() == [1, 1, 1]
-    t = torch.full((5,), float(rank + 1))
+    t = torch.full((100_000,), float(rank + 1))  # 400 KB: reduce-scatter + all-gather
     dist.all_reduce(t)
-    assert t.tolist() == [6.0] * 5, t
+    assert torch.equal(t, torch.full_like(t, 6.0)), t
     (done / f"rejoined.{rank}").touch()
     # Rank 2 dies part way through an allreduce: its data reaches rank 0, not rank 1. The
     # members' masks make both survivors leave it out (rank 0 alone would have summed 6).
     if role == "replacement":
         _die_after_sending_to_rank_0(dist)
-    t = torch.full((5,), float(rank + 1))
+    # (400 KB: it dies in the reduce-scatter step; the whole-tensor path then runs)
+    t = torch.full((100_000,), float(rank + 1))
     dist.all_reduce(t)
-    assert t.tolist() == [3.0] * 5, t
+    assert torch.equal(t, torch.full_like(t, 3.0)), t
     assert pg.get_active_ranks().tolist() == [1, 1, 0]
 
 
