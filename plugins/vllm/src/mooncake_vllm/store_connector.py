@@ -594,11 +594,10 @@ class _StoreWorker:
 
     def _load_streams(self) -> int:
         """How many batches are read at once: one per CPU the I/O threads have besides the
-        forward's (at most the load threads); all the load threads where nothing is bound."""
-        if self.io_cpus is None:
-            return _LOAD_THREADS
-        spare = self.io_cpus - (self._engine_cpus or set())
-        return max(1, min(_LOAD_THREADS, len(spare)))
+        forward's (at most the load threads); all the load threads where the forward is not
+        bound to some CPUs only (no CPU is then the forward's alone)."""
+        spare = None if self.io_cpus is None else self.io_cpus - (self._engine_cpus or set())
+        return min(_LOAD_THREADS, len(spare)) if spare else _LOAD_THREADS
 
     def _load_chain(
         self, chain: list[tuple[list[int], Future[list[Any]]]], jobs: list[PageJob]

@@ -235,6 +235,8 @@ def test_loads_on_spare_cpus_read_one_batch_per_spare_cpu_in_layer_order(master:
             assert torch.equal(kv[n][5], kv[n][0]), n
         w._follow_binding()  # an engine bound to every CPU: the I/O threads share them
         assert w.io_cpus is None and w._load_streams() == 4
+        w.io_cpus = w._engine_cpus = set(cpus)  # io_cpus "any" with the engine on every CPU
+        assert w._load_streams() == 4
     finally:
         w.close()
 
