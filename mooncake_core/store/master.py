@@ -272,7 +272,7 @@ class MasterServer(HANode):
             "batch_get_replica_list": lambda a, now: st.batch_get_replica_list(a.keys, now),
             "exists": lambda a, now: st.exists(a.key, now),
             "batch_exists": lambda a, now: st.batch_exists(a.keys, now),
-            "get_size": lambda a, now: st.get_size(a.key),
+            "get_size": lambda a, now: st.get_size(a.key, now),
             "remove": lambda a, now: st.remove(a.key, a.force, now),
             "batch_remove": lambda a, now: st.batch_remove(a.keys, a.force, now),
             "remove_by_regex": lambda a, now: st.remove_by_regex(a.pattern, a.force, now, a.tenant),

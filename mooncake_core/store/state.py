@@ -386,8 +386,13 @@ class MasterState(
         check_batch(keys)
         return [self.exists(k, now) for k in keys]
 
-    def get_size(self, key: str) -> int:
-        return self._complete(key).size
+    def get_size(self, key: str, now: float) -> int:
+        """The object's size; leases it as a read does (the published master's query does)."""
+        o = self._complete(key)
+        o.lease_until = max(o.lease_until, now + self.cfg.lease_ttl_s)
+        if o.lease_until > o.lease_rep and self.lease_dirty is not None:
+            self._lease_mark(o)
+        return o.size
 
     def remove(self, key: str, force: bool, now: float) -> None:
         o = self._complete(key)

@@ -377,6 +377,10 @@ STORE_REST = PRELUDE + textwrap.dedent(
                         == ctypes.string_at(p, 10) + ctypes.string_at(p + 100, 20))
     r["multi_get_small"] = s.batch_get_into_multi_buffers(["mb1"], [[p + 1000]], [[10]])
     r["get_size_after"] = [s.get_size("mb1"), s.get_size("mb2")]
+    s.put("gs", b"S" * 7)  # get_size leases the key, as a get does
+    r["get_size_leases"] = [s.get_size("gs"), s.remove("gs"), s.remove("gs", True)]
+    s.put("ex", b"E" * 3)
+    r["is_exist_then_remove"] = [s.is_exist("ex"), s.remove("ex"), s.remove("ex", True)]
     r["remove_all"] = s.remove_all(True)
     s.close()
     r["closed"] = [s.health_check()]
@@ -407,6 +411,8 @@ EXPECTED_REST: dict[str, Any] = {
     "multi_bytes": True,
     "multi_get_small": [-600],
     "get_size_after": [30, 5],
+    "get_size_leases": [7, -706, 0],
+    "is_exist_then_remove": [1, -706, 0],
     "remove_all": 6,
     "closed": [1],
 }

@@ -86,7 +86,7 @@ def test_a_new_leader_honours_replicated_leases_and_pins() -> None:
     later = now + LEASE * 1.5 + 0.1
     new.remove("a", False, later)
     with pytest.raises(ObjectNotFound):
-        new.get_size("a")
+        new.get_size("a", later)
     # the default takeover lease (the read lease) still covers every object
     other = _standby(log, now)
     other.on_takeover(now)
