@@ -665,8 +665,13 @@ for key in keys:
         objects[key] = bytes(data).decode()
     elif data:
         objects[key] = sha(data)
-out["objects"] = objects
-out["groups"] = {k: v for k, v in sorted(store.groups.items()) if v}
+groups = {k: v for k, v in sorted(store.groups.items()) if v}
+# the image cases' keys apart (compared only where both sides have Pillow)
+image_key = ("pfx/imgp/", "pfx/imgs/", "pfx/imge/")
+out["objects"] = {k: v for k, v in objects.items() if not k.startswith(image_key)}
+out["groups"] = {k: v for k, v in groups.items() if not k.startswith(image_key)}
+out["img_all_objects"] = {k: v for k, v in objects.items() if k.startswith(image_key)}
+out["img_all_groups"] = {k: v for k, v in groups.items() if k.startswith(image_key)}
 if master is not None:
     # the whole store: tensor members go through its put_tensor / get_tensor, as the
     # published module does on a store that has them
