@@ -129,9 +129,11 @@ def _real_package_present() -> bool:
     if mod is not None:
         return mod is not sys.modules[__name__]
     try:
-        return importlib.util.find_spec("mooncake") is not None
+        spec = importlib.util.find_spec("mooncake")
     except (ImportError, ValueError):
         return False
+    # extras/mooncake-compat's last-resort finder answers for ours, not for a published package
+    return spec is not None and not getattr(spec.loader, "mooncake_core_fallback", False)
 
 
 def installed() -> bool:
