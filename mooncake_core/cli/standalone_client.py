@@ -35,7 +35,7 @@ from typing import Any
 from mooncake_core import __version__
 from mooncake_core.cli import gflags
 from mooncake_core.cli.store_node import wait_for_master
-from mooncake_core.compat.cli_client import PUBLISHED_FLAGS, UNSUPPORTED
+from mooncake_core.compat.cli_client import NOT_TAKEN, PUBLISHED_FLAGS, unsupported_flags
 from mooncake_core.config import load_config, parse_size
 from mooncake_core.errors import ConfigError, MasterUnavailable
 from mooncake_core.store.client import StoreClient
@@ -51,39 +51,6 @@ FLAGS: tuple[gflags.Flag, ...] = tuple(gflags.Flag(*f) for f in PUBLISHED_FLAGS)
 _WILDCARD = {"0.0.0.0", "::", ""}
 _GLOG_LEVELS = {0: "INFO", 1: "WARNING", 2: "ERROR", 3: "CRITICAL"}
 _WAIT_MASTER_S = 120.0  # how long to wait for an absent master, saying so every few seconds
-_GLOG = "a glog setting; logs go to stderr here, use --log-level"
-_GFLAGS_HELP = "a gflags help variant; use --help"
-#: Flags the published ``mooncake_client --help`` (0.3.13) lists that ours does not take.
-NOT_TAKEN: dict[str, str] = {
-    **UNSUPPORTED,
-    **{
-        name: _GLOG
-        for name in (
-            "alsologtoemail",
-            "drop_log_memory",
-            "log_backtrace_at",
-            "log_link",
-            "log_prefix",
-            "logbuflevel",
-            "logbufsecs",
-            "logemaillevel",
-            "logfile_mode",
-            "logmailer",
-            "max_log_size",
-            "stop_logging_if_full_disk",
-            "symbolize_stacktrace",
-            "vmodule",
-        )
-    },
-    **{name: _GFLAGS_HELP for name in ("helpmatch", "helpon", "helpxml")},
-    "tab_completion_columns": "no shell completion",
-    "tab_completion_word": "no shell completion",
-}
-_NOT_TAKEN_BOOLS = frozenset(
-    {"drop_log_memory", "stop_logging_if_full_disk", "symbolize_stacktrace", "helpxml"}
-)
-_OURS_NOARG = frozenset({"help", "helpfull", "helpshort", "helppackage", "version"})
-_OURS_ARG = frozenset({"log-level", "ready-file", "config"})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,36 +61,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ready-file", default=None, help="write {port, ipc, segment, pid} here once serving"
     )
     gflags.add_gflags(parser, FLAGS, VERSION, "mooncake_client")
-
-
-def unsupported_flags(argv: Sequence[str]) -> list[tuple[str, str]]:
-    """Every flag in ``argv`` that ``mooncake_client`` here cannot run: ``(name, why)``."""
-    known = {f.name: f.type == "bool" for f in FLAGS}
-    bad: list[tuple[str, str]] = []
-    skip = False
-    for arg in argv:
-        if skip:
-            skip = False
-            continue
-        if arg == "--":
-            break
-        if not arg.startswith("-") or arg == "-":
-            continue
-        name, eq, _value = arg.lstrip("-").partition("=")
-        if name.startswith("no") and name[2:] in _NOT_TAKEN_BOOLS and not eq:
-            bad.append((name[2:], NOT_TAKEN[name[2:]]))
-        elif name in NOT_TAKEN:
-            bad.append((name, NOT_TAKEN[name]))
-            skip = not eq and name not in _NOT_TAKEN_BOOLS
-        elif name in known:
-            skip = not eq and not known[name]
-        elif name.startswith("no") and known.get(name[2:]) and not eq:
-            pass
-        elif name in _OURS_ARG:
-            skip = not eq
-        elif name not in _OURS_NOARG:
-            bad.append((name, "not a published mooncake_client flag"))
-    return bad
 
 
 def published_main(argv: Sequence[str] | None = None) -> int:

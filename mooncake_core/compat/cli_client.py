@@ -4,7 +4,8 @@ The published ``main()`` replaces the process with the wheel's ``mooncake_client
 binary (a standalone store client that ``setup_dummy`` stores attach to). Ours replaces
 it with ``python -m mooncake_core client`` and the same arguments (the PID stays, as
 published, so callers can stop it). A flag that the published client does not have, or
-that we do not accept (:data:`UNSUPPORTED`), ends as one line on stderr, exit status 2.
+that we do not accept (:data:`NOT_TAKEN`), ends as one line on stderr, exit status 2; the
+opt-in ``mooncake_client`` console script checks with the same :func:`unsupported_flags`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,14 @@ import os
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main", "PUBLISHED_FLAGS", "UNSUPPORTED", "check_flags"]
+__all__ = [
+    "main",
+    "PUBLISHED_FLAGS",
+    "UNSUPPORTED",
+    "NOT_TAKEN",
+    "check_flags",
+    "unsupported_flags",
+]
 
 _NO_OFFLOAD = "the standalone client has no SSD offload tier"
 _LOG = "logs go to stderr; use --log-level"
@@ -56,13 +64,45 @@ UNSUPPORTED: dict[str, str] = {
     "tryfromenv": "give the flags on the command line",
     "undefok": "every published flag is known here",
 }
-_OURS = {"log-level", "ready-file", "config", "help", "helpfull", "helpshort"}
+_GLOG = "a glog setting; logs go to stderr here, use --log-level"
+_GFLAGS_HELP = "a gflags help variant; use --help"
+#: Flags the published ``mooncake_client --help`` (0.3.13) lists that ours does not take.
+NOT_TAKEN: dict[str, str] = {
+    **UNSUPPORTED,
+    **{
+        name: _GLOG
+        for name in (
+            "alsologtoemail",
+            "drop_log_memory",
+            "log_backtrace_at",
+            "log_link",
+            "log_prefix",
+            "logbuflevel",
+            "logbufsecs",
+            "logemaillevel",
+            "logfile_mode",
+            "logmailer",
+            "max_log_size",
+            "stop_logging_if_full_disk",
+            "symbolize_stacktrace",
+            "vmodule",
+        )
+    },
+    **{name: _GFLAGS_HELP for name in ("helpmatch", "helpon", "helpxml")},
+    "tab_completion_columns": "no shell completion",
+    "tab_completion_word": "no shell completion",
+}
+_NOT_TAKEN_BOOLS = frozenset(
+    {"drop_log_memory", "stop_logging_if_full_disk", "symbolize_stacktrace", "helpxml"}
+)
+_OURS_NOARG = frozenset({"help", "helpfull", "helpshort", "helppackage", "version"})
+_OURS_ARG = frozenset({"log-level", "ready-file", "config"})
 
 
-def check_flags(argv: Sequence[str]) -> str | None:
-    """One line naming the first flag in ``argv`` we cannot run, else None."""
-    known = {f[0] for f in PUBLISHED_FLAGS}
-    bools = {f[0] for f in PUBLISHED_FLAGS if f[1] == "bool"}
+def unsupported_flags(argv: Sequence[str]) -> list[tuple[str, str]]:
+    """Every flag in ``argv`` that ``mooncake_client`` here cannot run: ``(name, why)``."""
+    known = {f[0]: f[1] == "bool" for f in PUBLISHED_FLAGS}
+    bad: list[tuple[str, str]] = []
     skip = False
     for arg in argv:
         if skip:
@@ -73,19 +113,35 @@ def check_flags(argv: Sequence[str]) -> str | None:
         if not arg.startswith("-") or arg == "-":
             continue
         name, eq, _value = arg.lstrip("-").partition("=")
-        if name in UNSUPPORTED:
-            return (
-                f"mooncake_client: --{name} is not supported by mooncake-core ({UNSUPPORTED[name]})"
-            )
-        if name.startswith("no") and name[2:] in bools and not eq:
-            continue
-        if name not in known and name not in _OURS:
-            return (
-                f"mooncake_client: unknown flag --{name} (published mooncake_client flags: "
-                "mooncake-core client --help)"
-            )
-        skip = not eq and name not in bools and name not in {"help", "helpfull", "helpshort"}
-    return None
+        if name.startswith("no") and name[2:] in _NOT_TAKEN_BOOLS and not eq:
+            bad.append((name[2:], NOT_TAKEN[name[2:]]))
+        elif name in NOT_TAKEN:
+            bad.append((name, NOT_TAKEN[name]))
+            skip = not eq and name not in _NOT_TAKEN_BOOLS
+        elif name in known:
+            skip = not eq and not known[name]
+        elif name.startswith("no") and known.get(name[2:]) and not eq:
+            pass
+        elif name in _OURS_ARG:
+            skip = not eq
+        elif name not in _OURS_NOARG:
+            bad.append((name, "not a published mooncake_client flag"))
+    return bad
+
+
+def check_flags(argv: Sequence[str]) -> str | None:
+    """One line naming the first flag in ``argv`` we cannot run (:func:`unsupported_flags`),
+    else None."""
+    bad = unsupported_flags(argv)
+    if not bad:
+        return None
+    name, why = bad[0]
+    if name not in NOT_TAKEN:
+        return (
+            f"mooncake_client: unknown flag --{name} (published mooncake_client flags: "
+            "mooncake-core client --help)"
+        )
+    return f"mooncake_client: --{name} is not supported by mooncake-core ({why})"
 
 
 def main() -> int:
