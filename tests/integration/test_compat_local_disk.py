@@ -60,6 +60,17 @@ SCRIPT = textwrap.dedent(
         except Exception as e:
             return type(e).__name__
 
+    def flood(prefix):  # 64 objects of SIZE, each put retried while the holder makes room
+        out = {}
+        for i in range(64):
+            k = f"{prefix}{i:02d}"
+            out[k] = value(k)
+            for _ in range(50):
+                if writer.put(k, out[k]) == 0:
+                    break
+                time.sleep(0.05)
+        return out
+
     def files():
         return sum(len(fs) for _, _, fs in os.walk(where) if fs) if os.path.isdir(where) else 0
 
@@ -71,14 +82,7 @@ SCRIPT = textwrap.dedent(
                      True, where),
         writer.setup("127.0.0.1", metadata, 0, 16 * MiB, "tcp", "", master),
     ]
-    vals = {}
-    for i in range(64):  # 32 MiB through the holder's 16 MiB segment
-        k = f"obj{i:02d}"
-        vals[k] = value(k)
-        for _ in range(50):
-            if writer.put(k, vals[k]) == 0:
-                break
-            time.sleep(0.05)
+    vals = flood("obj")  # 32 MiB through the holder's 16 MiB segment
     keys = sorted(vals)
     if http:
         deadline = time.monotonic() + 30  # offloads are asynchronous: slow on a loaded machine
@@ -110,14 +114,7 @@ SCRIPT = textwrap.dedent(
         t["files_after"] = files()
     r["again"] = holder.unmount_local_disk_segment()
     r["keyword"] = holder.unmount_local_disk_segment(grace_period_seconds=0)
-    more = {}
-    for i in range(64):  # a second flood: evicted, no longer offloaded
-        k = f"late{i:02d}"
-        more[k] = value(k)
-        for _ in range(50):
-            if writer.put(k, more[k]) == 0:
-                break
-            time.sleep(0.05)
+    more = flood("late")  # a second flood: evicted, no longer offloaded
     if http:
         t["late_read"] = [writer.get(k) == more[k] for k in sorted(more)[-3:]]
         time.sleep(0.3)
