@@ -273,7 +273,6 @@ def test_killed_dummy_frees_its_memory_and_service_keeps_serving(
 
 
 def test_service_absent_bad_address_death_and_restart(
-    master: Master,
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
@@ -293,6 +292,9 @@ def test_service_absent_bad_address_death_and_restart(
     assert s.put("k", b"v") == -600  # never attached
     assert s.alloc_from_mem_pool(64) == 0
 
+    # a master of its own: the killed service's segment stays registered until its client's
+    # TTL runs out, and a later test's put placed there on the module's master would fail
+    master = Master(tmp_path, name="death-master")
     svc = Service(tmp_path, master.address, "svc-dies")
     try:
         assert s.setup_dummy(0, 1 << 20, svc.address) == 0
@@ -331,6 +333,7 @@ def test_service_absent_bad_address_death_and_restart(
         _wait(lambda: svc.shared_mappings() == 0, "the closed dummy's mappings to go")
     finally:
         svc.stop()
+        master.stop()
 
 
 def test_cli_client_flags_one_line() -> None:
