@@ -106,12 +106,15 @@ class PrefillView:
         ttft_local_s: Predicted TTFT when computing everything beyond the local prefix.
         ttft_fetch_s: Predicted TTFT when first fetching the best remote prefix
             (``inf`` where fetching is not allowed or not worth it).
+        fetch_reach_blocks: Prefix length (blocks) an instance has after that fetch (the
+            remote source's match; 0 when nothing can be fetched).
     """
 
     wait_s: np.ndarray
     local_blocks: np.ndarray
     ttft_local_s: np.ndarray
     ttft_fetch_s: np.ndarray
+    fetch_reach_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,7 +185,11 @@ class GlobalCachePolicy(Policy):
             when the predictions are exact (the simulator). A live proxy predicts with each
             instance's *measured* speed, an estimate whose error between like instances
             easily exceeds the few percent a short prefix saves; without a margin that error
-            alone sends a request away from an idle holder of its prefix.
+            alone sends a request away from an idle holder of its prefix. The margin only
+            guards a prefix that would be lost: when the best option fetches a prefix at
+            least as long as the holder's (the store holds all of it), leaving the holder
+            costs only the fetch, which the prediction already counts, so the plain minimum
+            decides (a busy holder no longer keeps its later turns).
     """
 
     name = "global-cache"
@@ -203,6 +210,8 @@ class GlobalCachePolicy(Policy):
         else:
             best, t_best = PrefillChoice(i, False), float(view.ttft_local_s[i])
         if self.holder_margin > 0 and best.instance != (h := self.holder(view.local_blocks)):
+            if h >= 0 and best.fetch and view.fetch_reach_blocks >= int(view.local_blocks[h]):
+                return best  # nothing the holder has is lost by going elsewhere
             if h >= 0 and view.ttft_local_s[h] <= (1.0 + self.holder_margin) * t_best:
                 self.kept_by_margin += 1
                 return PrefillChoice(h, False)

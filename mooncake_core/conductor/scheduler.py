@@ -275,7 +275,7 @@ class Conductor:
                     np.maximum(wait, nic_wait + xfer) + k * cost.prefill_s(n_in, best * bt),
                     np.inf,
                 )
-        view = PrefillView(wait, local, ttft_local, ttft_fetch)
+        view = PrefillView(wait, local, ttft_local, ttft_fetch, best if src >= 0 else 0)
         self.last_view = view
         choice = self.policy.choose(view)
         i = choice.instance

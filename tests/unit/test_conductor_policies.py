@@ -225,3 +225,25 @@ def test_global_cache_holder_margin_keeps_the_longest_prefix_within_the_margin()
     assert pick(0.5, [3.0, 1.0], hold1=12) == 1  # equal prefixes: no holder, plain minimum
     with pytest.raises(ConfigError, match="holder_margin"):
         conductor("global-cache", holder_margin=-0.1)
+
+
+def test_global_cache_holder_margin_does_not_keep_what_the_store_holds() -> None:
+    """Instance 0 holds 12 of 13 blocks and is busy; instance 1 is idle and could fetch from
+    the store. When the store holds the whole 12-block prefix (fetch option 0.20 s), a holder
+    queued 0.15 s (0.24 s, within 1.5x) loses nothing by being left: the request goes to
+    instance 1 with a 12-block fetch. When the store holds only 10 blocks (fetch option
+    0.31 s), a holder queued 0.3 s (0.39 s, within 1.5x) keeps it by the margin."""
+
+    def pick(store_n: int, wait0: float) -> tuple[int, int, int]:
+        c = conductor(
+            "global-cache", n=2, holder_margin=0.5, store_blocks=None, fetch_sources="store"
+        )
+        c.kv_stored(0, list(range(1, 13)))
+        c.store_put(list(range(1, 1 + store_n)))
+        d = c.decide(req(0, list(range(1, 14))), wait_s=[wait0, 0.0], commit=False)
+        kept = getattr(c.policy, "kept_by_margin", -1)
+        return d.prefill, d.fetch_blocks, kept
+
+    assert pick(12, 0.15) == (1, 12, 0)  # the store holds it all: plain minimum
+    assert pick(10, 0.3) == (0, 0, 1)  # 2 blocks would be lost: the margin keeps it
+    assert pick(12, 0.0)[0] == 0  # an idle holder is the minimum anyway
