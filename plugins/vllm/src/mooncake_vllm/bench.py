@@ -35,8 +35,11 @@ With ``--compare-lmcache PYTHON`` (a venv from ``scripts/setup_lmcache_peer.sh``
 phase also runs LMCache's server and two vLLM instances LA/LB with ``LMCacheMPConnector``
 (LA on A's core, LB on B's), interleaved with ours in every repeat: LA computes the prompt A
 computed, LB serves B's prompt. Keys: ``ttft_lmcache_hit_ms``, ``ttft_lmcache_first_hit_ms``,
-``ttft_store_hit_vs_lmcache_ratio`` (ours / LMCache's, target <= 0.8), and for every hit
-figure the prompt tokens vLLM reported as cached (``*_cached_tokens``: a recompute shows 0).
+``ttft_store_hit_vs_lmcache_ratio`` (ours / LMCache's, target <= 0.8),
+``ttft_local_hit_vs_lmcache_ratio`` (vLLM's own local prefix hit, P, / LMCache's: the floor,
+since a store hit computes what a local hit computes and loads the prefix besides), and for
+every hit figure the prompt tokens vLLM reported as cached (``*_cached_tokens``: a recompute
+shows 0).
 If LMCache cannot run, ``lmcache`` holds the one-line reason and the rest still runs.
 
 3. mixed (``--phase mixed`` runs it alone): decodes streaming while long prompts keep
@@ -467,6 +470,9 @@ def _store_phase(
             out["lmcache_hit_cached_tokens"] = int(statistics.median(cached["lmcache"]))
             out["ttft_store_hit_vs_lmcache_ratio"] = round(
                 out["ttft_store_hit_ms"] / max(out["ttft_lmcache_hit_ms"], 1e-3), 2
+            )
+            out["ttft_local_hit_vs_lmcache_ratio"] = round(
+                out["ttft_local_prefix_hit_ms"] / max(out["ttft_lmcache_hit_ms"], 1e-3), 2
             )
     finally:
         for s in servers:
