@@ -166,7 +166,7 @@ class MasterServer(HANode):
             out: list[Any] = []
             for k, n in zip(a.keys, a.sizes, strict=True):
                 try:
-                    tok, reps = st.put_start(a.client_id, k, n, a.cfg, now)
+                    tok, reps = st.put_start(a.client_id, k, n, a.cfg, now, a.exclude)
                     out.append((0, tok, reps))
                 except P.UnknownClient:
                     raise
@@ -256,7 +256,9 @@ class MasterServer(HANode):
             "task_done": lambda a, now: st.task_done(
                 a.client_id, a.kind, a.key, a.token, a.ok, a.detail, now
             ),
-            "put_start": lambda a, now: st.put_start(a.client_id, a.key, a.size, a.cfg, now),
+            "put_start": lambda a, now: st.put_start(
+                a.client_id, a.key, a.size, a.cfg, now, a.exclude
+            ),
             "batch_put_start": batch_put_start,
             "put_end": lambda a, now: st.put_end(a.client_id, a.key, a.token, now),
             "put_revoke": lambda a, now: st.put_revoke(a.client_id, a.key, a.token, now),
@@ -401,7 +403,7 @@ class MasterServer(HANode):
                     del self._pollers[a.client_id]
                 if self.role != "leader":
                     raise P.NotLeader(f"master {self.id} is {self.role}")
-                tasks = self.state.take_tasks(a.client_id, time.monotonic())
+                tasks = self.state.take_tasks_after_wait(a.client_id, time.monotonic())
             out = P.encode_response(req.id, P.Code.OK, tasks)
             ok = True
         except Exception as exc:

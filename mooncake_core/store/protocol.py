@@ -261,6 +261,9 @@ class PutStartArgs(_A):
     key: str
     size: int
     cfg: ReplicaCfg
+    # segments this client could not write (a put placed again after a failed write): the
+    # master places elsewhere and marks their holders suspect (state.MasterState.put_start)
+    exclude: list[str] = []
 
 
 class BatchPutStartArgs(_A):
@@ -268,6 +271,7 @@ class BatchPutStartArgs(_A):
     keys: list[str]
     sizes: list[int]
     cfg: ReplicaCfg
+    exclude: list[str] = []  # as in PutStartArgs
 
 
 class PutEndArgs(_A):

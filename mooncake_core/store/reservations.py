@@ -86,6 +86,7 @@ class Reservations(StateCore):
             if extent(sg) >= 2 * align(size)
             and sg.allocator.used + extent(sg) <= hw * sg.size
             and sg.allocator.largest_free() >= extent(sg)
+            and not self._suspect(sg.client_id, now)  # a writer could not reach its holder
         ]
         # the segments a two-phase put would try first must be the ones lending: a preference
         # (preferred segment, the writer's own segments) is never traded for an extent elsewhere

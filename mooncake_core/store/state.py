@@ -41,7 +41,7 @@ import random
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mooncake_core.config import StoreConfig, format_size
@@ -111,6 +111,7 @@ class MasterState(
         self.offload_pending: dict[str, int] = {}  # segment -> bytes queued for SSD offload
         self.reservations: dict[int, Reservation] = {}
         self._rid = 0
+        self.suspects: dict[str, float] = {}
         self.on_change: Callable[[tuple[Any, ...]], None] | None = None
         self.on_task: Callable[[str], None] | None = None
         self.counters: dict[str, int] = {
@@ -123,6 +124,7 @@ class MasterState(
             "reservations_granted": 0,
             "reserved_puts": 0,
             "reservations_reclaimed": 0,
+            "suspect_marks": 0,  # holders marked suspect: a writer could not reach them
         }
         self._tier_init()  # SSD tier moves and hot keys (tiering.py, hotkeys.py)
         self._hot_init()
@@ -211,6 +213,7 @@ class MasterState(
         return [c.client_id for c in dead]
 
     def drop_client(self, client_id: str) -> None:
+        self.suspects.pop(client_id, None)
         c = self.clients.pop(client_id, None)
         if c is None:
             return
@@ -232,9 +235,55 @@ class MasterState(
                     self._emit(*self._obj_entry(o))
         self._emit("unclient", client_id)
 
+    def report_unreachable(self, client_id: str, segments: Sequence[str], now: float) -> None:
+        """``client_id`` could not write into ``segments``: mark their holders suspect.
+
+        Placement (:meth:`_place`, :meth:`reserve`) then avoids every segment of a suspect holder,
+        for every writer, until the holder sends any request (its heartbeat comes every
+        ``heartbeat_interval_s``), or for ``client_ttl_s`` at most, after which a holder that
+        stayed silent is dropped anyway. So a holder that died stops getting new objects at the
+        first failed write instead of at its TTL, and a live one that a single writer cannot
+        reach (that writer's network trouble) is avoided for about one heartbeat only. The marks
+        are the leader's alone, not replicated: a new leader starts without them and learns
+        them again from the next failed write.
+        """
+        for name in segments:
+            s = self.segments.get(name)
+            if s is None or s.client_id == client_id:
+                continue
+            if s.client_id not in self.suspects:
+                self.counters["suspect_marks"] += 1
+                logger.warning(
+                    "client %s could not write into segment %s: avoiding the segments of its "
+                    "holder %s until it heartbeats",
+                    client_id,
+                    name,
+                    s.client_id,
+                )
+            self.suspects[s.client_id] = now
+
+    def take_tasks_after_wait(self, client_id: str, now: float) -> list[dict[str, Any]]:
+        """:meth:`take_tasks` at the end of a long poll: it keeps the client registered, but it
+        is no sign of life after the poll arrived (the client may have died while it waited), so a
+        suspect mark made meanwhile stays."""
+        since = self.suspects.get(client_id)
+        tasks = self.take_tasks(client_id, now)
+        if since is not None:
+            self.suspects[client_id] = since
+        return tasks
+
     def put_start(
-        self, client_id: str, key: str, size: int, cfg: ReplicaCfg, now: float
+        self,
+        client_id: str,
+        key: str,
+        size: int,
+        cfg: ReplicaCfg,
+        now: float,
+        exclude: Sequence[str] = (),
     ) -> tuple[int, list[Any]]:
+        """Place a new object; ``exclude``: segments its writer could not write (a put placed
+        again): never used for it, and their holders are marked suspect
+        (:meth:`report_unreachable`)."""
         self._client(client_id, now)
         check_key(key)
         if size <= 0:
@@ -256,18 +305,26 @@ class MasterState(
                 f"put {key!r}: {format_size(size)} is larger than all mounted segments together "
                 f"({format_size(total)})"
             )
-        reps = self._place(key, size, cfg, strategy, client_id)
+        if exclude:
+            self.report_unreachable(client_id, exclude, now)
+            if size > sum(s.size for s in self._candidates(exclude)):
+                # (nor evict for it: what eviction frees there cannot be used)
+                raise NoSpace(
+                    f"put {key!r}: no segment but the {len(exclude)} this client could not write "
+                    f"can hold {format_size(size)}"
+                )
+        reps = self._place(key, size, cfg, strategy, client_id, exclude, now)
         if not reps:
             self._reclaim_zombies(now)
-            reps = self._place(key, size, cfg, strategy, client_id)
+            reps = self._place(key, size, cfg, strategy, client_id, exclude, now)
         while (
             not reps and self.evict_for(size, now) > 0
         ):  # fragmentation may need more than one round
-            reps = self._place(key, size, cfg, strategy, client_id)
+            reps = self._place(key, size, cfg, strategy, client_id, exclude, now)
         if not reps:
             if any(o.offloading for o in self.objects.values()):
                 raise RetryLater(f"put {key!r}: waiting for SSD offloads to free memory")
-            largest = max(s.allocator.largest_free() for s in self.segments.values())
+            largest = max(s.allocator.largest_free() for s in self._candidates(exclude))
             raise NoSpace(
                 f"put {key!r} needs {format_size(size)}; "
                 f"largest free extent is {format_size(largest)} "
@@ -492,6 +549,7 @@ class MasterState(
             "segments": len(self.segments),
             "reservations": len(self.reservations),
             "reserved_bytes": sum(n for r in self.reservations.values() for n in r.blocks.values()),
+            "suspect_holders": len(self.suspects),
             **self.counters,
             **self.hot_stats(),
             "tenants": self.tenant_stats(),

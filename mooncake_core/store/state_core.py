@@ -18,7 +18,7 @@ import random
 import re
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -162,6 +162,9 @@ class StateCore:
     on_task: Callable[[str], None] | None
     counters: dict[str, int]
     lease_dirty: dict[str, None] | None  # (HA) keys whose lease standbys must learn
+    # holder client id -> when a writer reported one of its segments unreachable (leader-local;
+    # see MasterState.report_unreachable)
+    suspects: dict[str, float]
 
     if TYPE_CHECKING:  # provided by the other parts (MasterState and its mixins)
 
@@ -203,7 +206,22 @@ class StateCore:
                 f"unknown client id {client_id!r}: register (mount) first; it may have expired"
             )
         c.last_seen = now
+        if self.suspects and client_id in self.suspects:
+            # a request from a suspect holder: it is alive, placement may use it again
+            del self.suspects[client_id]
         return c
+
+    def _suspect(self, client_id: str, now: float) -> bool:
+        """Whether placement should avoid ``client_id``'s segments: a writer reported one of them
+        unreachable, the holder has sent no request since, and the mark is younger than the
+        client TTL (after which a silent holder is dropped anyway)."""
+        since = self.suspects.get(client_id)
+        if since is None:
+            return False
+        if now - since > self.cfg.client_ttl_s or client_id not in self.clients:
+            del self.suspects[client_id]
+            return False
+        return True
 
     def touch(self, client_id: str, now: float) -> None:
         self._client(client_id, now)
@@ -289,20 +307,48 @@ class StateCore:
         if len(self.objects) >= self.cfg.max_objects:
             self._make_room_for_object(key, now)
 
+    def _candidates(self, exclude: Collection[str]) -> list[Segment]:
+        """The segments a new object may go to: all but ``exclude`` (those its writer could not
+        reach)."""
+        if not exclude:
+            return list(self.segments.values())
+        return [s for s in self.segments.values() if s.name not in exclude]
+
     def _place(
-        self, key: str, size: int, cfg: ReplicaCfg, strategy: str, client_id: str
+        self,
+        key: str,
+        size: int,
+        cfg: ReplicaCfg,
+        strategy: str,
+        client_id: str,
+        exclude: Collection[str] = (),
+        now: float = 0.0,
     ) -> list[list[SliceT]]:
+        """Replicas of a new object on the candidate segments (see :meth:`_candidates`), those of
+        suspect holders (:meth:`_suspect`) only when the others have no room."""
         if cfg.preferred_segment and cfg.preferred_segment not in self.segments:
             raise InvalidArgument(
                 f"put {key!r}: preferred segment {cfg.preferred_segment!r} is not mounted"
             )
-        got = place(
-            list(self.segments.values()),
+        segs = self._candidates(exclude)
+        got: list[Any] = []
+        if self.suspects:
+            trusted = [s for s in segs if not self._suspect(s.client_id, now)]
+            if len(trusted) < len(segs):
+                got = self._place_on(trusted, size, cfg, strategy, client_id)
+        if not got:
+            got = self._place_on(segs, size, cfg, strategy, client_id)
+        return [[(s.name, off, n) for s, off, n in rep] for rep in got]
+
+    def _place_on(
+        self, segs: list[Segment], size: int, cfg: ReplicaCfg, strategy: str, client_id: str
+    ) -> list[Any]:
+        return place(
+            segs,
             size,
-            min(cfg.replica_num, len(self.segments)),
+            min(cfg.replica_num, len(segs)),
             strategy=strategy,
             client_id=client_id,
             preferred=cfg.preferred_segment,
             rng=self.rng,
         )
-        return [[(s.name, off, n) for s, off, n in rep] for rep in got]
