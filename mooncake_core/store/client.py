@@ -16,7 +16,8 @@ Contract (every method is *Blocking* and *Thread-safe*):
   :meth:`remove_by_regex`, :meth:`remove_all`, :meth:`query`.
 
 Put is ``put_start`` (master allocates replicas) -> writes through the transfer engine
-into the holders' segments -> ``put_end``; a failed write revokes. Get asks the master
+into the holders' segments -> ``put_end``; a failed write revokes, and one that failed on a
+holder's side (a holder that died) is placed again on other segments. Get asks the master
 for the replica list (granting a read lease), reads from the best replica (own segment
 by memcpy, same host by shared memory, else TCP) and fails with ``LeaseExpired`` if the
 read outlived the lease. Errors are :mod:`mooncake_core.errors` classes.
@@ -24,6 +25,7 @@ read outlived the lease. Errors are :mod:`mooncake_core.errors` classes.
 Where things live: this module is the front (lifecycle, heartbeat and SSD tasks, put and get,
 metadata); :mod:`~mooncake_core.store.client_core` the shared base (master calls, moving bytes),
 :mod:`~mooncake_core.store.lending` one-RPC puts through reservations,
+:mod:`~mooncake_core.store.placement_retry` two-phase puts (placed again when a holder fails),
 :mod:`~mooncake_core.store.locations` the location cache (``store.location_cache`` keys) and
 :mod:`~mooncake_core.store.reads` the reads of remembered replicas,
 :mod:`~mooncake_core.store.buffers` the caller's buffers,
@@ -44,10 +46,11 @@ from mooncake_core.errors import LeaseExpired, MasterUnavailable, StoreError, Tr
 from mooncake_core.store import protocol as P
 from mooncake_core.store import values
 from mooncake_core.store.buffers import LocalBuffer, as_view
-from mooncake_core.store.client_core import Job
+from mooncake_core.store.client_core import HolderUnreachable, Job
 from mooncake_core.store.hotkeys import run_copy_task
 from mooncake_core.store.lending import ReservationLending
 from mooncake_core.store.locations import LocationCache, ReplicaAnswer
+from mooncake_core.store.placement_retry import PlacementRetry, PutLost
 from mooncake_core.store.protocol import ReplicaCfg, SliceW
 from mooncake_core.store.reads import RememberedReads
 from mooncake_core.store.rpc import MasterRPC
@@ -64,7 +67,7 @@ logger = logging.getLogger(__name__)
 _CLOSE_WAIT_S = 2.0  # close(): at most this long for the goodbye RPCs (reservations, unmounts)
 
 
-class StoreClient(ReservationLending, RememberedReads):
+class StoreClient(ReservationLending, RememberedReads, PlacementRetry):
     """A store client (see module doc).
 
     Args:
@@ -370,6 +373,7 @@ class StoreClient(ReservationLending, RememberedReads):
 
     # ------------------------------------------------------------ one-RPC puts through reservations
     def _put_local(self, key: str, local: LocalBuffer, cfg: ReplicaCfg) -> None:
+        failed: HolderUnreachable | None = None  # the reservation's holder could not be written
         if (
             self.reservations
             and cfg.replica_num == 1
@@ -377,36 +381,17 @@ class StoreClient(ReservationLending, RememberedReads):
             and isinstance(key, str)
             and 0 < len(key) <= P.MAX_KEY // 4
         ):  # odd input: the master's checks
-            if self._put_reserved(key, local, cfg):
-                return
+            try:
+                if self._put_reserved(key, local, cfg):
+                    return
+            except HolderUnreachable as exc:
+                logger.info("put %r: %s; placing it on other segments", key, exc)
+                failed = exc
         try:
-            self._put_once(key, local, cfg)
-        except _PutLost:
+            self._put_once(key, local, cfg, failed)
+        except PutLost:
             logger.info("put %r was lost in a leader change; putting it again", key)
             self._put_once(key, local, cfg)
-
-    def _put_once(self, key: str, local: LocalBuffer, cfg: ReplicaCfg) -> None:
-        P_ = (self.client_id, key, local.length, cfg)
-        gen = self.rpc.generation()
-        token, reps = self._retrying(lambda: self._call("put_start", P_), f"put {key!r}")
-        reps = [[SliceW._make(s) for s in rep] for rep in reps]
-        try:
-            self._move("write", [(local, rep) for rep in reps])
-        except BaseException:
-            try:
-                self._call("put_revoke", (self.client_id, key, token))
-            except (StoreError, OSError):
-                pass
-            raise
-        try:
-            self._call("put_end", (self.client_id, key, token))
-        except P.InvalidArgument as exc:
-            # the leader changed after our write: if the old leader committed it, it is there
-            if self._call("exists", (key,)):
-                return
-            raise _PutLost(str(exc)) from exc
-        if reps:
-            self._where.remember(key, gen, int(token), local.length, self._rank(reps)[0])
 
     def put(
         self,
@@ -490,51 +475,19 @@ class StoreClient(ReservationLending, RememberedReads):
             and all(isinstance(k, str) and 0 < len(k) <= P.MAX_KEY // 4 for k in keys)
         ):  # odd input: the master
             out: list[BaseException | None] = [None] * len(keys)
-            rest = self._batch_put_reserved(keys, locals_, cfg, out)
+            failed: dict[int, HolderUnreachable] = {}  # reserved writes whose holder failed
+            rest = self._batch_put_reserved(keys, locals_, cfg, out, failed)
             if rest:
                 sub = self._batch_put_two_phase(
-                    [keys[i] for i in rest], [locals_[i] for i in rest], cfg
+                    [keys[i] for i in rest],
+                    [locals_[i] for i in rest],
+                    cfg,
+                    {j: failed[i] for j, i in enumerate(rest) if i in failed},
                 )
                 for i, r in zip(rest, sub, strict=True):
                     out[i] = r
             return out
         return self._batch_put_two_phase(keys, locals_, cfg)
-
-    def _batch_put_two_phase(
-        self, keys: Sequence[str], locals_: list[LocalBuffer], cfg: ReplicaCfg
-    ) -> list[BaseException | None]:
-        res = self._retrying(
-            lambda: self._call(
-                "batch_put_start", (self.client_id, list(keys), [x.length for x in locals_], cfg)
-            ),
-            "batch_put_start",
-        )
-        out: list[BaseException | None] = [None] * len(keys)
-        jobs: list[Job] = []
-        for i, (code, tok, reps) in enumerate(res):
-            if code != 0:
-                out[i] = P.error_for(code, str(tok))
-                continue
-            for rep in reps:
-                jobs.append((i, locals_[i], [SliceW._make(s) for s in rep]))
-        ok = [out[i] is None for i in range(len(keys))]
-        for i in self._batch_write(jobs, out):
-            ok[i] = False
-        started = [i for i in range(len(keys)) if res[i][0] == 0]
-        if started:
-            ends = self._call(
-                "batch_put_end",
-                (
-                    self.client_id,
-                    [keys[i] for i in started],
-                    [int(res[i][1]) for i in started],
-                    [ok[i] for i in started],
-                ),
-            )
-            for i, (code, msg) in zip(started, ends, strict=True):
-                if code != 0 and out[i] is None:
-                    out[i] = P.error_for(code, msg)
-        return out
 
     def put_batch(
         self,
@@ -791,7 +744,3 @@ class StoreClient(ReservationLending, RememberedReads):
     @property
     def hostname(self) -> str:
         return self.engine.name
-
-
-class _PutLost(P.InvalidArgument):
-    """put_end found no pending put (a new leader never saw put_start): put again."""

@@ -20,7 +20,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, TypeVar
 
 from mooncake_core.config import MooncakeConfig
@@ -34,7 +34,7 @@ from mooncake_core.store.ssd import SsdTier
 from mooncake_core.transfer import TransferEngine, TransferRequest
 from mooncake_core.transfer.memory import ManagedBuffer, memmove
 
-__all__ = ["ClientCore", "Job"]
+__all__ = ["ClientCore", "HolderUnreachable", "Job"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,16 @@ T = TypeVar("T")
 
 Job = tuple[int, LocalBuffer, Sequence[SliceW]]
 """One object of a batch move: (its index in the batch, local side, the replica's slices)."""
+
+
+class HolderUnreachable(TransportError):
+    """A write into ``segments`` failed on the holders' side (a holder died, or cannot be reached
+    from here): the put may be placed again on other segments
+    (:mod:`~mooncake_core.store.placement_retry`)."""
+
+    def __init__(self, message: str, segments: Collection[str]) -> None:
+        super().__init__(message)
+        self.segments = frozenset(segments)
 
 
 class ClientCore:
@@ -174,10 +184,63 @@ class ClientCore:
                 off += n
         return reqs
 
+    def _write(self, jobs: Sequence[tuple[LocalBuffer, Sequence[SliceW]]]) -> None:
+        """Write each local object to its replica slices, as ``_move("write", jobs)``; a failure
+        on the holders' side raises :class:`HolderUnreachable` naming the segments of the holders
+        that failed. Errors of the local side (an address this engine has not registered) and
+        errors other than transfer errors raise as they are."""
+        peers = {s.peer for _local, slices in jobs for s in slices if self._own(s) is None}
+        if len(peers) > 1:  # which holder failed: the batch's per-request statuses say
+            out: list[BaseException | None] = [None] * len(jobs)
+            bad = self._batch_write_segments(
+                [(i, local, slices) for i, (local, slices) in enumerate(jobs)], out
+            )
+            if not bad:
+                return
+            err = next(e for e in out if e is not None)
+            segs = {g for i in bad for g in bad[i]}
+            if any(not isinstance(out[i], TransportError) for i in bad):
+                raise err
+            raise HolderUnreachable(f"writing into {', '.join(sorted(segs))}: {err}", segs) from err
+        try:
+            self._move("write", jobs)
+        except TransportError as exc:
+            for local, _slices in jobs:
+                if local.view is None:  # an address: is it ours? (raises InvalidRequest if not)
+                    self.engine.segments.find(local.addr, local.length)
+            segs = {s.segment for _local, slices in jobs for s in slices if s.peer in peers}
+            raise HolderUnreachable(f"writing into {', '.join(sorted(segs))}: {exc}", segs) from exc
+
     def _batch_write(self, jobs: Sequence[Job], out: list[BaseException | None]) -> set[int]:
         """Write each job's object ``(i, local, slices)`` in one transfer batch; returns the
         ``i`` whose bytes did not all land (``out[i]`` gets the first error)."""
-        return self._batch_move("write", jobs, out)
+        return set(self._batch_write_segments(jobs, out))
+
+    def _batch_write_segments(
+        self, jobs: Sequence[Job], out: list[BaseException | None]
+    ) -> dict[int, set[str]]:
+        """:meth:`_batch_write`, returning for each ``i`` whose bytes did not all land the segments
+        whose writes failed."""
+        reqs: list[TransferRequest] = []
+        owner: list[int] = []
+        segs: list[str] = []  # the segment of each request
+        for i, local, slices in jobs:
+            r = self._requests("write", [(local, slices)])
+            reqs.extend(r)
+            owner.extend([i] * len(r))
+            segs.extend(s.segment for s in slices if self._own(s) is None)  # as _requests
+        failed: dict[int, set[str]] = {}
+        if reqs:
+            batch = self.engine.submit(reqs)
+            try:
+                batch.wait()
+            except (TransportError, OSError):
+                for q, st in enumerate(batch.statuses):
+                    if st.state != "completed":
+                        i = owner[q]
+                        failed.setdefault(i, set()).add(segs[q])
+                        out[i] = out[i] or st.error or TransportError("transfer failed")
+        return failed
 
     def _batch_move(
         self, op: str, jobs: Sequence[Job], out: list[BaseException | None] | None

@@ -8,7 +8,9 @@ is sent before the write, so the master answers while the bytes travel, and a on
 
 Any doubt (a master that failed over, a write that failed, a reservation the master no
 longer knows: :class:`~mooncake_core.store.protocol.ReservationGone`) retires the extent and
-the object is put in two phases instead. Retired extents go back to the master with the next
+the object is put in two phases instead. When the write failed on the holder's side (a holder
+that died) every extent on that holder's segments is dropped and the two-phase put avoids them
+(:mod:`~mooncake_core.store.placement_retry`). Retired extents go back to the master with the next
 ``reserve`` once no write into them is in flight.
 
 - :class:`Lent`: one lent extent as the client tracks it.
@@ -24,11 +26,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mooncake_core.errors import ObjectExists, StoreError
+from mooncake_core.errors import ObjectExists, StoreError, TransportError
 from mooncake_core.store import protocol as P
 from mooncake_core.store.allocator import align
 from mooncake_core.store.buffers import LocalBuffer
-from mooncake_core.store.client_core import ClientCore
+from mooncake_core.store.client_core import ClientCore, HolderUnreachable
 from mooncake_core.store.protocol import Extent, ReplicaCfg, SliceW
 from mooncake_core.store.rpc import Pending
 
@@ -172,7 +174,9 @@ class ReservationLending(ClientCore):
 
     def _put_reserved(self, key: str, local: LocalBuffer, cfg: ReplicaCfg) -> bool:
         """Put through a reservation: write, then one ``put_commit``. False: not done, put in two
-        phases."""
+        phases. A write that failed on the holder's side raises
+        :class:`~mooncake_core.store.client_core.HolderUnreachable` (every reservation on its
+        segments is dropped; the caller places the object elsewhere)."""
         slot = self._slot(cfg, local.length)
         if slot is None:
             return False
@@ -184,7 +188,10 @@ class ReservationLending(ClientCore):
                 if done is not None:
                     return done
             try:
-                self._move("write", [(local, [sl])])
+                self._write([(local, [sl])])
+            except HolderUnreachable as exc:
+                self._holder_failed(exc.segments)
+                raise
             except BaseException:
                 lent.dead = True  # the holder may be gone: do not write there again
                 raise
@@ -237,9 +244,11 @@ class ReservationLending(ClientCore):
         if pend is None:
             return None
         try:
-            self._move("write", [(local, [sl])])
-        except BaseException:
+            self._write([(local, [sl])])
+        except BaseException as exc:
             lent.dead = True  # the holder may be gone: do not write there again
+            if isinstance(exc, HolderUnreachable):
+                self._holder_failed(exc.segments)
             self.rpc.abandon(pend)  # closing the connection drops the early commit
             raise
         resp = self.rpc.answer(pend)
@@ -288,6 +297,15 @@ class ReservationLending(ClientCore):
         self._where.remember(key, gen, token, local.length, [sl])
         return True
 
+    def _holder_failed(self, segments: frozenset[str]) -> None:
+        """A write into ``segments`` failed on the holder's side: never use our reservations there
+        again (they go back to the master with the next ``reserve``; the master lends none on a
+        holder a writer could not reach until it heartbeats again)."""
+        with self._lent_lock:
+            for lent in self._lent.values():
+                if lent.segment in segments:
+                    lent.dead = True
+
     def _committed_at(self, key: str, segment: str, offset: int) -> bool:
         try:
             info = self._call("query_key", (key,))
@@ -321,11 +339,13 @@ class ReservationLending(ClientCore):
         locals_: list[LocalBuffer],
         cfg: ReplicaCfg,
         out: list[BaseException | None],
+        failed: dict[int, HolderUnreachable],
     ) -> list[int]:
         """Put ``keys`` into our reservations: one ``batch_put_commit`` (sent before the write when
         the master takes early commits, then a one-way ``batch_put_confirm``), one transfer batch.
 
-        Sets ``out[i]`` for the keys that failed; returns the indexes still to put in two phases.
+        Sets ``out[i]`` for the keys that failed; returns the indexes still to put in two phases,
+        ``failed[i]`` telling those whose write failed on the holder's side.
         """
         n = len(keys)
         slots = self._slots(cfg, [x.length for x in locals_])
@@ -346,32 +366,62 @@ class ReservationLending(ClientCore):
             )
             pend = self.rpc.start("batch_put_commit", (*params, True)) if self._early else None
             try:
-                failed = self._batch_write([(j, locals_[j], [sls[j]]) for j in range(m)], out)
-                wrote = [j not in failed for j in range(m)]
+                bad = self._batch_write([(j, locals_[j], [sls[j]]) for j in range(m)], out)
+                wrote = [j not in bad for j in range(m)]
             except BaseException:
                 if pend is not None:
                     self.rpc.abandon(pend)  # closing the connection drops the early commits
                 for lent, _ in slots:
                     lent.dead = True
                 raise
-            for j in range(m):
-                if not wrote[j]:
-                    slots[j][0].dead = True  # the holder may be gone: do not write there again
-            res = (
-                self._batch_commit_answer(pend)
-                if pend is not None
-                else self._call("batch_put_commit", (*params, False))
-            )
+            moved: list[int] = []  # the holder failed: placed elsewhere, in two phases
+            for j in sorted(bad):
+                slots[j][0].dead = True  # the holder may be gone: do not write there again
+                if isinstance(out[j], TransportError):
+                    failed[j] = HolderUnreachable(f"put {keys[j]!r}: {out[j]}", {sls[j].segment})
+                    out[j] = None
+                    moved.append(j)
+            if moved:
+                gone = frozenset(sls[j].segment for j in moved)
+                logger.info(
+                    "batch put: %d object(s) could not be written into %s; placing them on "
+                    "other segments",
+                    len(moved),
+                    ", ".join(sorted(gone)),
+                )
+                self._holder_failed(gone)
+            if pend is not None:
+                committed = list(range(m))  # committed before the write; confirmed or dropped
+                res = self._batch_commit_answer(pend)
+            else:  # committed after the write: what landed only
+                committed = [j for j in range(m) if wrote[j]]
+                res = (
+                    self._call(
+                        "batch_put_commit",
+                        (
+                            self.client_id,
+                            [keys[j] for j in committed],
+                            [slots[j][0].rid for j in committed],
+                            [slots[j][1] for j in committed],
+                            [locals_[j].length for j in committed],
+                            cfg,
+                            False,
+                        ),
+                    )
+                    if committed
+                    else []
+                )
             if (
                 res is None
             ):  # nothing committed (the master drops the early commits of a failed connection)
                 for lent, _ in slots:
                     lent.dead = True
-                return [j for j in range(m) if wrote[j]] + rest
+                return [j for j in range(m) if wrote[j]] + moved + rest
             again: list[int] = []
             confirm: list[int] = []
+            token_of = {j: int(r[2]) for j, r in zip(committed, res, strict=True)}
             ttl = float("inf")
-            for j, (code, msg, _token) in enumerate(res):  # msg: the ttl when code is OK
+            for j, (code, msg, _token) in zip(committed, res, strict=True):  # msg: ttl if OK
                 if code == 0:
                     ttl = min(ttl, float(msg))
                     confirm.append(j)
@@ -393,7 +443,7 @@ class ReservationLending(ClientCore):
                 self._batch_confirm(
                     pend,
                     [keys[j] for j in confirm],
-                    [int(res[j][2]) for j in confirm],
+                    [token_of[j] for j in confirm],
                     [wrote[j] for j in confirm],
                     ttl,
                 )
@@ -406,8 +456,8 @@ class ReservationLending(ClientCore):
                 if err is not None:
                     out[j] = err
                 else:
-                    self._where.remember(keys[j], gen, int(res[j][2]), locals_[j].length, [sls[j]])
-            return again + rest
+                    self._where.remember(keys[j], gen, token_of[j], locals_[j].length, [sls[j]])
+            return again + moved + rest
         finally:
             self._done_with(slots)
 
