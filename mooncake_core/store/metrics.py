@@ -367,6 +367,11 @@ class _StateCollector(Collector):
                 "expired_clients",
             ),
             ("mooncake_master_reclaimed_puts", "unfinished puts reclaimed", "reclaimed_puts"),
+            (
+                "mooncake_master_suspect_marks",
+                "holders marked suspect (a writer could not reach them)",
+                "suspect_marks",
+            ),
             *_TIER_COUNTERS,
         ):
             yield _counter(name, doc, c.get(key, 0))
@@ -396,6 +401,11 @@ class _StateCollector(Collector):
             "mooncake_master_offload_pending_bytes",
             "bytes queued for SSD offload",
             sum(st.offload_pending.values()),
+        )
+        yield _g(
+            "mooncake_master_suspect_holders",
+            "holders placement avoids until they are heard from again",
+            len(st.suspects),
         )
         yield _g("mooncake_master_reservations", "extents lent to clients", len(st.reservations))
         yield _g(

@@ -102,6 +102,9 @@ def test_puts_right_after_a_holder_died_all_land_on_the_live_one(
             assert all(s["segment"] == live.segment for rep in q["replicas"] for s in rep), k
         st = two.stats()
         assert st["suspect_marks"] == 1 and st["suspect_holders"] == 1
+        prom = m.http("/metrics")[1]
+        assert "mooncake_master_suspect_marks_total 1.0" in prom, prom
+        assert "mooncake_master_suspect_holders 1.0" in prom
         # all of it before the master dropped the dead holder
         segs = [s["name"] for s in json.loads(m.http("/segments")[1])]
         assert victim.segment in segs
