@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,6 +23,32 @@ needs_vllm = pytest.mark.skipif(
 )
 
 BLOCK = 32
+
+
+def vllm_config_stub(model: str, block_size: int = BLOCK) -> SimpleNamespace:
+    """The parts of a ``VllmConfig`` the store connector's halves read (no engine)."""
+    return SimpleNamespace(
+        model_config=SimpleNamespace(model=model, dtype="float32"),
+        cache_config=SimpleNamespace(block_size=block_size),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+    )
+
+
+@contextlib.contextmanager
+def thread_master(**kw: Any) -> Iterator[Any]:
+    """A real store master in a thread of this process (``MasterServer`` options ``kw``)."""
+    from mooncake_core.store.master import MasterServer
+
+    m = MasterServer(rpc_port=0, http_port=-1, **kw).start_in_thread()
+    try:
+        yield m
+    finally:
+        m.shutdown()
+
+
+def connector_extra(master: Any, **kw: Any) -> dict[str, Any]:
+    """``kv_connector_extra_config`` pointing the store connector at ``master``."""
+    return {"mooncake": {"master_server_address": master.address}, **kw}
 
 
 def token_prompt(n: int, salt: int = 0) -> list[int]:

@@ -14,28 +14,17 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from vllm_helpers import HAVE_VLLM
+from vllm_helpers import HAVE_VLLM, thread_master, vllm_config_stub
 
 pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed")
 
 BS = 32
 
 
-def _vc() -> SimpleNamespace:
-    return SimpleNamespace(
-        model_config=SimpleNamespace(model="/m/hitpath", dtype="float32"),
-        cache_config=SimpleNamespace(block_size=BS),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
-    )
-
-
 @pytest.fixture()
 def master() -> Iterator[Any]:
-    from mooncake_core.store.master import MasterServer
-
-    m = MasterServer(rpc_port=0, http_port=-1).start_in_thread()
-    yield m
-    m.shutdown()
+    with thread_master() as m:
+        yield m
 
 
 def _out(rid: str, computed: int, scheduled: int, blocks: list[int]) -> SimpleNamespace:
@@ -60,11 +49,11 @@ def test_a_local_hit_is_not_hashed_and_later_saves_keep_their_keys(
 
     def counted(self: Any, tokens: Any, n_pages: Any = None) -> list[str]:
         calls.append(len(tokens))
-        return orig(self, tokens, n_pages)
+        return list(orig(self, tokens, n_pages))
 
     monkeypatch.setattr(StoreKeyScheme, "pages", counted)
     extra = {"mooncake": {"master_server_address": master.address}}
-    sched = sc._StoreScheduler(_vc(), extra, "hp")
+    sched = sc._StoreScheduler(vllm_config_stub("/m/hitpath", BS), extra, "hp")
     try:
         prompt = list(range(3, 3 + 3 * BS + 5))  # 3 full pages and a tail
         req = SimpleNamespace(request_id="local", prompt_token_ids=prompt)

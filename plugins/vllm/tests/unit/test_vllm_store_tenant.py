@@ -9,36 +9,20 @@ client the connector builds.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from vllm_helpers import HAVE_VLLM
+from vllm_helpers import HAVE_VLLM, connector_extra, thread_master, vllm_config_stub
 
 pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed")
 
 
-def _vc() -> SimpleNamespace:
-    return SimpleNamespace(
-        model_config=SimpleNamespace(model="/m/tenant", dtype="float32"),
-        cache_config=SimpleNamespace(block_size=32),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
-    )
-
-
 @pytest.fixture()
 def master() -> Iterator[Any]:
-    from mooncake_core.store.master import MasterServer
     from mooncake_core.store.tenants import parse_quotas
 
-    quotas = parse_quotas(["vt-q=4KB:refuse"])
-    m = MasterServer(rpc_port=0, http_port=-1, tenant_quotas=quotas).start_in_thread()
-    yield m
-    m.shutdown()
-
-
-def _extra(master: Any, **kw: Any) -> dict[str, Any]:
-    return {"mooncake": {"master_server_address": master.address}, **kw}
+    with thread_master(tenant_quotas=parse_quotas(["vt-q=4KB:refuse"])) as m:
+        yield m
 
 
 def test_pages_of_one_tenant_are_invisible_to_another_and_quotas_hold(master: Any) -> None:
@@ -50,10 +34,16 @@ def test_pages_of_one_tenant_are_invisible_to_another_and_quotas_hold(master: An
 
     kv = {"model.layers.0.self_attn.attn": torch.zeros(4, 2, 32, 64)}
     worker = _StoreWorker(
-        _vc(), _extra(master, segment_size="4MiB", tenant="vt-a", warm_up=False), "ta", 0
+        vllm_config_stub("/m/tenant"),
+        connector_extra(master, segment_size="4MiB", tenant="vt-a", warm_up=False),
+        "ta",
+        0,
     )
-    scheds = [_StoreScheduler(_vc(), _extra(master, tenant=t), t) for t in ("vt-a", "vt-b", "vt-q")]
-    plain = _StoreScheduler(_vc(), _extra(master), "plain")
+    scheds = [
+        _StoreScheduler(vllm_config_stub("/m/tenant"), connector_extra(master, tenant=t), t)
+        for t in ("vt-a", "vt-b", "vt-q")
+    ]
+    plain = _StoreScheduler(vllm_config_stub("/m/tenant"), connector_extra(master), "plain")
     try:
         worker.register_kv_caches(kv)
         assert worker.client is not None and worker.client.tenant == "vt-a"
@@ -66,7 +56,9 @@ def test_pages_of_one_tenant_are_invisible_to_another_and_quotas_hold(master: An
         with pytest.raises(NoSpace, match="tenant 'vt-q' holds 0 B of its 4.0 KiB quota"):
             sq._connect().put("too-big", b"q" * 8192)
         with pytest.raises(InvalidArgument, match="kv_connector_extra_config.tenant 'a b'"):
-            _StoreScheduler(_vc(), _extra(master, tenant="a b"), "bad")
+            _StoreScheduler(
+                vllm_config_stub("/m/tenant"), connector_extra(master, tenant="a b"), "bad"
+            )
     finally:
         for s in [*scheds, plain]:
             s.close()

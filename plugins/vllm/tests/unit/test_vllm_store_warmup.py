@@ -17,43 +17,30 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from vllm_helpers import HAVE_VLLM
+from vllm_helpers import HAVE_VLLM, connector_extra, thread_master, vllm_config_stub
 
 pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed")
 
 
-def _vc() -> SimpleNamespace:
-    return SimpleNamespace(
-        model_config=SimpleNamespace(model="/m/warm", dtype="float32"),
-        cache_config=SimpleNamespace(block_size=32),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
-    )
-
-
 @pytest.fixture()
 def master() -> Iterator[Any]:
-    from mooncake_core.store.master import MasterServer
-
-    m = MasterServer(rpc_port=0, http_port=-1).start_in_thread()
-    yield m
-    m.shutdown()
-
-
-def _extra(master: Any, **kw: Any) -> dict[str, Any]:
-    return {"mooncake": {"master_server_address": master.address}, **kw}
+    with thread_master() as m:
+        yield m
 
 
 def test_scheduler_registers_with_the_master_before_any_request(master: Any) -> None:
     from mooncake_vllm.store_connector import _StoreScheduler
 
-    sched = _StoreScheduler(_vc(), _extra(master), "warm")
+    sched = _StoreScheduler(vllm_config_stub("/m/warm"), connector_extra(master), "warm")
     try:
         assert sched.client is not None and sched.warm_up_s is not None
         assert sched.client.client_id in master.state.clients
     finally:
         sched.close()
     # warm_up=false keeps the old behaviour: nothing until the first lookup
-    lazy = _StoreScheduler(_vc(), _extra(master, warm_up=False), "lazy")
+    lazy = _StoreScheduler(
+        vllm_config_stub("/m/warm"), connector_extra(master, warm_up=False), "lazy"
+    )
     try:
         assert lazy.client is None
         assert lazy._lookup(["p0"]) == 0
@@ -67,7 +54,9 @@ def test_worker_is_warm_after_registering_its_kv_cache(master: Any) -> None:
     from mooncake_vllm.store_connector import _LOAD_THREADS, _StoreWorker
 
     kv = {f"model.layers.{i}.self_attn.attn": torch.zeros(4, 2, 32, 64) for i in range(2)}
-    worker = _StoreWorker(_vc(), _extra(master, segment_size="4MiB"), "warm", 0)
+    worker = _StoreWorker(
+        vllm_config_stub("/m/warm"), connector_extra(master, segment_size="4MiB"), "warm", 0
+    )
     try:
         worker.register_kv_caches(kv)
         assert worker.warm_up_s is not None
@@ -106,7 +95,7 @@ def test_warm_up_without_a_master_is_not_fatal() -> None:
         "mooncake": {"master_server_address": f"127.0.0.1:{free_port()}"},
         "lookup_timeout_s": 0.3,
     }
-    sched = _StoreScheduler(_vc(), extra, "nomaster")
+    sched = _StoreScheduler(vllm_config_stub("/m/warm"), extra, "nomaster")
     try:
         assert sched.client is None and sched.warm_up_s is None
         assert sched._lookup(["p0"]) == 0  # a miss, as before
@@ -150,7 +139,12 @@ def test_loads_in_groups_of_layers_land_in_the_right_blocks(master: Any, batches
 
     names = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
     kv = {n: torch.zeros(6, 2, 32, 16) for n in names}
-    worker = _StoreWorker(_vc(), _extra(master, segment_size="4MiB", load_batches=batches), "g", 0)
+    worker = _StoreWorker(
+        vllm_config_stub("/m/warm"),
+        connector_extra(master, segment_size="4MiB", load_batches=batches),
+        "g",
+        0,
+    )
     try:
         worker.register_kv_caches(kv)
         bb = worker.block_bytes
@@ -194,7 +188,12 @@ def test_loads_on_spare_cpus_read_one_batch_per_spare_cpu_in_layer_order(master:
 
     def run() -> None:  # as vLLM's forward thread, bound to its core
         os.sched_setaffinity(0, engine_core)
-        w = _StoreWorker(_vc(), _extra(master, segment_size="4MiB", io_cpus="spare"), "o", 0)
+        w = _StoreWorker(
+            vllm_config_stub("/m/warm"),
+            connector_extra(master, segment_size="4MiB", io_cpus="spare"),
+            "o",
+            0,
+        )
         seen["w"] = w
         w.register_kv_caches(kv)
         bb = w.block_bytes
@@ -245,9 +244,9 @@ def test_bad_load_options_are_one_clear_error() -> None:
     from mooncake_vllm.store_connector import _StoreWorker
 
     with pytest.raises(ValueError, match="load_batches must be >= 0"):
-        _StoreWorker(_vc(), {"load_batches": -1}, "bad", 0)
+        _StoreWorker(vllm_config_stub("/m/warm"), {"load_batches": -1}, "bad", 0)
     with pytest.raises(ValueError, match="io_cpus must be 'spare', 'any' or 'engine'"):
-        _StoreWorker(_vc(), {"io_cpus": "sometimes"}, "bad", 0)
+        _StoreWorker(vllm_config_stub("/m/warm"), {"io_cpus": "sometimes"}, "bad", 0)
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
@@ -267,7 +266,12 @@ def test_io_threads_may_leave_the_engine_cores(master: Any) -> None:
         os.sched_setaffinity(0, engine_core)
         kv = {"model.layers.0.self_attn.attn": torch.zeros(4, 2, 32, 16)}
         opts = {} if how is None else {"io_cpus": how}
-        w = _StoreWorker(_vc(), _extra(master, segment_size="4MiB", **opts), str(how), 0)
+        w = _StoreWorker(
+            vllm_config_stub("/m/warm"),
+            connector_extra(master, segment_size="4MiB", **opts),
+            str(how),
+            0,
+        )
         out.append(w)
         w.register_kv_caches(kv)
 
@@ -302,7 +306,9 @@ def test_io_threads_follow_a_binding_made_after_start(master: Any) -> None:
     def run() -> None:  # unbound at start-up, as vLLM's in-process engine is
         os.sched_setaffinity(0, cpus)
         kv = {"model.layers.0.self_attn.attn": torch.zeros(4, 2, 32, 16)}
-        w = _StoreWorker(_vc(), _extra(master, segment_size="4MiB"), "late", 0)
+        w = _StoreWorker(
+            vllm_config_stub("/m/warm"), connector_extra(master, segment_size="4MiB"), "late", 0
+        )
         seen["w"] = w
         w.register_kv_caches(kv)
         threads = [*w._load_pool._threads, *w._save_pool._threads, w.client._poller]
