@@ -217,6 +217,9 @@ class StoreConfig:
         4096  # keys whose last replica a client remembers: their gets read while asking (0: off)
     )
     early_commit: bool = True  # one-RPC puts send the commit with the write (masters without HA)
+    suspect_on_disconnect: bool = (
+        True  # master: a holder whose heartbeat connection closed gets no new objects until heard
+    )
     # hot keys and tier moves (mooncake_core.store.hotkeys, docs/store.md)
     hot_key_replicas: int = 0  # most memory replicas of a hot key, the first included (0/1: off)
     hot_key_reads: int = 64  # reads within the window that make a key hot (cools below half)

@@ -389,6 +389,7 @@ class MasterServer(HANode):
         try:
             a = P.decode_params("poll", req.params)
             assert isinstance(a, P.PollArgs)
+            conn.poller = a.client_id
             now = time.monotonic()
             tasks = self.state.take_tasks(a.client_id, now)
             if not tasks and a.timeout_s > 0:
@@ -411,6 +412,12 @@ class MasterServer(HANode):
             out = P.encode_response(req.id, *error_tuple(exc))
         self.metrics.observe("poll", time.perf_counter() - t0, ok)
         conn.send(out)
+
+    def heartbeat_lost(self, client_id: str) -> None:
+        """The connection ``client_id``'s polls came on closed (see
+        :meth:`~mooncake_core.store.state.MasterState.heartbeat_lost`)."""
+        if self.role == "leader":
+            self.state.heartbeat_lost(client_id, time.monotonic())
 
     def _wake_poller(self, client_id: str) -> None:
         fut = self._pollers.get(client_id)

@@ -53,6 +53,8 @@ class ConnOwner(Protocol):
 
     def revoke_early(self, conn: Conn) -> None: ...
 
+    def heartbeat_lost(self, client_id: str) -> None: ...
+
 
 class Conn(asyncio.Protocol):
     """One client's RPC connection: frames in, requests handed to the master, answers out."""
@@ -64,10 +66,13 @@ class Conn(asyncio.Protocol):
         self.early: dict[
             str, int
         ] = {}  # early commits made on this connection and not yet confirmed
+        self.poller: str | None = None  # the client whose heartbeat polls came on it
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.early:
             self.server.revoke_early(self)
+        if self.poller is not None:
+            self.server.heartbeat_lost(self.poller)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # uvloop's transports are not asyncio.Transport subclasses

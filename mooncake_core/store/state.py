@@ -262,6 +262,25 @@ class MasterState(
                 )
             self.suspects[s.client_id] = now
 
+    def heartbeat_lost(self, client_id: str, now: float) -> None:
+        """The connection ``client_id``'s heartbeat polls came on closed: mark it suspect (as
+        :meth:`report_unreachable` does), so a holder that died (its kernel closes its sockets)
+        gets no new objects from its death on, before any write into it fails. A live client
+        whose connection merely closed clears the mark with its next request."""
+        if (
+            not self.cfg.suspect_on_disconnect
+            or client_id not in self.clients
+            or client_id in self.suspects
+        ):
+            return
+        self.counters["suspect_marks"] += 1
+        logger.info(
+            "the heartbeat connection of client %s closed: avoiding its segments until it is "
+            "heard from again",
+            client_id,
+        )
+        self.suspects[client_id] = now
+
     def take_tasks_after_wait(self, client_id: str, now: float) -> list[dict[str, Any]]:
         """:meth:`take_tasks` at the end of a long poll: it keeps the client registered, but it
         is no sign of life after the poll arrived (the client may have died while it waited), so a

@@ -9,6 +9,7 @@ through reservations the clients hold on the dead holder.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +28,11 @@ def _two_phase_client(master: str) -> StoreClient:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("first", ["single", "batch", "reserved"])
 def test_puts_right_after_a_holder_died_all_land_on_the_live_one(
-    tmp_path: Path, first: str
+    tmp_path: Path, first: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # the master does not learn of the death from the heartbeat connection's close, as when a
+    # holder is cut off without its sockets closing: only the failed writes tell it
+    monkeypatch.setenv("MOONCAKE_STORE_SUSPECT_ON_DISCONNECT", "false")
     # a TTL far longer than the test: the dead holder's segment stays registered throughout
     m = Master(tmp_path, "--client-ttl", "60")
     agents: list[Agent] = []
@@ -111,6 +115,43 @@ def test_puts_right_after_a_holder_died_all_land_on_the_live_one(
     finally:
         for c in clients:
             c.close()
+        for a in agents:
+            a.stop()
+        m.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_holder_gets_no_new_object_from_its_death_on(tmp_path: Path) -> None:
+    """The killed holder's heartbeat connection closes with it: the master avoids its segment
+    at once (``suspect_on_disconnect``), so puts never try it, long before the TTL."""
+    m = Master(tmp_path, "--client-ttl", "60")
+    agents: list[Agent] = []
+    try:
+        agents = [
+            Agent(m.address, segment_size=64 << 20, log=tmp_path / f"h{i}.log") for i in (1, 2)
+        ]
+        victim, live = agents
+        with _two_phase_client(m.address) as two:
+            for i in range(12):  # the live holder fuller: placement would prefer the victim
+                two.put(f"fill/{i}", payload(f"fill/{i}", 2 << 20), preferred_segment=live.segment)
+            assert two.stats()["suspect_holders"] == 0
+            victim.kill()
+            deadline = time.monotonic() + 5.0
+            while two.stats()["suspect_holders"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            st = two.stats()
+            assert st["suspect_holders"] == 1 and st["suspect_marks"] == 1
+            keys = [f"after/{i}" for i in range(10)]
+            for k in keys:
+                two.put(k, payload(k, 70_000))
+            for k in keys:
+                assert two.get(k) == payload(k, 70_000)
+                q = two.query(k)
+                assert all(s["segment"] == live.segment for rep in q["replicas"] for s in rep), k
+            assert two.stats()["suspect_marks"] == 1  # the one from the closed connection
+            segs = [s["name"] for s in json.loads(m.http("/segments")[1])]
+            assert victim.segment in segs  # all before the TTL
+    finally:
         for a in agents:
             a.stop()
         m.stop()

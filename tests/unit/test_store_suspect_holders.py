@@ -94,3 +94,17 @@ def test_suspect_segments_are_used_when_nothing_else_has_room_but_excluded_ones_
     # two replicas asked, one holder trusted: one replica, on b
     tok, reps = st.put_start("w", "two", 1000, ReplicaCfg(replica_num=2), 1.4)
     assert [s[0] for rep in reps for s in rep] == ["seg-b"]
+
+
+def test_a_closed_heartbeat_connection_makes_its_client_suspect_until_heard_from() -> None:
+    st = _state()
+    st.heartbeat_lost("a", 1.0)
+    assert st.counters["suspect_marks"] == 1 and _segment(st, "k0", 1.1) == "seg-b"
+    st.heartbeat_lost("a", 1.2)  # already suspect: one mark
+    st.heartbeat_lost("gone", 1.2)  # not a client (unregistered first): nothing
+    assert st.counters["suspect_marks"] == 1 and set(st.suspects) == {"a"}
+    st.take_tasks("a", 1.3)  # it reconnected and polled: alive
+    assert _segment(st, "k1", 1.4) == "seg-a"
+    off = _state(suspect_on_disconnect=False)
+    off.heartbeat_lost("a", 1.0)
+    assert off.suspects == {} and _segment(off, "k0", 1.1) == "seg-a"
