@@ -192,8 +192,8 @@ class ClientCore:
         peers = {s.peer for _local, slices in jobs for s in slices if self._own(s) is None}
         if len(peers) > 1:  # which holder failed: the batch's per-request statuses say
             out: list[BaseException | None] = [None] * len(jobs)
-            bad = self._batch_write_segments(
-                [(i, local, slices) for i, (local, slices) in enumerate(jobs)], out
+            bad = self._batch_move(
+                "write", [(i, local, slices) for i, (local, slices) in enumerate(jobs)], out
             )
             if not bad:
                 return
@@ -214,21 +214,22 @@ class ClientCore:
     def _batch_write(self, jobs: Sequence[Job], out: list[BaseException | None]) -> set[int]:
         """Write each job's object ``(i, local, slices)`` in one transfer batch; returns the
         ``i`` whose bytes did not all land (``out[i]`` gets the first error)."""
-        return set(self._batch_write_segments(jobs, out))
+        return set(self._batch_move("write", jobs, out))
 
-    def _batch_write_segments(
-        self, jobs: Sequence[Job], out: list[BaseException | None]
+    def _batch_move(
+        self, op: str, jobs: Sequence[Job], out: list[BaseException | None] | None
     ) -> dict[int, set[str]]:
-        """:meth:`_batch_write`, returning for each ``i`` whose bytes did not all land the segments
-        whose writes failed."""
+        """Move each job's object ``(i, local, slices)`` in one transfer batch; returns, for each
+        ``i`` whose bytes did not all move, the segments whose transfers failed (``out[i]``, if
+        given, gets the first error)."""
         reqs: list[TransferRequest] = []
-        owner: list[int] = []
-        segs: list[str] = []  # the segment of each request
-        for i, local, slices in jobs:
-            r = self._requests("write", [(local, slices)])
+        owner: list[int] = []  # the job of each request
+        starts: list[int] = []  # each job's first request
+        for k, (_i, local, slices) in enumerate(jobs):
+            starts.append(len(reqs))
+            r = self._requests(op, [(local, slices)])
             reqs.extend(r)
-            owner.extend([i] * len(r))
-            segs.extend(s.segment for s in slices if self._own(s) is None)  # as _requests
+            owner.extend([k] * len(r))
         failed: dict[int, set[str]] = {}
         if reqs:
             batch = self.engine.submit(reqs)
@@ -237,32 +238,11 @@ class ClientCore:
             except (TransportError, OSError):
                 for q, st in enumerate(batch.statuses):
                     if st.state != "completed":
-                        i = owner[q]
-                        failed.setdefault(i, set()).add(segs[q])
-                        out[i] = out[i] or st.error or TransportError("transfer failed")
-        return failed
-
-    def _batch_move(
-        self, op: str, jobs: Sequence[Job], out: list[BaseException | None] | None
-    ) -> set[int]:
-        """Move each job's object ``(i, local, slices)`` in one transfer batch; returns the
-        ``i`` whose bytes did not all move (``out[i]``, if given, gets the first error)."""
-        reqs: list[TransferRequest] = []
-        owner: list[int] = []
-        for i, local, slices in jobs:
-            r = self._requests(op, [(local, slices)])
-            reqs.extend(r)
-            owner.extend([i] * len(r))
-        failed: set[int] = set()
-        if reqs:
-            batch = self.engine.submit(reqs)
-            try:
-                batch.wait()
-            except (TransportError, OSError):
-                for q, st in enumerate(batch.statuses):
-                    if st.state != "completed":
-                        i = owner[q]
-                        failed.add(i)
+                        k = owner[q]
+                        i, _local, slices = jobs[k]
+                        # a job's requests are its slices not in our own segments, in order
+                        remote = [s for s in slices if self._own(s) is None]
+                        failed.setdefault(i, set()).add(remote[q - starts[k]].segment)
                         if out is not None:
                             out[i] = out[i] or st.error or TransportError("transfer failed")
         return failed

@@ -151,7 +151,7 @@ class PlacementRetry(ClientCore):
                 started.append((i, int(tok)))
                 for rep in reps:
                     jobs.append((i, locals_[i], [SliceW._make(s) for s in rep]))
-            bad = self._batch_write_segments(jobs, out)
+            bad = self._batch_move("write", jobs, out)
             if started:
                 ends = self._call(
                     "batch_put_end",
