@@ -100,7 +100,6 @@ class StoreMetadata(KVConnectorMetadata):
 class _Req:
     request: Any
     prompt: list[int]
-    n_pages: int  # full pages of the prompt
     hashes: list[str] | None = None  # page hashes: computed when first needed (_pages)
     blocks: list[int] = field(default_factory=list)
     local_hit: int = 0
@@ -240,7 +239,7 @@ class _StoreScheduler:
         bs = self.block_size
         st = self.reqs.get(rid)
         if st is None:
-            st = _Req(request, prompt, len(prompt) // bs)
+            st = _Req(request, prompt)
             self.reqs[rid] = st
         # leave at least one prompt token to compute
         max_pages = max(0, (len(prompt) - 1) // bs)
@@ -297,7 +296,7 @@ class _StoreScheduler:
             done[rid] = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0)
         for rid, computed in done.items():
             st = self.reqs[rid]
-            upto = min(computed // bs, st.n_pages, len(st.blocks))
+            upto = min(computed // bs, len(st.prompt) // bs, len(st.blocks))
             if upto > st.saved_upto:
                 pages = self._pages(st)[st.saved_upto : upto]
                 self._saves.append(PageJob(rid, pages, st.blocks[st.saved_upto : upto]))
