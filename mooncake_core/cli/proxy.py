@@ -22,7 +22,7 @@ from mooncake_core.proxy import DEFAULT_ENGINE, POLICIES, ProxyConfig, ProxyServ
 from mooncake_core.proxy.storelookup import parse_master_address
 from mooncake_core.proxy.upstreams import check_url, wait_for_upstreams
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "config_from_args", "run"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -158,6 +158,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="longest a store lookup may take; slower counts as nothing stored (default 0.5)",
     )
     p.add_argument(
+        "--store-loads",
+        choices=("on", "off"),
+        default="on",
+        help="off: every prefill request asks the instances' store connector to load nothing "
+        "from the store (only their own prefix cache helps; saves go on). Default on",
+    )
+    p.add_argument(
         "--prefill-timeout", type=float, default=300.0, help="seconds to wait for a prefill answer"
     )
     p.add_argument(
@@ -197,6 +204,12 @@ async def _serve(cfg: ProxyConfig, wait_upstreams_s: float = 0.0) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    asyncio.run(_serve(config_from_args(args), args.wait_upstreams))
+    return 0
+
+
+def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    """The proxy's settings from its command line; ConfigError (one line) on a bad mix."""
     prefill = [check_url(u, "--prefill") for u in args.prefill]
     decode = [check_url(u, "--decode") for u in args.decode]
     opts: dict[str, Any] = {}
@@ -256,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
             "--reject, --slo-*, --profile, --kv-events, --store-master need --policy global-cache "
             f"(got --policy {args.policy})"
         )
-    cfg = ProxyConfig(
+    return ProxyConfig(
         prefill=tuple(prefill),
         decode=tuple(decode),
         host=args.host,
@@ -267,6 +280,5 @@ def run(args: argparse.Namespace) -> int:
         prefill_timeout_s=args.prefill_timeout,
         read_timeout_s=args.read_timeout,
         engine=args.engine,
+        store_loads=args.store_loads != "off",
     )
-    asyncio.run(_serve(cfg, args.wait_upstreams))
-    return 0

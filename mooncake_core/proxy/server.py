@@ -5,7 +5,10 @@ Per request (``POST /v1/completions`` or ``/v1/chat/completions``, streaming or 
 1. the policy picks a prefill and a decode instance;
 2. the prefill instance gets the request as the engine splits it for prefill
    (:meth:`~mooncake_core.proxy.engine.ProxyEngine.prefill_body`; vLLM: ``max_tokens=1``,
-   ``stream=false`` and ``kv_transfer_params={"do_remote_decode": true, ...}``);
+   ``stream=false`` and ``kv_transfer_params={"do_remote_decode": true, ...}``); with
+   ``store_loads`` off (``--store-loads off``) its ``kv_transfer_params`` also carry
+   ``"mooncake_store_load": false``: the instances' store connector then loads nothing
+   from the store for it (only their own prefix cache helps; saves go on);
 3. the decode instance gets the original request plus the hand-off the prefill answered
    with (vLLM: its ``kv_transfer_params``), and its answer (a JSON body or an SSE stream)
    goes back to the client as it arrives.
@@ -65,12 +68,14 @@ from mooncake_core.proxy.policy import (
 )
 from mooncake_core.proxy.tokenize import RemoteTokenizer
 
-__all__ = ["ProxyConfig", "ProxyServer", "UpstreamError", "DECISION_LOG_SIZE"]
+__all__ = ["ProxyConfig", "ProxyServer", "UpstreamError", "DECISION_LOG_SIZE", "STORE_LOAD_KEY"]
 
 logger = logging.getLogger(__name__)
 
 #: decision records the proxy keeps (``GET /proxy/decisions``)
 DECISION_LOG_SIZE = 4096
+#: the ``kv_transfer_params`` key by which a request opts out of store loads (false)
+STORE_LOAD_KEY = "mooncake_store_load"
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,8 @@ class ProxyConfig:
         prefill_timeout_s: whole prefill answer.
         read_timeout_s: longest silence of a decode answer (per chunk when streaming).
         engine: what the instances run; an installed adapter must serve it.
+        store_loads: False: every prefill request asks the instances' store connector for
+            no store load (:data:`STORE_LOAD_KEY` false in its ``kv_transfer_params``).
     """
 
     prefill: tuple[str, ...]
@@ -102,6 +109,7 @@ class ProxyConfig:
     prefill_timeout_s: float = 300.0
     read_timeout_s: float = 300.0
     engine: str = DEFAULT_ENGINE
+    store_loads: bool = True
 
 
 class UpstreamError(ProxyError):
@@ -210,11 +218,12 @@ class ProxyServer:
             self.port = int(sockets[0].getsockname()[1])
         url = f"http://{self.config.host}:{self.port}"
         logger.info(
-            "PD proxy on %s: prefill %s; decode %s; policy %s",
+            "PD proxy on %s: prefill %s; decode %s; policy %s%s",
             url,
             ", ".join(i.url for i in self.prefill),
             ", ".join(i.url for i in self.decode),
             self.policy.name,
+            "" if self.config.store_loads else "; store loads off",
         )
         return url
 
@@ -276,6 +285,7 @@ class ProxyServer:
     async def _stats(self, request: web.Request) -> web.Response:
         out: dict[str, Any] = {
             "policy": self.policy.name,
+            "store_loads": self.config.store_loads,
             **self.stats,
             "prefill": [i.as_dict() for i in self.prefill],
             "decode": [i.as_dict() for i in self.decode],
@@ -405,6 +415,10 @@ class ProxyServer:
         self, inst: Instance, path: str, body: dict[str, Any], job: Job
     ) -> dict[str, Any]:
         pbody = self.engine.prefill_body(body)
+        if not self.config.store_loads:
+            params = pbody.get("kv_transfer_params")
+            params = dict(params) if isinstance(params, dict) else {}
+            pbody["kv_transfer_params"] = {**params, STORE_LOAD_KEY: False}
         t0 = time.monotonic()
         inst.in_flight += 1
         inst.tokens_in_flight += job.prompt_tokens

@@ -15,7 +15,9 @@ Scheduler side (EngineCore process):
 - ``get_num_new_matched_tokens``: asks the store (``batch_exists``) how many consecutive
   pages past the local prefix-cache hit it holds; at least one prompt token is left to
   compute. A prompt is hashed into pages only when a lookup or a save needs them. A failing
-  master counts as a miss (one log line; lookups pause for a while).
+  master counts as a miss (one log line; lookups pause for a while). A request whose
+  ``kv_transfer_params`` has ``"mooncake_store_load": false`` is not looked up (0 tokens,
+  no lookup counted); its pages are saved as any other's.
 - ``update_state_after_alloc``: plans a load of those pages into the allocated blocks.
 - ``build_connector_meta``: loads planned this step, and saves of prompt pages that this
   step completes (pages that were loaded are not saved again).
@@ -107,6 +109,13 @@ class _Req:
     hit_pages: int = 0  # pages the store will load (after the local hit)
     saved_upto: int = 0  # pages [0, saved_upto) need no save
     saving: bool = False
+
+
+def store_load_wanted(request: Any) -> bool:
+    """False when the request opted out of store loads: ``"mooncake_store_load": false`` in
+    its ``kv_transfer_params`` (vLLM's ``Request``; under MultiConnector, the same object)."""
+    params = getattr(request, "kv_transfer_params", None)
+    return not (isinstance(params, dict) and params.get("mooncake_store_load") is False)
 
 
 def _key_prefix(vllm_config: Any) -> str:
@@ -249,7 +258,7 @@ class _StoreScheduler:
         st.local_hit = num_computed_tokens
         st.looked_up = num_computed_tokens
         st.hit_pages = 0
-        if start >= max_pages:
+        if start >= max_pages or not store_load_wanted(request):
             return 0, False
         hit = self._lookup(self._pages(st)[start:max_pages])
         asked = max_pages - start

@@ -122,6 +122,44 @@ def test_completion_goes_prefill_then_decode_with_params() -> None:
     asyncio.run(_run([_prefill_ok(pseen)], [_decode_ok(dseen)], client))
 
 
+@pytest.mark.parametrize("store_loads", ["on", "off"])
+def test_store_loads_off_asks_prefill_instances_for_no_store_load(store_loads: str) -> None:
+    """``--store-loads off``: every prefill body's kv_transfer_params carry
+    ``"mooncake_store_load": false`` beside the PD hand-off request; the decode body does not."""
+    import argparse
+
+    from mooncake_core.cli.proxy import add_arguments, config_from_args
+
+    pseen: list[dict[str, Any]] = []
+    dseen: list[dict[str, Any]] = []
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    argv = ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
+    cfg = config_from_args(ap.parse_args([*argv, "--store-loads", store_loads]))
+    assert cfg.store_loads is (store_loads == "on")
+    assert config_from_args(ap.parse_args(argv)).store_loads is True  # the default
+
+    async def client(url: str, proxy: ProxyServer) -> None:
+        for _ in range(2):
+            st, _body = await _post(
+                url + "/v1/completions", {"model": "m", "prompt": [1, 2, 3], "max_tokens": 5}
+            )
+            assert st == 200
+        async with aiohttp.ClientSession() as s, s.get(url + "/proxy/stats") as r:
+            assert (await r.json())["store_loads"] is cfg.store_loads
+
+    asyncio.run(
+        _run([_prefill_ok(pseen)], [_decode_ok(dseen)], client, store_loads=cfg.store_loads)
+    )
+    want = {"do_remote_decode": True, "do_remote_prefill": False}
+    if store_loads == "off":
+        want["mooncake_store_load"] = False
+    assert [b["kv_transfer_params"] for b in pseen] == [want, want]
+    assert [b["kv_transfer_params"] for b in dseen] == [
+        {"do_remote_prefill": True, "remote_request_id": "r1"}
+    ] * 2
+
+
 def test_chat_streaming_passes_through() -> None:
     pseen: list[dict[str, Any]] = []
     dseen: list[dict[str, Any]] = []
