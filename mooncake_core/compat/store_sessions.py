@@ -20,6 +20,14 @@ Ours: a put session is our master's two-phase put (``put_start`` reserves the re
 replica by the transfer engine. The master reclaims a put that is not ended within its
 ``put_timeout_s``. A get session keeps the replica list a read gets (which grants the
 usual read lease); ranges are read from the first replica.
+
+A holder that dies after a session started makes the writes into its segments fail. As the
+store's two-phase puts do (:mod:`~mooncake_core.store.placement_retry`), a key whose write
+failed on a holder is then placed again, whole, off the segments that failed (at most
+``PLACEMENTS - 1`` times), and this call's ranges are written there; the session goes on with
+the new placement. Only while no earlier call of the session wrote bytes of the key: those
+were in the caller's buffers, which we cannot read again. Such a key is dropped: its range
+write, later ones and its session's end give TRANSFER_FAIL (-800).
 """
 
 from __future__ import annotations
@@ -27,12 +35,20 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from mooncake_core.compat.store_types import INVALID_PARAMS, ReplicateConfig, _code
+from mooncake_core.compat.store_types import (
+    INVALID_PARAMS,
+    TRANSFER_FAIL,
+    ReplicateConfig,
+    _code,
+)
 from mooncake_core.errors import MooncakeError, ObjectNotFound
 from mooncake_core.store.buffers import LocalBuffer
-from mooncake_core.store.protocol import SliceW
+from mooncake_core.store.client_core import HolderUnreachable
+from mooncake_core.store.placement_retry import PLACEMENTS
+from mooncake_core.store.protocol import ReplicaCfg, SliceW
 
 if TYPE_CHECKING:
     from mooncake_core.store import StoreClient
@@ -53,6 +69,88 @@ def _window(slices: Sequence[SliceW], off: int, n: int) -> list[SliceW]:
             out.append(s._replace(addr=s.addr + (lo - pos), length=hi - lo))
         pos += s.length
     return out
+
+
+@dataclass
+class _PutSession:
+    """An open put session of one key: its placement and what was written into it."""
+
+    token: int
+    size: int
+    cfg: ReplicaCfg
+    reps: list[list[SliceW]]
+    written: bool = False  # a range call returned success with bytes of it
+    lost: str = ""  # why its placement was dropped (a holder failed, see module doc)
+    ended: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one write or end at a time
+
+
+Ranges = list[tuple[int, int, int]]  # (local address, length, offset in the object)
+
+
+def _jobs(ranges: Ranges, reps: list[list[SliceW]]) -> list[tuple[LocalBuffer, list[SliceW]]]:
+    return [(LocalBuffer(p, n, False), _window(rep, o, n)) for p, n, o in ranges for rep in reps]
+
+
+def _write_ranges(c: StoreClient, key: str, sess: _PutSession, ranges: Ranges) -> int:
+    """Write ``ranges`` of ``key`` into its session's placement, placed again when a holder
+    fails and no earlier call wrote bytes of it (module doc); the bytes written, or a code.
+    The caller holds ``sess.lock``."""
+    total = sum(n for _p, n, _o in ranges)
+    if sess.lost:
+        logger.error("put ranges %r: %s", key, sess.lost)
+        return TRANSFER_FAIL
+    try:
+        c._write(_jobs(ranges, sess.reps))
+    except HolderUnreachable as exc:
+        if sess.written:
+            c._revoke(key, sess.token)
+            sess.lost = (
+                "a holder of its placement failed after an earlier range call of this session "
+                "wrote bytes of it there; those cannot be written again elsewhere (they were in "
+                f"the caller's buffers): the object is dropped, put it in a new session ({exc})"
+            )
+            logger.error("put ranges %r: %s", key, sess.lost)
+            return TRANSFER_FAIL
+        return _place_again(c, key, sess, ranges, exc)
+    except (MooncakeError, OSError) as exc:
+        logger.error("put ranges %r: %s", key, exc)
+        return _code(exc)
+    sess.written = sess.written or total > 0
+    return total
+
+
+def _place_again(
+    c: StoreClient, key: str, sess: _PutSession, ranges: Ranges, failed: HolderUnreachable
+) -> int:
+    """Place ``key`` again off the segments that failed and write ``ranges`` there (see
+    :meth:`~mooncake_core.store.placement_retry.PlacementRetry._put_once`)."""
+    total = sum(n for _p, n, _o in ranges)
+    avoid = set(failed.segments)
+    for _ in range(PLACEMENTS - 1):  # the session's start was the first placement
+        c._revoke(key, sess.token)
+        logger.info("put ranges %r: %s; placing it on other segments", key, failed)
+        try:
+            sess.token, sess.reps = c._start_put(key, sess.size, sess.cfg, avoid, failed)
+        except (MooncakeError, OSError) as exc:
+            sess.lost = f"its placement was dropped after a holder failed: {exc}"
+            logger.error("put ranges %r: %s", key, exc)
+            return _code(exc)
+        try:
+            c._write(_jobs(ranges, sess.reps))
+        except HolderUnreachable as exc:
+            failed = exc
+            avoid |= exc.segments
+            continue
+        except (MooncakeError, OSError) as exc:  # not the holders: the session keeps the placement
+            logger.error("put ranges %r: %s", key, exc)
+            return _code(exc)
+        sess.written = total > 0
+        return total
+    c._revoke(key, sess.token)
+    sess.lost = f"placed {PLACEMENTS} times, its holders failed each time: {failed}"
+    logger.error("put ranges %r: %s", key, sess.lost)
+    return _code(failed)
 
 
 class SessionMethods:
@@ -91,17 +189,13 @@ class SessionMethods:
             out = []
             for key, size in zip(keys, sizes, strict=True):
                 try:
-                    token, reps = c._call("put_start", (c.client_id, key, int(size), cfg))
+                    token, reps = c._start_put(key, int(size), cfg, set(), None)
                 except (MooncakeError, OSError) as exc:
                     logger.error("batch_put_session_start %r: %s", key, exc)
                     out.append(_code(exc))
                     continue
                 with lock:
-                    puts[key] = (
-                        int(token),
-                        int(size),
-                        [[SliceW._make(s) for s in r] for r in reps],
-                    )
+                    puts[key] = _PutSession(token, int(size), cfg, reps)
                 out.append(0)
             return out
 
@@ -116,7 +210,8 @@ class SessionMethods:
         all_dst_offsets: list[list[int]],
     ) -> list[int]:
         """Write ranges of registered memory into objects of open put sessions; per key the
-        bytes written, or -600 (a range outside the object, no session, unequal lists)."""
+        bytes written, -600 (a range outside the object, no session, unequal lists) or -800
+        (the write failed; see the module doc for a holder that died)."""
         if not len(keys) == len(all_buffer_ptrs) == len(all_sizes) == len(all_dst_offsets):
             logger.error("batch_put_from_multi_buffer_ranges: the four lists differ in length")
             return [INVALID_PARAMS] * len(keys)
@@ -133,29 +228,26 @@ class SessionMethods:
                     logger.error("put ranges %r: no open put session, or unequal lists", key)
                     out.append(INVALID_PARAMS)
                     continue
-                _token, size, reps = sess
                 if any(
-                    int(o) < 0 or int(n) < 0 or int(o) + int(n) > size
+                    int(o) < 0 or int(n) < 0 or int(o) + int(n) > sess.size
                     for o, n in zip(offs, ns, strict=True)
                 ):
                     logger.error(
-                        "put ranges %r: a range falls outside the %d-byte object", key, size
+                        "put ranges %r: a range falls outside the %d-byte object", key, sess.size
                     )
                     out.append(INVALID_PARAMS)
                     continue
-                jobs = [
-                    (LocalBuffer(int(p), int(n), False), _window(rep, int(o), int(n)))
+                ranges = [
+                    (int(p), int(n), int(o))
                     for p, n, o in zip(ptrs, ns, offs, strict=True)
                     if int(n) > 0
-                    for rep in reps
                 ]
-                try:
-                    c._move("write", jobs)
-                except (MooncakeError, OSError) as exc:
-                    logger.error("put ranges %r: %s", key, exc)
-                    out.append(_code(exc))
-                    continue
-                out.append(sum(int(n) for n in ns))
+                with sess.lock:
+                    if sess.ended:  # ended or revoked meanwhile
+                        logger.error("put ranges %r: no open put session", key)
+                        out.append(INVALID_PARAMS)
+                        continue
+                    out.append(_write_ranges(c, key, sess, ranges))
             return out
 
         res = self._run("batch_put_from_multi_buffer_ranges", run)
@@ -173,8 +265,15 @@ class SessionMethods:
                     logger.error("%s %r: no open put session", what, key)
                     out.append(INVALID_PARAMS)
                     continue
+                with sess.lock:  # after a range write in flight
+                    sess.ended = True
+                if sess.lost:  # already revoked
+                    if rpc == "put_end":
+                        logger.error("%s %r: not stored: %s", what, key, sess.lost)
+                    out.append(TRANSFER_FAIL if rpc == "put_end" else 0)
+                    continue
                 try:
-                    c._call(rpc, (c.client_id, key, sess[0]))
+                    c._call(rpc, (c.client_id, key, sess.token))
                 except (MooncakeError, OSError) as exc:
                     logger.error("%s %r: %s", what, key, exc)
                     out.append(_code(exc))
@@ -186,7 +285,8 @@ class SessionMethods:
         return [res] * len(keys) if isinstance(res, int) else res
 
     def batch_put_session_end(self, keys: list[str]) -> list[int]:
-        """Commit: the objects become readable. Per key 0, -600 without a session."""
+        """Commit: the objects become readable. Per key 0, -600 without a session, -800 for
+        one dropped after a holder failed (module doc)."""
         return self._finish_puts("batch_put_session_end", "put_end", keys)
 
     def batch_put_session_revoke(self, keys: list[str]) -> list[int]:

@@ -53,6 +53,32 @@ class PlacementRetry(ClientCore):
         except (StoreError, OSError):
             pass
 
+    def _start_put(
+        self,
+        key: str,
+        length: int,
+        cfg: ReplicaCfg,
+        avoid: set[str],
+        failed: HolderUnreachable | None,
+    ) -> tuple[int, list[list[SliceW]]]:
+        """``put_start`` of ``key`` (the token and the replicas), off the segments in ``avoid``.
+        ``failed``: the write of it that failed (which put those segments in ``avoid``); when no
+        other segment can take it, that failure is raised (with why), not the master's error."""
+        args: tuple[object, ...] = (self.client_id, key, length, cfg)
+        if avoid:  # only then: a master from before ``exclude`` takes the others
+            args = (*args, sorted(avoid))
+
+        def start() -> Any:
+            return self._call("put_start", args)
+
+        try:
+            token, reps = self._retrying(start, f"put {key!r}")
+        except (NoSpace, P.InvalidArgument) as exc:
+            if failed is None:
+                raise
+            raise _nowhere(key, failed, exc) from exc
+        return int(token), [[SliceW._make(s) for s in rep] for rep in reps]
+
     def _put_once(
         self,
         key: str,
@@ -65,20 +91,7 @@ class PlacementRetry(ClientCore):
         avoid: set[str] = set(failed.segments) if failed is not None else set()
         for placement in range(PLACEMENTS):
             gen = self.rpc.generation()
-            args: tuple[object, ...] = (self.client_id, key, local.length, cfg)
-            if avoid:  # only then: a master from before ``exclude`` takes the others
-                args = (*args, sorted(avoid))
-
-            def start(a: tuple[object, ...] = args) -> Any:
-                return self._call("put_start", a)
-
-            try:
-                token, reps = self._retrying(start, f"put {key!r}")
-            except (NoSpace, P.InvalidArgument) as exc:
-                if failed is None:
-                    raise
-                raise _nowhere(key, failed, exc) from exc
-            reps = [[SliceW._make(s) for s in rep] for rep in reps]
+            token, reps = self._start_put(key, local.length, cfg, avoid, failed)
             try:
                 self._write([(local, rep) for rep in reps])
             except HolderUnreachable as exc:
