@@ -16,6 +16,11 @@ core does what is engine-neutral (this module):
   proxy, the engines' own prefix-cache hit rate and the store hit rate (both as shares of
   the prompt tokens the prefill instances were asked to compute), and
   ``live_mean_ttft_ratio_global_vs_least`` (target <= 0.8).
+- ``--local-baseline`` adds phases of a third label, :data:`LOCAL_BASELINE`
+  (``least-load-local``: the proxy's ``least-load`` with ``--store-loads off``, so the
+  instances load nothing from the store and only their own prefix cache helps, as the
+  simulator's least-load), run in the same rounds, and the extra reference
+  ``live_mean_ttft_ratio_global_vs_least_local`` beside (not instead of) the figure above.
 
 Starting engines is an adapter's business: an installed engine adapter provides the
 runner as the entry point ``bench.conductor-live-ENGINE`` of the group
@@ -47,6 +52,7 @@ __all__ = [
     "PhaseResult",
     "RUNNER_FUNCTION",
     "ENTRY_PREFIX",
+    "LOCAL_BASELINE",
     "live_slice",
     "ideal_hit_rate",
     "block_token_ids",
@@ -65,6 +71,8 @@ GROUP = "mooncake_core.cli"  # the entry-point group of mooncake-core's extensio
 ENTRY_PREFIX = "bench.conductor-live-"  # + engine name
 RUNNER_FUNCTION = "run_conductor_live"
 POLICIES = ("global-cache", "least-load")
+#: the ``--local-baseline`` phases: least-load with the store's loads off (local cache only)
+LOCAL_BASELINE = "least-load-local"
 
 
 @dataclass(frozen=True)
@@ -99,7 +107,8 @@ class LiveSettings:
         quick: the short variant (a smaller model where the runner has one).
         policies: the proxy policy of each phase, in the order the phases run (a policy
             may come more than once: :func:`phase_order`; the runner merges its phases with
-            :func:`merge_phases`).
+            :func:`merge_phases`); :data:`LOCAL_BASELINE` is ``least-load`` with the proxy's
+            ``--store-loads off``.
         cores: CPU ids for the instances (one per prefill instance).
         store_holdings: how ``global-cache`` learns what the store holds: ``"events"`` (the
             master's KV events, ``--store-events``: nothing asked per request) or ``"lookup"``
@@ -407,7 +416,8 @@ def add_live_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--order",
         default=",".join(POLICIES),
-        help="policies in the order their phases run (default global-cache,least-load)",
+        help="policies in the order their phases run (default global-cache,least-load; "
+        f"with --local-baseline it may name {LOCAL_BASELINE}, else that comes last)",
     )
     g.add_argument(
         "--rounds",
@@ -415,6 +425,13 @@ def add_live_arguments(ap: argparse.ArgumentParser) -> None:
         default=1,
         help="rounds of phases: 2 runs A B B A, so a drifting machine load weighs on both "
         "policies alike (default 1)",
+    )
+    g.add_argument(
+        "--local-baseline",
+        action="store_true",
+        help=f"also run phases of {LOCAL_BASELINE} (least-load, the proxy's --store-loads off: "
+        "no store loads, only the instances' own prefix cache, as the simulator's least-load) "
+        "and report live_mean_ttft_ratio_global_vs_least_local besides the usual figures",
     )
     g.add_argument("--cores", default="0,1", help="CPU ids of the prefill instances (default 0,1)")
     g.add_argument(
@@ -461,6 +478,7 @@ def summarize(results: dict[str, PhaseResult]) -> dict[str, Any]:
     ll = out.get("live_later_turns_mean_ttft_s_least_load")
     if gl and ll:  # the turns with a prefix to reuse: where the policies can differ
         out["live_later_turns_ttft_ratio_global_vs_least"] = round(gl / ll, 3)
+    _ratios(out, "least_load_local", "least_local")
     lr = results.get("least-load")
     first = out.get("live_first_turns_ttft_sum_s_least_load")
     if lr is not None and lr.ttft_s and first is not None:
@@ -470,9 +488,26 @@ def summarize(results: dict[str, PhaseResult]) -> dict[str, Any]:
     return out
 
 
+def _ratios(out: dict[str, Any], key: str, name: str) -> None:
+    """global-cache's mean, p50 and later-turns TTFT over those of policy key ``key`` as
+    ``live_*_ratio_global_vs_{name}`` (nothing when that policy did not run)."""
+    if f"live_mean_ttft_s_{key}" not in out:
+        return
+    for fig, label in (
+        ("mean_ttft_s", "mean_ttft"),
+        ("p50_ttft_s", "p50_ttft"),
+        ("later_turns_mean_ttft_s", "later_turns_ttft"),
+    ):
+        g, b = out.get(f"live_{fig}_global_cache"), out.get(f"live_{fig}_{key}")
+        if g and b:
+            out[f"live_{label}_ratio_global_vs_{name}"] = round(g / b, 3)
+        elif label != "later_turns_ttft":
+            out[f"live_{label}_ratio_global_vs_{name}"] = None
+
+
 def _table(results: dict[str, PhaseResult], fig: dict[str, Any]) -> None:
     print(
-        f"\n{'policy':<13} {'answered':>8} {'err':>4} {'TTFT mean':>9} {'p50':>7} {'p99':>7} "
+        f"\n{'policy':<16} {'answered':>8} {'err':>4} {'TTFT mean':>9} {'p50':>7} {'p99':>7} "
         f"{'prefix hit':>10} {'store hit':>9}  routed"
     )
     for pol, r in results.items():
@@ -483,7 +518,7 @@ def _table(results: dict[str, PhaseResult], fig: dict[str, Any]) -> None:
             return "-" if v is None else f"{v:.3f}"
 
         print(
-            f"{pol:<13} {len(r.ttft_s):>8} {r.errors:>4} {f('mean_ttft_s'):>9} "
+            f"{pol:<16} {len(r.ttft_s):>8} {r.errors:>4} {f('mean_ttft_s'):>9} "
             f"{f('p50_ttft_s'):>7} {f('p99_ttft_s'):>7} {f('prefix_hit_rate'):>10} "
             f"{f('store_hit_rate'):>9}  {sorted(r.routed.values())}"
         )
@@ -491,12 +526,12 @@ def _table(results: dict[str, PhaseResult], fig: dict[str, Any]) -> None:
         n = r.notes
         if n.get("later_turns_mean_ttft_s") is not None:
             print(
-                f"{pol:<13} TTFT mean of first turns {n['first_turns_mean_ttft_s']} s, "
+                f"{pol:<16} TTFT mean of first turns {n['first_turns_mean_ttft_s']} s, "
                 f"of later turns {n['later_turns_mean_ttft_s']} s"
             )
         if "prefix_available" in n:
             print(
-                f"{pol:<13} routing: {n['prefix_followed']}/{n['prefix_available']} requests "
+                f"{pol:<16} routing: {n['prefix_followed']}/{n['prefix_available']} requests "
                 "with a held prefix went to its longest holder; prefill leg mean "
                 f"{n['prefill_leg_mean_s']} s"
                 + (f"; events confirm {n['events_confirmed']}" if "events_confirmed" in n else "")
@@ -505,6 +540,12 @@ def _table(results: dict[str, PhaseResult], fig: dict[str, Any]) -> None:
         f"\nlive_mean_ttft_ratio_global_vs_least = {fig['live_mean_ttft_ratio_global_vs_least']}"
         " (target <= 0.8)"
     )
+    if "live_mean_ttft_ratio_global_vs_least_local" in fig:
+        print(
+            "live_mean_ttft_ratio_global_vs_least_local = "
+            f"{fig['live_mean_ttft_ratio_global_vs_least_local']} (reference: least-load with no "
+            "store loads, only the instances' own prefix cache, as in the simulator)"
+        )
     if fig.get("live_mean_ttft_ratio_floor") is not None:
         print(
             f"live_mean_ttft_ratio_floor = {fig['live_mean_ttft_ratio_floor']} (later turns free, "
@@ -527,11 +568,18 @@ def run_live(args: argparse.Namespace, trace_path: Path) -> int:
     if rounds < 1:
         print(f"mooncake-core: error: --rounds must be >= 1, got {rounds}")
         return 2
-    if sorted(policies) != sorted(POLICIES):
+    local = bool(getattr(args, "local_baseline", False))
+    if sorted(p for p in policies if p != LOCAL_BASELINE) != sorted(POLICIES) or (
+        policies.count(LOCAL_BASELINE) > int(local)
+    ):
+        also = f" (and {LOCAL_BASELINE} with --local-baseline)" if local else ""
         print(
-            f"mooncake-core: error: --order must name {' and '.join(POLICIES)}, got {args.order!r}"
+            f"mooncake-core: error: --order must name {' and '.join(POLICIES)}{also}, "
+            f"got {args.order!r}"
         )
         return 2
+    if local and LOCAL_BASELINE not in policies:
+        policies += (LOCAL_BASELINE,)
     try:
         cores = tuple(int(c) for c in args.cores.split(","))
         trace = load_trace(trace_path)

@@ -124,6 +124,34 @@ def test_summarize_gives_the_ratio_and_hit_rates() -> None:
     assert fig["live_mean_ttft_ratio_global_vs_least"] is None
 
 
+def test_summarize_adds_the_local_baseline_ratios_only_when_it_ran() -> None:
+    res = {
+        "global-cache": PhaseResult(ttft_s=[0.2, 0.4], prompt_tokens=100, store_hit_tokens=30),
+        "least-load": PhaseResult(ttft_s=[0.4, 0.6], prompt_tokens=100, store_hit_tokens=20),
+    }
+    fig = summarize(res)
+    assert not [k for k in fig if "least_local" in k or "least_load_local" in k]
+    res["least-load-local"] = PhaseResult(
+        ttft_s=[0.5, 0.7, 0.9], prompt_tokens=200, prefix_hit_tokens=50, routed={"a": 3}
+    )
+    res["global-cache"].notes["later_turns_mean_ttft_s"] = 0.3
+    res["least-load-local"].notes["later_turns_mean_ttft_s"] = 0.6
+    fig = summarize(res)
+    assert fig["live_mean_ttft_s_least_load_local"] == pytest.approx(0.7)
+    assert fig["live_mean_ttft_ratio_global_vs_least_local"] == pytest.approx(0.3 / 0.7, abs=1e-3)
+    assert fig["live_p50_ttft_ratio_global_vs_least_local"] == pytest.approx(0.2 / 0.7, abs=1e-3)
+    assert fig["live_later_turns_ttft_ratio_global_vs_least_local"] == pytest.approx(0.5)
+    assert fig["live_prefix_hit_rate_least_load_local"] == pytest.approx(0.25)
+    assert fig["live_store_hit_rate_least_load_local"] == 0.0
+    assert fig["live_answered_least_load_local"] == 3
+    # the existing figure is unchanged by the extra phases
+    assert fig["live_mean_ttft_ratio_global_vs_least"] == pytest.approx(0.6)
+    assert fig["live_mean_ttft_s_least_load"] == pytest.approx(0.5)
+    # an unanswered baseline: no ratio, no division by zero
+    res["least-load-local"] = PhaseResult()
+    assert summarize(res)["live_mean_ttft_ratio_global_vs_least_local"] is None
+
+
 def _no_entry_points(**kw: Any) -> list[Any]:
     return []
 
@@ -148,7 +176,7 @@ _SEEN: dict[str, Any] = {}
 
 def run_conductor_live(requests: list[LiveRequest], settings: LiveSettings) -> dict[str, Any]:
     _SEEN.update(requests=requests, settings=settings)
-    ttft = {"global-cache": [0.3, 0.3], "least-load": [0.5, 0.5]}
+    ttft = {"global-cache": [0.3, 0.3], "least-load": [0.5, 0.5], "least-load-local": [0.6, 0.6]}
     return {
         p: PhaseResult(ttft_s=ttft[p], prompt_tokens=100, prefix_hit_tokens=40, routed={"a": 2})
         for p in settings.policies
@@ -194,6 +222,46 @@ def test_live_bad_order_and_unknown_engine(
     assert "no live runner for engine 'nope'; installed: fake" in capsys.readouterr().out
     assert conductor.main(["--live", "--trace", str(EXCERPT), "--order", "least-load"]) == 2
     assert "--order must name global-cache and least-load" in capsys.readouterr().out
+
+
+def test_local_baseline_phases_run_in_the_same_rounds_and_are_reported(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    ep = SimpleNamespace(name="bench.conductor-live-fake", value=f"{__name__}:main")
+    monkeypatch.setattr(conductor_live, "entry_points", lambda **kw: [ep])
+    base = ["--live", "--json", "--trace", str(EXCERPT), "--requests", "12", "--duration", "20"]
+    base += ["--workdir", str(tmp_path)]
+    assert conductor.main([*base, "--local-baseline", "--rounds", "2"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    fig = json.loads(out[-1])
+    assert fig["live_order"] == [
+        "global-cache",
+        "least-load",
+        "least-load-local",
+        "least-load-local",
+        "least-load",
+        "global-cache",
+    ]
+    assert _SEEN["settings"].policies == tuple(fig["live_order"])
+    assert fig["live_mean_ttft_ratio_global_vs_least"] == pytest.approx(0.6)
+    assert fig["live_mean_ttft_ratio_global_vs_least_local"] == pytest.approx(0.5)
+    assert fig["live_prefix_hit_rate_least_load_local"] == pytest.approx(0.4)
+    assert any(line.startswith("least-load-local ") for line in out)  # its table row
+    assert any("live_mean_ttft_ratio_global_vs_least_local = 0.5" in line for line in out)
+    # with the flag --order may place it; without, naming it is an error
+    order = ["--order", "least-load-local,global-cache,least-load"]
+    assert conductor.main([*base, "--local-baseline", *order]) == 0
+    fig = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert fig["live_order"] == ["least-load-local", "global-cache", "least-load"]
+    assert conductor.main([*base, *order]) == 2
+    assert "--order must name global-cache and least-load, got" in capsys.readouterr().out
+    assert conductor.main([*base, "--local-baseline", "--order", "least-load-local"]) == 2
+    assert "(and least-load-local with --local-baseline)" in capsys.readouterr().out
+    # without the flag: the two policies only, and no local-baseline figures
+    assert conductor.main(base) == 0
+    fig = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert fig["live_order"] == ["global-cache", "least-load"]
+    assert "live_mean_ttft_ratio_global_vs_least_local" not in fig
 
 
 def test_request_type_is_what_the_slice_reads() -> None:

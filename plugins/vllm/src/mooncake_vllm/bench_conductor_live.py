@@ -25,7 +25,9 @@ store is emptied (``remove_all``) and every token id of the slice is shifted by 
 per-phase bijection (3 + (t - 3 + 37 * phase) mod 400), so prompts keep exactly their
 sharing but nothing an earlier phase computed can match. A fresh ``mooncake-core proxy
 --policy P`` is started (``global-cache`` with ``--kv-events`` and ``--store-events``, the
-master's KV events; ``--store-master``, a lookup per request, with ``--store-holdings lookup``),
+master's KV events; ``--store-master``, a lookup per request, with ``--store-holdings lookup``;
+``least-load-local``, ``--local-baseline``'s phases: ``--policy least-load --store-loads off``,
+so the store connectors load nothing and only each instance's own prefix cache helps),
 the requests are sent at their (compressed) arrival times as streaming completions (each
 with ``user`` = its :func:`~mooncake_core.bench.conductor_live.request_tag`), the TTFT each
 client sees is recorded, and the proxy's decision log (``GET /proxy/decisions``) is kept.
@@ -52,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from mooncake_core.bench.conductor_live import (
+    LOCAL_BASELINE,
     LiveRequest,
     LiveSettings,
     PhaseResult,
@@ -275,7 +278,10 @@ class _Cluster:
         port = _free_port()
         cmd = [sys.executable, "-m", "mooncake_core", "proxy"]
         cmd += ["--prefill", *(s.url for s in self.prefill), "--decode", self.decode.url]
-        cmd += ["--port", str(port), "--policy", policy]
+        if policy == LOCAL_BASELINE:  # least-load, the store connectors load nothing
+            cmd += ["--port", str(port), "--policy", "least-load", "--store-loads", "off"]
+        else:
+            cmd += ["--port", str(port), "--policy", policy]
         if policy == "global-cache":
             cmd += ["--block-tokens", str(self.s.block_tokens), "--kv-events", *self.events]
             if self.s.store_holdings == "events":

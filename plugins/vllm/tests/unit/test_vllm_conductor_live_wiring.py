@@ -8,6 +8,10 @@ vLLM writes them.
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
 from mooncake_vllm import bench_conductor_live as live
 
 from mooncake_core.bench.conductor_live import find_runner
@@ -48,3 +52,38 @@ def test_counters_sum_label_sets_and_ignore_other_names() -> None:
         "prefix_cache_hits": 640.0,
         "external_prefix_cache_hits": 96.0,
     }
+
+
+def test_the_local_baseline_runs_least_load_with_store_loads_off(
+    monkeypatch: Any, tmp_path: Path
+) -> None:
+    """Each phase label becomes its proxy command line (no proxy process is started)."""
+    from mooncake_core.bench.conductor_live import LOCAL_BASELINE, LiveSettings
+
+    cmds: list[list[str]] = []
+
+    class _Popen:
+        returncode = None
+
+        def __init__(self, cmd: list[str], **kw: Any) -> None:
+            cmds.append(cmd)
+
+        def poll(self) -> None:
+            return None
+
+    monkeypatch.setattr("mooncake_vllm.bench_conductor_live.subprocess.Popen", _Popen)
+    monkeypatch.setattr(live, "_get", lambda url, timeout=10.0: b"{}")
+    c: Any = object.__new__(live._Cluster)
+    c.s = LiveSettings(block_tokens=32, max_prompt_tokens=64, workdir=tmp_path)
+    c.prefill = [SimpleNamespace(url="http://p0"), SimpleNamespace(url="http://p1")]
+    c.decode = SimpleNamespace(url="http://d0")
+    c.events = ["tcp://e0", "tcp://e1"]
+    c.store_events, c.master = "tcp://se", "127.0.0.1:1"
+    for policy in ("least-load", LOCAL_BASELINE, "global-cache"):
+        c.proxy(policy, tmp_path / f"proxy-{policy}.log")
+    plain, local, glob = (cmd[cmd.index("proxy") + 1 :] for cmd in cmds)
+    at = local.index("--policy")
+    assert local[at : at + 4] == ["--policy", "least-load", "--store-loads", "off"]
+    assert "--store-loads" not in plain and "--store-loads" not in glob
+    assert plain[plain.index("--policy") + 1] == "least-load"
+    assert glob[glob.index("--policy") + 1] == "global-cache"
