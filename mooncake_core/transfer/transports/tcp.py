@@ -143,11 +143,28 @@ class TCPConnection:
         return self._req_id
 
     def close(self) -> None:
+        """Close it: by the thread that holds ``lock``, or through :meth:`retire`."""
         self.broken = True
         try:
             self.sock.close()
         except OSError:
             pass
+
+    def retire(self) -> None:
+        """Close it from a thread that does not hold ``lock`` (dropping a peer's pool).
+
+        It is shut down first, so a transfer waiting on it sees end-of-stream at once and
+        retries on a new connection; it is closed once that transfer lets go. Closing it
+        under a waiting thread would not wake that thread (Linux), and the descriptor number,
+        reused by the next connection, would leave it waiting out its whole timeout.
+        """
+        self.broken = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        with self.lock:
+            self.close()
 
     def break_now(self) -> None:
         """Fault injection: break the connection as a network failure would."""
@@ -375,7 +392,7 @@ class TCPTransport(Transport):
         if pool is not None:
             for c in pool.conns:
                 if c is not None:
-                    c.close()
+                    c.retire()
 
     def close(self) -> None:
         with self._lock:
