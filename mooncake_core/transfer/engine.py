@@ -329,7 +329,12 @@ class TransferEngine:
         )
         stub = PeerInfo(name, addrs, {})
         if refresh and self._control is not None:
-            self._control.drop_peer(name)
+            # a refresh re-reads what the peer registered; its connections stay unless it
+            # now listens elsewhere (dropping them made every transfer in flight retry)
+            with self._peers_lock:
+                old = self._peers.get(name)
+            if old is None or not set(addrs) <= set(old.addresses):
+                self._control.drop_peer(name)
         status, body = self.control(stub, Op.DESC, dl)
         if status != Status.OK:
             raise PeerUnreachable(

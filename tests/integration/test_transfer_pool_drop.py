@@ -1,6 +1,7 @@
-"""A peer's TCP connections dropped while transfers to it are in flight (a descriptor refresh
-or ``forget_peer`` drops them): those transfers retry on new connections at once, with the
-right bytes, and none waits out its timeout.
+"""A peer's TCP connections dropped while transfers to it are in flight (``forget_peer``, or a
+descriptor refresh that finds it listening elsewhere, drops them): those transfers retry on
+new connections at once, with the right bytes, and none waits out its timeout. A refresh
+that finds the peer where it was keeps its connections.
 
 Found through the P2P store: a reader whose engine had cached a holder's descriptor before
 the holder allocated the replica refreshed it from one fetch thread; another fetch thread,
@@ -56,7 +57,7 @@ def test_reads_in_flight_survive_their_peers_pool_being_dropped() -> None:
         def drop_loop() -> None:
             nonlocal drops
             while time.monotonic() < stop:
-                reader.peer(holder.name, refresh=True)  # drops the pooled connections
+                reader.forget_peer(holder.name)  # drops the pooled connections
                 drops += 1
                 time.sleep(0.005)
 
@@ -68,6 +69,31 @@ def test_reads_in_flight_survive_their_peers_pool_being_dropped() -> None:
             t.join()
         assert errors == [], errors[:3]
         assert drops >= 20 and min(reads) >= 20, (drops, reads)  # the race was exercised
+    finally:
+        reader.close()
+        holder.close()
+
+
+def test_a_descriptor_refresh_keeps_the_peers_connections_and_sees_new_memory() -> None:
+    cfg = {"shm": False, "timeout_s": 3.0}
+    holder = TransferEngine(transfer=cfg).start()
+    reader = TransferEngine(transfer=cfg).start()
+    try:
+        first = holder.allocate(4096)
+        first.view[:] = b"a" * 4096
+        dst = reader.allocate(8192)
+        reader.transfer(TransferRequest("read", holder.name, dst.addr, 4096, first.addr))
+        tcp = reader._control
+        assert tcp is not None
+        conns = [c for c in tcp._pools[holder.name].conns if c is not None]  # type: ignore[attr-defined]
+        assert conns
+        later = holder.allocate(4096)  # registered after the reader cached the descriptor
+        later.view[:] = b"b" * 4096
+        # the bounds check misses, refreshes the descriptor and reads the new memory
+        reader.transfer(TransferRequest("read", holder.name, dst.addr + 4096, 4096, later.addr))
+        assert bytes(dst.view[:8192]) == b"a" * 4096 + b"b" * 4096
+        kept = [c for c in tcp._pools[holder.name].conns if c is not None]  # type: ignore[attr-defined]
+        assert all(c in kept and not c.broken for c in conns), "the refresh dropped them"
     finally:
         reader.close()
         holder.close()
