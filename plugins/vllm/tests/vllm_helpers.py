@@ -46,6 +46,17 @@ def thread_master(**kw: Any) -> Iterator[Any]:
         m.shutdown()
 
 
+def new_request_output(rid: str, computed: int, scheduled: int, blocks: list[int]) -> Any:
+    """A scheduler output (the fields the store connector reads) with one new request."""
+    new = SimpleNamespace(req_id=rid, block_ids=(blocks,), num_computed_tokens=computed)
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[])
+    return SimpleNamespace(
+        scheduled_new_reqs=[new],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={rid: scheduled},
+    )
+
+
 def connector_extra(master: Any, **kw: Any) -> dict[str, Any]:
     """``kv_connector_extra_config`` pointing the store connector at ``master``."""
     return {"mooncake": {"master_server_address": master.address}, **kw}

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from vllm_helpers import HAVE_VLLM, thread_master, vllm_config_stub
+from vllm_helpers import HAVE_VLLM, new_request_output, thread_master, vllm_config_stub
 
 pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed")
 
@@ -25,17 +25,6 @@ BS = 32
 def master() -> Iterator[Any]:
     with thread_master() as m:
         yield m
-
-
-def _out(rid: str, computed: int, scheduled: int, blocks: list[int]) -> SimpleNamespace:
-    """A scheduler output with one new request."""
-    new = SimpleNamespace(req_id=rid, block_ids=(blocks,), num_computed_tokens=computed)
-    cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[])
-    return SimpleNamespace(
-        scheduled_new_reqs=[new],
-        scheduled_cached_reqs=cached,
-        num_scheduled_tokens={rid: scheduled},
-    )
 
 
 def test_a_local_hit_is_not_hashed_and_later_saves_keep_their_keys(
@@ -61,7 +50,7 @@ def test_a_local_hit_is_not_hashed_and_later_saves_keep_their_keys(
         assert sched.get_num_new_matched_tokens(req, 3 * BS) == (0, False)
         blocks = SimpleNamespace(get_block_ids=lambda: ([0, 1, 2, 3],))
         sched.update_state_after_alloc(req, blocks, 0)
-        meta = sched.build_connector_meta(_out("local", 3 * BS, 5, [0, 1, 2, 3]))
+        meta = sched.build_connector_meta(new_request_output("local", 3 * BS, 5, [0, 1, 2, 3]))
         assert meta.saves == [] and meta.loads == [] and calls == []
         assert sched.request_finished(req, [0, 1, 2, 3]) == (False, None)
         # one local page: the lookup hashes the prompt once; the saves use the same keys
@@ -69,7 +58,9 @@ def test_a_local_hit_is_not_hashed_and_later_saves_keep_their_keys(
         assert sched.get_num_new_matched_tokens(req2, BS) == (0, False)
         assert calls == [len(prompt)]
         sched.update_state_after_alloc(req2, SimpleNamespace(get_block_ids=lambda: [4, 5, 6, 7]), 0)
-        meta = sched.build_connector_meta(_out("miss", BS, len(prompt) - BS, [4, 5, 6, 7]))
+        meta = sched.build_connector_meta(
+            new_request_output("miss", BS, len(prompt) - BS, [4, 5, 6, 7])
+        )
         want = orig(sched.scheme, prompt)
         assert [(j.pages, j.block_ids) for j in meta.saves] == [(want[1:3], [5, 6])]
         assert calls == [len(prompt)]

@@ -14,7 +14,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from vllm_helpers import HAVE_VLLM, connector_extra, thread_master, vllm_config_stub
+from vllm_helpers import (
+    HAVE_VLLM,
+    connector_extra,
+    new_request_output,
+    thread_master,
+    vllm_config_stub,
+)
 
 pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed")
 
@@ -25,17 +31,6 @@ BS = 32
 def master() -> Iterator[Any]:
     with thread_master() as m:
         yield m
-
-
-def _out(rid: str, computed: int, scheduled: int, blocks: list[int]) -> SimpleNamespace:
-    """A scheduler output with one new request."""
-    new = SimpleNamespace(req_id=rid, block_ids=(blocks,), num_computed_tokens=computed)
-    cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[])
-    return SimpleNamespace(
-        scheduled_new_reqs=[new],
-        scheduled_cached_reqs=cached,
-        num_scheduled_tokens={rid: scheduled},
-    )
 
 
 def _req(rid: str, prompt: list[int], params: dict[str, Any] | None) -> SimpleNamespace:
@@ -64,7 +59,7 @@ def test_a_request_that_opts_out_gets_no_store_tokens_although_the_store_holds_t
         assert sched._counts == {}  # no lookup asked, none counted
         blocks = SimpleNamespace(get_block_ids=lambda: ([0, 1, 2, 3],))
         sched.update_state_after_alloc(off, blocks, 0)
-        meta = sched.build_connector_meta(_out("off", 0, len(prompt), [0, 1, 2, 3]))
+        meta = sched.build_connector_meta(new_request_output("off", 0, len(prompt), [0, 1, 2, 3]))
         assert meta.loads == []
         # saving is unchanged: the opted-out request's full pages are saved
         assert [(j.pages, j.block_ids) for j in meta.saves] == [
