@@ -22,13 +22,18 @@ Another thread publishes this reader's record whenever it changed (claims and ve
 shards, coalesced), so a worker never waits for etcd.
 
 Every shard is checked against its xxh3-64 checksum on arrival; a mismatch or a failed
-read puts the shard back and excludes that holder for it (a failed read: for every shard),
-so it is fetched again from another holder. A mismatch is also *reported* (a key under the
-holder's lease): every reader then skips that holder's copy of the shard, and the holder
-re-verifies it and stops announcing it if it is corrupt. A verified shard is announced at
-once (this reader's holder record gains the shard, in a transaction guarded by the
-manifest's revision), so later readers can fetch it from here while this download
-continues.
+read puts the shard back, so it is fetched again from another holder. A mismatch excludes
+that holder for that shard and is *reported* (a key under the holder's lease): every
+reader then skips that holder's copy of the shard, and the holder re-verifies it and stops
+announcing it if it is corrupt. A failed read (a network hiccup, a timeout, a dead holder)
+makes that holder skipped for every shard for a backoff (``retry_backoff_s``, doubled per
+consecutive failure, at most ``retry_backoff_max_s``), after which it is tried again;
+after ``holder_failures`` consecutive failures it is dropped for the rest of the download.
+Reads begun before a holder's last failure that fail too count as that same failure (the
+reads in flight when a connection breaks); an answer to a read begun after it clears the
+count. A verified shard is announced at once (this reader's holder record gains the shard,
+in a transaction guarded by the manifest's revision), so later readers can fetch it from
+here while this download continues.
 
 The manifest is watched (and re-read with every full re-read): when it is gone or is
 another version, the download stops with :class:`~mooncake_core.p2p.errors.NameNotFound` /
@@ -85,7 +90,8 @@ class DownloadStats:
     from_origin: int = 0
     from_peers: int = 0
     corrupt: int = 0
-    failed: int = 0
+    failed: int = 0  # reads that failed (the shard was fetched again)
+    holders_dropped: int = 0  # holders not read from again after consecutive failures
     refreshes: int = 0
     seconds: float = 0.0
     peak_parallel: int = 0  # most shard fetches running at once
@@ -97,6 +103,7 @@ class DownloadStats:
             "from_peers": self.from_peers,
             "corrupt": self.corrupt,
             "failed": self.failed,
+            "holders_dropped": self.holders_dropped,
             "refreshes": self.refreshes,
             "seconds": round(self.seconds, 4),
             "peak_parallel": self.peak_parallel,
@@ -133,9 +140,12 @@ class Download:
         report: Callable[[Holder, int], None] | None = None,
         watch: bool = True,
         resync_s: float = 1.0,
+        retry_backoff_s: float = 0.5,
+        retry_backoff_max_s: float = 4.0,
+        holder_failures: int = 3,
     ) -> None:
-        if concurrency < 1 or origin_streams < 1:
-            raise P2PError("concurrency and origin_streams must be at least 1")
+        if concurrency < 1 or origin_streams < 1 or holder_failures < 1:
+            raise P2PError("concurrency, origin_streams and holder_failures must be at least 1")
         self.engine = engine
         self.etcd = etcd
         self.keys = keys
@@ -154,6 +164,9 @@ class Download:
         self.report = report
         self.use_watch = watch
         self.resync_s = resync_s
+        self.retry_backoff_s = retry_backoff_s
+        self.retry_backoff_max_s = retry_backoff_max_s
+        self.holder_failures = holder_failures
         self.stats = DownloadStats()
         self._cond = threading.Condition()
         self._remaining = {s.index for s in manifest.shards if s.length > 0}
@@ -165,7 +178,10 @@ class Download:
         self._reported: set[tuple[str, int]] = set()  # (holder, shard) reported corrupt
         self._watching = False
         self._cancels: list[Callable[[], None]] = []
-        self._dead: set[str] = set()  # holders whose reads failed
+        self._strikes: dict[str, int] = {}  # consecutive failed reads (one per fault) per holder
+        self._struck: dict[str, float] = {}  # when each holder's last counted failure happened
+        self._retry_at: dict[str, float] = {}  # holders skipped until then (backoff)
+        self._dead: set[str] = set()  # holders dropped for the rest of the download
         self._bad: set[tuple[str, int]] = set()  # (holder, shard) that failed the checksum
         self._mask = 0
         self._pending = 0  # shards this reader is fetching from the original copy
@@ -310,10 +326,11 @@ class Download:
                 )
 
     # ------------------------------------------------------------------ choice
-    def _usable(self, h: Holder, shard: int) -> bool:
+    def _usable(self, h: Holder, shard: int, now: float) -> bool:
         return (
             h.has(shard)
             and h.segment not in self._dead
+            and self._retry_at.get(h.segment, 0.0) <= now
             and (h.segment, shard) not in self._bad
             and (h.segment, shard) not in self._reported
         )
@@ -325,10 +342,13 @@ class Download:
         if not free:
             return None, False
         self._rng.shuffle(free)
+        now = time.monotonic()
         if self.swarm:
             best: tuple[tuple[int, int], int, Holder] | None = None
             for i in free:
-                peers = [h for h in self._holders.values() if not h.origin and self._usable(h, i)]
+                peers = [
+                    h for h in self._holders.values() if not h.origin and self._usable(h, i, now)
+                ]
                 if not peers:
                     continue
                 self._rng.shuffle(peers)
@@ -349,28 +369,31 @@ class Download:
                 if not h.origin:
                     claimed |= h.pending
         cands = [
-            i for i in free if not claimed >> i & 1 and any(self._usable(h, i) for h in origins)
+            i
+            for i in free
+            if not claimed >> i & 1 and any(self._usable(h, i, now) for h in origins)
         ]
         if not cands:
             return None, False
         i = self._rng.choice(cands)
         return (
             self.m.shards[i],
-            self._rng.choice([h for h in origins if self._usable(h, i)]),
+            self._rng.choice([h for h in origins if self._usable(h, i, now)]),
         ), False
 
     def _stalled_message(self) -> str:
         left = sorted(self._remaining)
         shown = ", ".join(str(i) for i in left[:8]) + (" ..." if len(left) > 8 else "")
-        tried = sorted(self._dead | {h for h, _ in self._bad})
+        tried = sorted(self._dead | set(self._strikes) | {h for h, _ in self._bad})
         return (
             f"{self.m.name!r}: no live holder can supply shard(s) {shown} "
             f"({len(self._holders)} holder(s) listed; failed: {', '.join(tried) or 'none'})"
         )
 
     # ------------------------------------------------------------------ workers
-    def _next(self) -> tuple[Shard, Holder] | None:
-        """Block until a fetch can start; None when the download is over."""
+    def _next(self) -> tuple[Shard, Holder, float] | None:
+        """Block until a fetch can start: ``(shard, holder, when it was chosen)``; None when
+        the download is over."""
         with self._cond:
             while True:
                 if self._error is not None or not self._remaining:
@@ -383,7 +406,7 @@ class Download:
                     self._load[h.segment] = self._load.get(h.segment, 0) + 1
                     self._origin_busy += h.origin
                     self.stats.peak_parallel = max(self.stats.peak_parallel, len(self._inflight))
-                    return job
+                    return shard, h, now
                 if not self._inflight and now - self._stall_since > self.stall_timeout_s:
                     self._error = ShardUnavailable(self._stalled_message())
                     self._cond.notify_all()
@@ -435,7 +458,38 @@ class Download:
                 self._refresh()  # raises the right error: unregistered or another version
                 raise P2PError(f"{self.m.name!r}: could not announce this reader's shards")
 
-    def _fetch(self, shard: Shard, h: Holder) -> None:
+    def _holder_failed(self, seg: str, began: float) -> None:
+        """A read from ``seg`` chosen at ``began`` failed (lock held): back off from that
+        holder, or drop it after ``holder_failures`` consecutive failures."""
+        if seg in self._dead or began < self._struck.get(seg, began):
+            return  # begun before its last counted failure: the same fault
+        n = self._strikes.get(seg, 0) + 1
+        now = time.monotonic()
+        self._strikes[seg] = n
+        self._struck[seg] = now
+        if n >= self.holder_failures:
+            self._dead.add(seg)
+            self.stats.holders_dropped += 1
+            logger.warning(
+                "p2p %s: %d reads in a row from %s failed; not reading from it again in this "
+                "download",
+                self.m.name,
+                n,
+                seg,
+            )
+            return
+        wait = min(self.retry_backoff_s * 2 ** (n - 1), self.retry_backoff_max_s)
+        self._retry_at[seg] = now + wait
+        logger.info(
+            "p2p %s: skipping %s for %.2fs (failure %d of %d)",
+            self.m.name,
+            seg,
+            wait,
+            n,
+            self.holder_failures,
+        )
+
+    def _fetch(self, shard: Shard, h: Holder, began: float) -> None:
         claim = self.swarm and h.origin
         if claim:  # tell the other readers, so they take other shards from the origin
             with self._cond:
@@ -461,6 +515,8 @@ class Download:
             self._load[h.segment] -= 1
             self._origin_busy -= h.origin
             self._pending &= ~(1 << shard.index)
+            if not read_failed and began >= self._struck.get(h.segment, began):
+                self._strikes.pop(h.segment, None)  # it answered after its last failure
             if ok:
                 self._remaining.discard(shard.index)
                 self._mask |= 1 << shard.index
@@ -472,8 +528,8 @@ class Download:
                 else:
                     self.stats.from_peers += 1
             elif read_failed:
-                self._dead.add(h.segment)
                 self.stats.failed += 1
+                self._holder_failed(h.segment, began)
             else:
                 self._bad.add((h.segment, shard.index))
                 self.stats.corrupt += 1

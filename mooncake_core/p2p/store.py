@@ -518,7 +518,7 @@ class P2PStore:
             self._held[name] = held
         logger.info(
             "p2p: fetched %s (%d bytes in %.2fs: %d shard(s) from peers, %d from the origin, "
-            "%d corrupt, %d failed)",
+            "%d corrupt, %d failed read(s), %d holder(s) dropped)",
             name,
             m.size,
             stats.seconds,
@@ -526,6 +526,7 @@ class P2PStore:
             stats.from_origin,
             stats.corrupt,
             stats.failed,
+            stats.holders_dropped,
         )
         return replica
 

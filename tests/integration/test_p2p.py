@@ -564,5 +564,91 @@ def test_cli_seeds_a_directory_and_a_file_and_get_writes_them_back_byte_for_byte
             seed.wait()
 
 
+class FlakyReads:
+    """Fault injection on a reader's TCP transport (the engine's ``fault_hook``, run before
+    each slice is sent): reads from ``flaky`` break their connection as the network would
+    while ``fails(seconds since its first read)`` says so (the reader's engine retries
+    nothing: a broken connection is a failed read); reads from ``slow`` first wait
+    ``delay`` s (a slow origin, so the download outlasts a holder's backoff)."""
+
+    def __init__(self, reader: Any, flaky: str, fails: Any, slow: str, delay: float) -> None:
+        self.tcp = reader.engine.transports["tcp"]
+        self.flaky, self.fails, self.slow, self.delay = flaky, fails, slow, delay
+        self.reads: list[tuple[float, bool]] = []  # (when, failed) of each read from flaky
+        self.lock = threading.Lock()
+
+    def __call__(self, conn: Any) -> bool:
+        if conn.peer == self.slow:
+            time.sleep(self.delay)
+            return False
+        if conn.peer != self.flaky:
+            return False
+        with self.lock:
+            now = time.monotonic()
+            fail = bool(self.fails(now - self.reads[0][0] if self.reads else 0.0))
+            self.reads.append((now, fail))
+            return fail
+
+    def __enter__(self) -> FlakyReads:
+        self.tcp.fault_hook = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.tcp.fault_hook = None
+
+
+def flaky_swarm(store: Any, etcd_url: str, tag: str, shards: int) -> tuple[str, bytes, Any, Any]:
+    """``store`` seeds ``shards`` shards of 16 KiB; holder ``a`` fetches them all; reader
+    ``b`` (TCP only, no slice retries) is ready to fetch: ``(name, bytes, a, b)``."""
+    from mooncake_core.config import load_config
+    from mooncake_core.p2p import P2PStore
+
+    name, data = unique(tag), bytes(blob(shards << 14, shards))
+    store.register(name, data, max_shard_size="16KB")
+    a = P2PStore(etcd_url)
+    b = P2PStore(etcd_url, config=load_config().replace(transfer={"shm": False, "retry_count": 0}))
+    assert a.get_replica(name).tobytes() == data
+    return name, data, a, b
+
+
+def test_a_holder_whose_reads_fail_for_a_moment_is_read_from_again(
+    store: Any, etcd_url: str
+) -> None:
+    name, data, a, b = flaky_swarm(store, etcd_url, "flaky", 48)
+    with a, b:
+        # reads from a fail during 0.2 s (a hiccup); the origin sends a shard per 40 ms
+        with FlakyReads(b, a.segment, lambda t: t < 0.2, store.segment, 0.04) as f:
+            rep = b.get_replica(name, concurrency=4, origin_streams=1)
+        assert rep.tobytes() == data
+        st = rep.stats
+        failed = [t for t, bad in f.reads if bad]
+        later = [t for t, bad in f.reads if not bad]
+        # after its backoff (0.5 s) a was read from again, and served the rest
+        assert failed and later and max(later) - max(failed) >= 0.45, (f.reads, st)
+        # (a read queued behind a broken connection fails too, without reaching the hook)
+        assert st["failed"] >= len(failed) and st["holders_dropped"] == 0, st
+        assert st["from_peers"] == len(later) and st["from_origin"] == 48 - len(later), st
+    store.unregister(name)
+
+
+def test_a_holder_that_keeps_failing_is_tried_three_times_then_dropped(
+    store: Any, etcd_url: str
+) -> None:
+    name, data, a, b = flaky_swarm(store, etcd_url, "failing", 64)
+    with a, b:
+        with FlakyReads(b, a.segment, lambda t: True, store.segment, 0.04) as f:
+            rep = b.get_replica(name, concurrency=4, origin_streams=1)
+        assert rep.tobytes() == data
+        st = rep.stats
+        # three rounds of reads from a (those in flight together count once), 0.5 s and
+        # 1 s apart (the backoff doubles); none after the third
+        starts = [t for i, (t, _) in enumerate(f.reads) if i == 0 or t - f.reads[i - 1][0] > 0.3]
+        gaps = [round(y - x, 2) for x, y in zip(starts, starts[1:], strict=False)]
+        assert len(starts) == 3 and gaps[0] >= 0.45 and gaps[1] >= 0.95, (gaps, f.reads)
+        assert (st["from_origin"], st["from_peers"], st["holders_dropped"]) == (64, 0, 1), st
+        assert st["failed"] >= len(f.reads) and all(bad for _, bad in f.reads), st
+    store.unregister(name)
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     worker(sys.argv[2], sys.argv[3] == "1", float(sys.argv[4]))
