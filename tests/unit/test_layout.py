@@ -1,6 +1,8 @@
 """The layout rules of docs/architecture.md that import-linter does not check.
 
-- No module of ``mooncake_core`` is longer than 800 lines (split along its seams instead).
+- No module of ``mooncake_core`` is longer than 800 lines (split along its seams instead);
+  nor is any module of the engine adapters' or the conformance suite's source packages
+  (``plugins/*/src``, ``conformance/src``).
 - ``mooncake_core`` names no engine adapter nor the conformance suite, not even in a comment
   or a docstring (import-linter checks the imports; this checks the text).
 - Only ``mooncake_core/config.py`` reads the process environment.
@@ -11,7 +13,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-CORE = Path(__file__).resolve().parents[2] / "mooncake_core"
+ROOT = Path(__file__).resolve().parents[2]
+CORE = ROOT / "mooncake_core"
 MAX_LINES = 800
 
 
@@ -27,6 +30,22 @@ def test_no_core_module_is_over_800_lines() -> None:
         for p in _modules()
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
+    assert not long, f"modules over {MAX_LINES} lines (split them along their seams): {long}"
+
+
+def _package_modules() -> list[Path]:
+    """The source modules of the engine adapters and of the conformance suite."""
+    files = sorted([*ROOT.glob("plugins/*/src/**/*.py"), *ROOT.glob("conformance/src/**/*.py")])
+    assert files, f"no modules under {ROOT}/plugins/*/src or {ROOT}/conformance/src"
+    return files
+
+
+def test_no_adapter_or_conformance_module_is_over_800_lines() -> None:
+    long = [
+        f"{p.relative_to(ROOT)} ({n} lines)"
+        for p in _package_modules()
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    ]
     assert not long, f"modules over {MAX_LINES} lines (split them along their seams): {long}"
 
 
