@@ -3,7 +3,8 @@
 - :mod:`mooncake_vllm.connector`: ``MooncakeCoreConnector``, prefill/decode disaggregation
   (the decode instance pulls KV blocks through mooncake-core's transfer engine).
 - :mod:`mooncake_vllm.store_connector`: ``MooncakeCoreStoreConnector``, a KV-cache pool
-  shared by instances through mooncake-core's store.
+  shared by instances through mooncake-core's store (its worker-process half:
+  :mod:`mooncake_vllm.store_worker`).
 - :mod:`mooncake_vllm.register`: the ``vllm.general_plugins`` entry point that makes both
   selectable by name.
 - :mod:`mooncake_vllm.adapter`: the ``mooncake_core.adapters`` entry point (adapter info,
