@@ -235,6 +235,33 @@ def _run(args: argparse.Namespace, phases: set[str], reaper: Any) -> int:
     return 0
 
 
+def _busy_cores(window_s: float = 1.0) -> float:
+    """CPUs kept busy (all processes) over ``window_s``, from ``/proc/stat``."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as fh:
+            v = [int(x) for x in fh.readline().split()[1:]]
+        idle = v[3] + (v[4] if len(v) > 4 else 0)
+        return sum(v) - idle, sum(v)
+
+    b0, t0 = sample()
+    time.sleep(window_s)
+    b1, t1 = sample()
+    ncpu = os.cpu_count() or 1
+    return ncpu * (b1 - b0) / max(1, t1 - t0)
+
+
+def _wait_quiet(log: Any, busy_max: float = 0.3, timeout_s: float = 60.0) -> None:
+    """Until the machine is idle (under ``busy_max`` CPUs busy over a second), at most
+    ``timeout_s``: instances that just answered ready may still be settling (LMCache's
+    took seconds), and the first repeat's hit would otherwise run beside them."""
+    t0 = time.monotonic()
+    busy = _busy_cores()
+    while busy > busy_max and time.monotonic() - t0 < timeout_s:
+        busy = _busy_cores()
+    log(f"machine quiet after {time.monotonic() - t0:.0f} s ({busy:.2f} CPUs busy)")
+
+
 def _store_phase(
     args: argparse.Namespace,
     model: Path,
@@ -344,6 +371,7 @@ def _store_phase(
         a, b, plain = servers[:3]
         for i, s in enumerate(servers):  # a short request each (not a hit: one page at most)
             http_json(s.url + url, {**body, "prompt": _prompt(64, 999 - i)})
+        _wait_quiet(log)
         hit_t: list[float] = []
         parts: list[dict[str, float]] = []  # B's connector time per hit (ms)
         bstats = work / "stats" / "B"
