@@ -57,7 +57,7 @@ from mooncake_core.config import parse_bool
 from mooncake_vllm.common import Counters, config_from_engine, option
 from mooncake_vllm.stats import ConnectorStatsMixin, lookup_outcome
 from mooncake_vllm.store_keys import StoreKeyScheme, key_prefix, page_chain, rank_dir
-from mooncake_vllm.store_worker import _LOAD_THREADS, _StoreWorker  # noqa: F401 (re-exported)
+from mooncake_vllm.store_worker import _StoreWorker
 
 __all__ = ["MooncakeCoreStoreConnector", "page_chain", "scheme_of"]
 

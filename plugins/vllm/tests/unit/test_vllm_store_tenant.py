@@ -27,7 +27,8 @@ def master() -> Iterator[Any]:
 
 def test_pages_of_one_tenant_are_invisible_to_another_and_quotas_hold(master: Any) -> None:
     import torch
-    from mooncake_vllm.store_connector import _StoreScheduler, _StoreWorker
+    from mooncake_vllm.store_connector import _StoreScheduler
+    from mooncake_vllm.store_worker import _StoreWorker
 
     from mooncake_core.errors import NoSpace
     from mooncake_core.store.protocol import InvalidArgument

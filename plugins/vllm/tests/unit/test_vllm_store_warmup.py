@@ -51,7 +51,7 @@ def test_scheduler_registers_with_the_master_before_any_request(master: Any) -> 
 
 def test_worker_is_warm_after_registering_its_kv_cache(master: Any) -> None:
     import torch
-    from mooncake_vllm.store_connector import _LOAD_THREADS, _StoreWorker
+    from mooncake_vllm.store_worker import _LOAD_THREADS, _StoreWorker
 
     kv = {f"model.layers.{i}.self_attn.attn": torch.zeros(4, 2, 32, 64) for i in range(2)}
     worker = _StoreWorker(

@@ -146,7 +146,8 @@ class VLLMStoreHarness(EngineHarness):
         import torch
 
         super().__init__(spec)
-        from mooncake_vllm.store_connector import _StoreScheduler, _StoreWorker
+        from mooncake_vllm.store_connector import _StoreScheduler
+        from mooncake_vllm.store_worker import _StoreWorker
 
         lay = spec.layout
         if lay.mla:
@@ -338,7 +339,7 @@ class VLLMStoreHarness(EngineHarness):
         return out
 
     def bad_inputs(self) -> dict[str, Callable[[], object]]:
-        from mooncake_vllm.store_connector import _StoreWorker
+        from mooncake_vllm.store_worker import _StoreWorker
 
         vc = SimpleNamespace(
             model_config=SimpleNamespace(model=self.spec.model, dtype=self.dtype),
