@@ -25,7 +25,7 @@ from typing import Any
 
 from mooncake_core.config import MooncakeConfig, env_str, load_config
 
-__all__ = ["Counters", "config_from_engine", "option"]
+__all__ = ["Counters", "config_from_engine", "option", "tenant_of_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,3 +92,10 @@ class Counters:
             os.replace(tmp, self._path)
         except OSError as exc:  # counters must never break serving
             logger.debug("writing %s failed: %s", self._path, exc)
+
+
+def tenant_of_config(extra: dict[str, Any]) -> str:
+    """The ``tenant`` option, checked (a bad name stops the engine with one clear line)."""
+    from mooncake_core.store.tenants import check_tenant
+
+    return check_tenant(str(option(extra, "tenant", "") or ""), "kv_connector_extra_config.tenant")

@@ -54,16 +54,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from mooncake_core.config import parse_bool
-from mooncake_vllm.common import Counters, config_from_engine, option
+from mooncake_vllm.common import Counters, config_from_engine, option, tenant_of_config
 from mooncake_vllm.stats import ConnectorStatsMixin, lookup_outcome
-from mooncake_vllm.store_keys import StoreKeyScheme, key_prefix, page_chain, rank_dir
+from mooncake_vllm.store_keys import (
+    WARM_PREFIX,
+    key_prefix,
+    page_chain,
+    rank_dir,
+    scheme_of,
+)
 from mooncake_vllm.store_worker import _StoreWorker
 
 __all__ = ["MooncakeCoreStoreConnector", "page_chain", "scheme_of"]
 
 logger = logging.getLogger(__name__)
-
-_WARM_PREFIX = "mcv-warm-up"  # keys of the start-up probe (never a KV page: no "mcv/")
 
 
 @dataclass
@@ -106,32 +110,8 @@ def _key_prefix(vllm_config: Any) -> str:
     return key_prefix(str(getattr(vllm_config.model_config, "model", "model")))
 
 
-def _tp_size(vllm_config: Any) -> int:
-    return int(
-        getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1
-    )
-
-
 def _rank_dir(rank: int, size: int) -> str:
     return rank_dir(rank, size)
-
-
-def tenant_of_config(extra: dict[str, Any]) -> str:
-    """The ``tenant`` option, checked (a bad name stops the engine with one clear line)."""
-    from mooncake_core.store.tenants import check_tenant
-
-    return check_tenant(str(option(extra, "tenant", "") or ""), "kv_connector_extra_config.tenant")
-
-
-def scheme_of(vllm_config: Any) -> StoreKeyScheme:
-    """The key scheme of this vLLM engine (model, dtype, block size, TP size)."""
-    mc = vllm_config.model_config
-    return StoreKeyScheme(
-        str(getattr(mc, "model", "?")),
-        str(getattr(mc, "dtype", "?")),
-        int(vllm_config.cache_config.block_size),
-        _tp_size(vllm_config),
-    )
 
 
 class _StoreScheduler:
@@ -167,7 +147,7 @@ class _StoreScheduler:
         A master that does not answer is not fatal: lookups retry as before."""
         t0 = time.monotonic()
         try:
-            self._connect().batch_exists([f"{_WARM_PREFIX}/lookup"])
+            self._connect().batch_exists([f"{WARM_PREFIX}/lookup"])
         except Exception as exc:
             logger.warning(
                 "mooncake_vllm: KV store master not reachable at start-up (%s); "

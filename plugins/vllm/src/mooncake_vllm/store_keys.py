@@ -17,8 +17,21 @@ import hashlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["StoreKeyScheme", "page_chain", "key_prefix", "rank_dir", "normalize_dtype"]
+__all__ = [
+    "StoreKeyScheme",
+    "page_chain",
+    "key_prefix",
+    "rank_dir",
+    "normalize_dtype",
+    "scheme_of",
+    "tp_size_of",
+    "WARM_PREFIX",
+]
+
+#: keys of the connector's start-up probe (never a KV page: no "mcv/")
+WARM_PREFIX = "mcv-warm-up"
 
 _DTYPE_ALIASES = {
     "half": "float16",
@@ -125,3 +138,21 @@ class StoreKeyScheme:
         while (n + 1) * r <= len(exists) and all(exists[n * r : (n + 1) * r]):
             n += 1
         return n
+
+
+def tp_size_of(vllm_config: Any) -> int:
+    """The tensor-parallel size of a vLLM config (1 without a parallel config)."""
+    return int(
+        getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1
+    )
+
+
+def scheme_of(vllm_config: Any) -> StoreKeyScheme:
+    """The key scheme of a vLLM engine's config (model, dtype, block size, TP size)."""
+    mc = vllm_config.model_config
+    return StoreKeyScheme(
+        str(getattr(mc, "model", "?")),
+        str(getattr(mc, "dtype", "?")),
+        int(vllm_config.cache_config.block_size),
+        tp_size_of(vllm_config),
+    )

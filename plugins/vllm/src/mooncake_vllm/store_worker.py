@@ -31,7 +31,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from mooncake_core.config import parse_bool
-from mooncake_vllm.common import Counters, config_from_engine, option
+from mooncake_vllm.common import Counters, config_from_engine, option, tenant_of_config
+from mooncake_vllm.store_keys import WARM_PREFIX, scheme_of
 
 if TYPE_CHECKING:
     from mooncake_vllm.store_connector import PageJob, StoreMetadata
@@ -108,7 +109,6 @@ class _StoreWorker:
         self, vllm_config: Any, extra: dict[str, Any], engine_id: str, tp_rank: int
     ) -> None:
         # the scheduler side's module imports this one (a top-level import would be a cycle)
-        from mooncake_vllm.store_connector import scheme_of, tenant_of_config
 
         self.extra = extra
         self.tenant = tenant_of_config(extra)
@@ -236,14 +236,12 @@ class _StoreWorker:
         """
         import torch
 
-        from mooncake_vllm.store_connector import _WARM_PREFIX
-
         assert self.client is not None
         t0 = time.monotonic()
         n = self.block_bytes
         probe = torch.empty(2 * n, dtype=torch.uint8)
         probe[:n] = torch.randint(0, 256, (n,), dtype=torch.uint8)
-        key = f"{_WARM_PREFIX}/{self.client.client_id}"
+        key = f"{WARM_PREFIX}/{self.client.client_id}"
         src, dst = int(probe.data_ptr()), int(probe.data_ptr()) + n
         together = threading.Barrier(_LOAD_THREADS)
 

@@ -9,22 +9,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from vllm_helpers import HAVE_VLLM, new_request_output, thread_master, vllm_config_stub
+from vllm_helpers import HAVE_VLLM, new_request_output, vllm_config_stub
 
 pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed")
 
 BS = 32
-
-
-@pytest.fixture()
-def master() -> Iterator[Any]:
-    with thread_master() as m:
-        yield m
 
 
 def test_a_local_hit_is_not_hashed_and_later_saves_keep_their_keys(

@@ -9,7 +9,6 @@ request's pages are still saved.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,19 +17,12 @@ from vllm_helpers import (
     HAVE_VLLM,
     connector_extra,
     new_request_output,
-    thread_master,
     vllm_config_stub,
 )
 
 pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed")
 
 BS = 32
-
-
-@pytest.fixture()
-def master() -> Iterator[Any]:
-    with thread_master() as m:
-        yield m
 
 
 def _req(rid: str, prompt: list[int], params: dict[str, Any] | None) -> SimpleNamespace:

@@ -12,20 +12,13 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from vllm_helpers import HAVE_VLLM, connector_extra, thread_master, vllm_config_stub
+from vllm_helpers import HAVE_VLLM, connector_extra, vllm_config_stub
 
 pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed")
-
-
-@pytest.fixture()
-def master() -> Iterator[Any]:
-    with thread_master() as m:
-        yield m
 
 
 def test_scheduler_registers_with_the_master_before_any_request(master: Any) -> None:

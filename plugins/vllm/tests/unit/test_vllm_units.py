@@ -122,7 +122,8 @@ def test_register_is_idempotent_and_names_resolve() -> None:
 def test_store_keys_carry_tp_size_and_hits_need_every_rank() -> None:
     from types import SimpleNamespace
 
-    from mooncake_vllm.store_connector import _key_prefix, _rank_dir, _StoreScheduler, _tp_size
+    from mooncake_vllm.store_connector import _key_prefix, _rank_dir, _StoreScheduler
+    from mooncake_vllm.store_keys import tp_size_of
 
     def vc(tp: int) -> SimpleNamespace:
         return SimpleNamespace(
@@ -132,8 +133,8 @@ def test_store_keys_carry_tp_size_and_hits_need_every_rank() -> None:
         )
 
     # rank 0 of a TP=2 engine never shares keys with a TP=1 engine of the same model
-    assert _key_prefix(vc(1)) + _rank_dir(0, _tp_size(vc(1))) != _key_prefix(vc(2)) + _rank_dir(
-        0, _tp_size(vc(2))
+    assert _key_prefix(vc(1)) + _rank_dir(0, tp_size_of(vc(1))) != _key_prefix(vc(2)) + _rank_dir(
+        0, tp_size_of(vc(2))
     )
     sched = _StoreScheduler(vc(2), {"warm_up": False}, "t")
     asked: list[list[str]] = []

@@ -189,9 +189,10 @@ class VLLMStoreHarness(EngineHarness):
 
     @staticmethod
     def worker_prefix(vllm_config: Any, rank: int) -> str:
-        from mooncake_vllm.store_connector import _key_prefix, _rank_dir, _tp_size
+        from mooncake_vllm.store_connector import _key_prefix, _rank_dir
+        from mooncake_vllm.store_keys import tp_size_of
 
-        return _key_prefix(vllm_config) + _rank_dir(rank, _tp_size(vllm_config))
+        return _key_prefix(vllm_config) + _rank_dir(rank, tp_size_of(vllm_config))
 
     # ------------------------------------------------------------------ engine memory
     def fill(self, slot: int, seed: int) -> None:
