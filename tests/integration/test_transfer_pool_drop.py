@@ -58,8 +58,9 @@ def test_reads_in_flight_survive_their_peers_pool_being_dropped() -> None:
             nonlocal drops
             while time.monotonic() < stop:
                 reader.forget_peer(holder.name)  # drops the pooled connections
+                reader.peer(holder.name)  # and resolves it again, as a refresh did
                 drops += 1
-                time.sleep(0.005)
+                time.sleep(0.02)  # room for a retried read to land between drops
 
         threads = [threading.Thread(target=read_loop, args=(i,)) for i in range(nthreads)]
         threads.append(threading.Thread(target=drop_loop))

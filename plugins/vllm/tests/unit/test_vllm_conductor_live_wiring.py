@@ -8,6 +8,7 @@ vLLM writes them.
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -71,7 +72,10 @@ def test_the_local_baseline_runs_least_load_with_store_loads_off(
         def poll(self) -> None:
             return None
 
-    monkeypatch.setattr("mooncake_vllm.bench_conductor_live.subprocess.Popen", _Popen)
+    # the runner module's own view of subprocess: patching subprocess.Popen itself also caught
+    # processes other tests' threads started meanwhile
+    fake = SimpleNamespace(Popen=_Popen, STDOUT=subprocess.STDOUT, DEVNULL=subprocess.DEVNULL)
+    monkeypatch.setattr(live, "subprocess", fake)
     monkeypatch.setattr(live, "_get", lambda url, timeout=10.0: b"{}")
     c: Any = object.__new__(live._Cluster)
     c.s = LiveSettings(block_tokens=32, max_prompt_tokens=64, workdir=tmp_path)
